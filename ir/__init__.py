@@ -1,0 +1,16 @@
+"""thin's semantic IR: frozen dataclasses describing a model, its verifier, serialiser and printer."""
+
+from .model import (
+    Attention, DecoderLayer, Embedding, Encoding, Linear, LMHead, MLP, Model, MoE, Norm, RoPE, Tensor,
+)
+from .printer import format_ir
+from .program import Program
+from .serialize import IRSchemaError, from_plain, to_plain
+from .verify import IRVerificationError, verify
+from .version import IR_VERSION, __version__
+
+__all__ = [
+    "Attention", "DecoderLayer", "Embedding", "Encoding", "Linear", "LMHead", "MLP", "Model", "MoE",
+    "Norm", "RoPE", "Tensor", "format_ir", "Program", "IRSchemaError", "from_plain", "to_plain",
+    "IRVerificationError", "verify", "IR_VERSION", "__version__",
+]

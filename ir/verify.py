@@ -1,0 +1,197 @@
+"""Check a whole IR tree and report every violation at once."""
+
+from __future__ import annotations
+
+from . import model as m
+from .formats import FORMATS
+
+
+class IRVerificationError(ValueError):
+    """The IR breaks one or more invariants; `violations` lists each one."""
+
+    def __init__(self, violations: list[str]):
+        self.violations = list(violations)
+        head = f"IR verification failed with {len(violations)} violation(s):"
+        super().__init__("\n  - ".join([head, *violations]))
+
+
+def verify(model: m.Model) -> None:
+    """Raise IRVerificationError listing every broken invariant of `model`; return None if sound."""
+    v = _Verifier(model)
+    v.run()
+    if v.errors:
+        raise IRVerificationError(v.errors)
+
+
+class _Verifier:
+    def __init__(self, model: m.Model):
+        self.model = model
+        self.errors: list[str] = []
+        self.tensors: dict[str, m.Tensor] = {}
+        self.used: set[str] = set()
+
+    def err(self, msg: str) -> None:
+        self.errors.append(msg)
+
+    def run(self) -> None:
+        md = self.model
+        self.check_tensor_table()
+        for name in ("vocab_size", "hidden_size", "max_position_embeddings"):
+            if getattr(md, name) <= 0:
+                self.err(f"model.{name} must be positive, got {getattr(md, name)}")
+        V, H = md.vocab_size, md.hidden_size
+        self.ref(md.embedding.weight, (V, H), "embedding")
+        if md.embedding.scale is not None and md.embedding.scale <= 0:
+            self.err("embedding.scale must be positive")
+        self.norm(md.final_norm, (H,), "final_norm")
+        head = md.lm_head
+        self.ref(head.weight, (V, H), "lm_head")
+        if head.tied != (head.weight == md.embedding.weight):
+            self.err("lm_head.tied must be true exactly when lm_head.weight is the embedding weight")
+        if head.final_softcap is not None and head.final_softcap <= 0:
+            self.err("lm_head.final_softcap must be positive")
+        if not md.layers:
+            self.err("model has no layers")
+        for i, layer in enumerate(md.layers):
+            if layer.index != i:
+                self.err(f"layers[{i}].index is {layer.index}, expected {i}")
+            self.layer(layer, f"layers[{i}]")
+        for name in sorted(set(self.tensors) - self.used):
+            self.err(f"tensor {name!r} is in the tensor table but no block uses it")
+
+    def check_tensor_table(self) -> None:
+        n_layers = len(self.model.layers)
+        for t in self.model.tensors:
+            if t.name in self.tensors:
+                self.err(f"tensor name {t.name!r} appears twice")
+            self.tensors[t.name] = t
+            if not t.name or not t.role:
+                self.err(f"tensor {t.name!r} needs a name and a role")
+            if not t.shape or any(d <= 0 for d in t.shape):
+                self.err(f"tensor {t.name!r} has a bad shape {t.shape}")
+            if t.encoding.format not in FORMATS:
+                self.err(f"tensor {t.name!r} has unknown format {t.encoding.format!r}")
+            if t.source_dtype not in ("f32", "f16", "bf16"):
+                self.err(f"tensor {t.name!r} has unknown source dtype {t.source_dtype!r}")
+            if t.layer is not None and not 0 <= t.layer < n_layers:
+                self.err(f"tensor {t.name!r} has layer {t.layer} outside 0..{n_layers - 1}")
+
+    def ref(self, name: str | None, shape: tuple[int, ...] | None, where: str) -> None:
+        if name is None:
+            return
+        t = self.tensors.get(name)
+        if t is None:
+            self.err(f"{where} refers to missing tensor {name!r}")
+            return
+        self.used.add(name)
+        if shape is not None and tuple(t.shape) != tuple(shape):
+            self.err(f"{where}: tensor {name!r} has shape {t.shape}, expected {shape}")
+
+    def linear(self, lin: m.Linear | None, out_f: int, in_f: int, where: str) -> None:
+        if lin is None:
+            return
+        self.ref(lin.weight, (out_f, in_f), f"{where}.weight")
+        self.ref(lin.bias, (out_f,), f"{where}.bias")
+
+    def norm(self, norm: m.Norm | None, shape: tuple[int, ...], where: str) -> None:
+        if norm is None:
+            return
+        if norm.kind not in m.NORM_KINDS:
+            self.err(f"{where}: unknown norm kind {norm.kind!r} (known: {', '.join(m.NORM_KINDS)})")
+        if not norm.eps > 0:
+            self.err(f"{where}: eps must be positive, got {norm.eps}")
+        self.ref(norm.weight, shape, f"{where}.weight")
+        self.ref(norm.bias, shape, f"{where}.bias")
+
+    def layer(self, layer: m.DecoderLayer, where: str) -> None:
+        H = self.model.hidden_size
+        for name in ("attn_norm", "attn_post_norm", "ffn_norm", "ffn_post_norm"):
+            self.norm(getattr(layer, name), (H,), f"{where}.{name}")
+        self.attention(layer.attention, f"{where}.attention")
+        if isinstance(layer.ffn, m.MoE):
+            self.moe(layer.ffn, f"{where}.ffn")
+        else:
+            self.mlp(layer.ffn, None, f"{where}.ffn")
+
+    def attention(self, a: m.Attention, where: str) -> None:
+        H = self.model.hidden_size
+        if a.num_heads <= 0 or a.num_kv_heads <= 0 or a.head_dim <= 0:
+            self.err(f"{where}: heads and head_dim must be positive")
+            return
+        if a.num_heads % a.num_kv_heads:
+            self.err(f"{where}: num_heads {a.num_heads} is not a multiple of num_kv_heads {a.num_kv_heads}")
+        if not a.scale > 0:
+            self.err(f"{where}: scale must be positive")
+        q_out, kv_out = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        separate = (a.q, a.k, a.v)
+        if a.qkv is not None:
+            if any(x is not None for x in separate):
+                self.err(f"{where}: has both a fused qkv and separate q/k/v projections")
+            self.linear(a.qkv, q_out + 2 * kv_out, H, f"{where}.qkv")
+        elif all(x is not None for x in separate):
+            self.linear(a.q, q_out, H, f"{where}.q")
+            self.linear(a.k, kv_out, H, f"{where}.k")
+            self.linear(a.v, kv_out, H, f"{where}.v")
+        else:
+            self.err(f"{where}: needs q, k and v projections or one fused qkv")
+        self.linear(a.o, H, q_out, f"{where}.o")
+        per_head = a.qk_norm_per_head
+        self.norm(a.q_norm, (a.head_dim,) if per_head else (q_out,), f"{where}.q_norm")
+        self.norm(a.k_norm, (a.head_dim,) if per_head else (kv_out,), f"{where}.k_norm")
+        if a.rope is not None:
+            r = a.rope
+            if r.kind not in m.ROPE_KINDS:
+                self.err(f"{where}.rope: unknown kind {r.kind!r} (known: {', '.join(m.ROPE_KINDS)})")
+            if r.rotary_dim <= 0 or r.rotary_dim % 2 or r.rotary_dim > a.head_dim:
+                self.err(f"{where}.rope: rotary_dim {r.rotary_dim} must be even and within head_dim {a.head_dim}")
+            if not r.theta > 0 or not r.factor > 0:
+                self.err(f"{where}.rope: theta and factor must be positive")
+            if r.kind == "llama3" and None in (r.low_freq_factor, r.high_freq_factor,
+                                                r.original_max_position_embeddings):
+                self.err(f"{where}.rope: llama3 scaling needs low/high_freq_factor and original_max_position_embeddings")
+        if a.sliding_window is not None and a.sliding_window <= 0:
+            self.err(f"{where}: sliding_window must be positive")
+        if a.logit_softcap is not None and a.logit_softcap <= 0:
+            self.err(f"{where}: logit_softcap must be positive")
+        self.ref(a.sinks, (a.num_heads,), f"{where}.sinks")
+
+    def mlp(self, mlp: m.MLP, intermediate: int | None, where: str) -> int | None:
+        H = self.model.hidden_size
+        if mlp.activation not in m.ACTIVATIONS:
+            self.err(f"{where}: unknown activation {mlp.activation!r} (known: {', '.join(m.ACTIVATIONS)})")
+        down = self.tensors.get(mlp.down.weight)
+        inter = down.shape[-1] if down is not None and len(down.shape) == 2 else intermediate
+        if inter is None:
+            self.ref(mlp.down.weight, None, f"{where}.down")
+            return None
+        self.linear(mlp.down, H, inter, f"{where}.down")
+        if mlp.gated:
+            if mlp.gate_up is not None:
+                if mlp.gate is not None or mlp.up is not None:
+                    self.err(f"{where}: has both a fused gate_up and separate gate/up")
+                self.linear(mlp.gate_up, 2 * inter, H, f"{where}.gate_up")
+            elif mlp.gate is not None and mlp.up is not None:
+                self.linear(mlp.gate, inter, H, f"{where}.gate")
+                self.linear(mlp.up, inter, H, f"{where}.up")
+            else:
+                self.err(f"{where}: a gated MLP needs gate and up, or a fused gate_up")
+        else:
+            if mlp.up is None or mlp.gate is not None or mlp.gate_up is not None:
+                self.err(f"{where}: an ungated MLP has exactly an up projection")
+            self.linear(mlp.up, inter, H, f"{where}.up")
+        return inter
+
+    def moe(self, moe: m.MoE, where: str) -> None:
+        H = self.model.hidden_size
+        if moe.num_experts <= 0 or not 0 < moe.top_k <= moe.num_experts:
+            self.err(f"{where}: need 0 < top_k ({moe.top_k}) <= num_experts ({moe.num_experts})")
+        if len(moe.experts) != moe.num_experts:
+            self.err(f"{where}: has {len(moe.experts)} experts, num_experts says {moe.num_experts}")
+        if moe.scoring not in m.ROUTER_SCORINGS:
+            self.err(f"{where}: unknown router scoring {moe.scoring!r}")
+        self.linear(moe.router, moe.num_experts, H, f"{where}.router")
+        for e, expert in enumerate(moe.experts):
+            self.mlp(expert, None, f"{where}.experts[{e}]")
+        if moe.shared_expert is not None:
+            self.mlp(moe.shared_expert, None, f"{where}.shared_expert")
+        self.linear(moe.shared_expert_gate, 1, H, f"{where}.shared_expert_gate")

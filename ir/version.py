@@ -1,0 +1,7 @@
+"""Version numbers: the package, and the IR schema it writes."""
+
+__version__ = "0.1.0"
+
+# The plain-data schema of the IR. A reader refuses a newer major schema; a newer
+# minor may only add optional fields, which older readers ignore.
+IR_VERSION = (1, 0)
