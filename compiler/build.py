@@ -1,0 +1,163 @@
+"""compile_model: checkpoint -> passes -> one .thin file, with caching by input key."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from math import prod
+from pathlib import Path
+
+from thin.ir import __version__
+from thin.passes import PassContext, run_passes
+
+from .config import CompileConfig
+from .pipeline import build_pipeline
+
+# progress(stage, done, total): total is 0 for stages without a count.
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class CompileReport:
+    output: Path
+    key: str
+    cache_hit: bool
+    parameters: int = 0
+    tensor_bytes: int = 0
+    file_bytes: int = 0
+    tensors: int = 0
+    formats: dict[str, int] = field(default_factory=dict)  # format -> tensor count
+    seconds: dict[str, float] = field(default_factory=dict)  # stage -> wall seconds
+
+
+def compile_model(model_dir, output, *, cache_dir=None, dump_ir=None, progress: Progress | None = None,
+                  **options) -> Path:
+    """Compile the Hugging Face checkpoint in `model_dir` into the artifact `output` and return its path.
+
+    `options` are CompileConfig fields (e.g. fuse_projections=False). With `cache_dir`, an artifact
+    built earlier from identical inputs is reused and new builds are stored there. `dump_ir` names a
+    folder that receives the IR text after each pass."""
+    config = CompileConfig.from_options(**options)
+    return build(model_dir, output, config, cache_dir=cache_dir, dump_ir=dump_ir, progress=progress).output
+
+
+def build(model_dir, output, config: CompileConfig, *, cache_dir=None, dump_ir=None,
+          progress: Progress | None = None) -> CompileReport:
+    """compile_model's worker: the same, returning a CompileReport for the CLI's summary."""
+    from thin.artifacts import compute_key, open_artifact
+
+    from .hf import load_checkpoint
+
+    progress = progress or (lambda stage, done, total: None)
+    model_dir, output = Path(model_dir), Path(output)
+    _check_output(output)
+    clock = _Clock()
+
+    progress("hash inputs", 0, 0)
+    key = compute_key(model_dir, config.to_plain(), calibration=None, target=config.target)
+    clock.lap("hash inputs")
+    cached = Path(cache_dir) / f"{key}.thin" if cache_dir is not None else None
+    if cached is not None and cached.is_file():
+        progress("cache hit", 0, 0)
+        _atomic_copy(cached, output)
+        clock.lap("cache")
+        with open_artifact(output) as art:
+            return _report(art, output, key, True, clock)
+
+    progress("load checkpoint", 0, 0)
+    source = load_checkpoint(model_dir)
+    clock.lap("load checkpoint")
+    ctx = PassContext(options=config.to_plain())
+    program = run_passes(source.program, build_pipeline(config), ctx, dump_dir=dump_ir,
+                         on_pass=lambda name: progress(f"pass {name}", 0, 0))
+    clock.lap("passes")
+    _write(program, source, config, key, output, progress)
+    clock.lap("write")
+    if cached is not None:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_copy(output, cached)
+        clock.lap("cache")
+    with open_artifact(output) as art:
+        return _report(art, output, key, False, clock)
+
+
+def _write(program, source, config: CompileConfig, key: str, output: Path, progress: Progress) -> None:
+    from thin.artifacts import ArtifactWriter
+    from thin.ir.formats.reference import encode
+
+    tensors = program.model.tensors
+    with ArtifactWriter(output) as writer:
+        for i, t in enumerate(tensors):
+            progress("write tensors", i, len(tensors))
+            data = program.load(t.name)
+            raw = data if str(data.dtype) == "torch.uint8" else encode(t.encoding.format, data,
+                                                                       t.encoding.params)
+            writer.add_tensor(t.name, raw.contiguous().numpy())
+            del data, raw
+        progress("write tensors", len(tensors), len(tensors))
+        writer.commit(program.model, {
+            "tokenizer": dict(source.tokenizer_files),
+            "chat_template": source.chat_template,
+            "generation_config": dict(source.generation_config),
+            "compile_config": config.to_plain(),
+            "provenance": _provenance(source),
+            "key": key,
+        })
+
+
+def _provenance(source) -> dict:
+    config_bytes = (Path(source.files[0]).parent / "config.json").read_bytes()
+    return {
+        "thin_version": __version__,
+        "architecture": source.program.model.architecture,
+        "family": source.program.model.family,
+        "source_config_sha256": hashlib.sha256(config_bytes).hexdigest(),
+    }
+
+
+def _report(art, output: Path, key: str, cache_hit: bool, clock: "_Clock") -> CompileReport:
+    report = CompileReport(output=output, key=key, cache_hit=cache_hit, seconds=clock.laps)
+    for t in art.model.tensors:
+        report.tensors += 1
+        report.formats[t.encoding.format] = report.formats.get(t.encoding.format, 0) + 1
+        report.tensor_bytes += art.tensor_entry(t.name)["size"]
+        # A tied head shares the embedding tensor, so each parameter is counted once.
+        report.parameters += prod(t.shape)
+    report.file_bytes = art.file_size
+    return report
+
+
+def _check_output(output: Path) -> None:
+    if output.is_dir():
+        raise IsADirectoryError(f"output {output} is a directory; give a file path such as {output}/model.thin")
+    if not output.parent.is_dir():
+        raise FileNotFoundError(f"output directory {output.parent} does not exist; create it first")
+
+
+def _atomic_copy(src: Path, dst: Path) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
+    try:
+        with os.fdopen(fd, "wb") as f, open(src, "rb") as s:
+            shutil.copyfileobj(s, f, 1 << 22)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, dst)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+class _Clock:
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.laps: dict[str, float] = {}
+
+    def lap(self, stage: str) -> None:
+        now = time.perf_counter()
+        self.laps[stage] = self.laps.get(stage, 0.0) + now - self.last
+        self.last = now

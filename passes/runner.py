@@ -1,0 +1,64 @@
+"""Run an ordered list of passes, verifying the IR after each one."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from thin.ir import IRVerificationError, Program, format_ir, verify
+
+Pass = Callable[[Program, "PassContext"], Program]
+
+
+@dataclass(frozen=True)
+class PassContext:
+    """What a pass may read besides the program: the compile options and services the compiler wires in."""
+
+    options: dict[str, Any] = field(default_factory=dict)
+    # Runs the model (the compiler passes the runtime in); used by calibrate and certify.
+    evaluator: Any = None
+    log: Callable[[str], None] = lambda message: None
+
+
+class PassError(RuntimeError):
+    """A pass raised, or left an IR that does not verify; names the pass and those run before it."""
+
+    def __init__(self, name: str, done: list[str], cause: BaseException):
+        before = ", ".join(done) if done else "none"
+        super().__init__(f"pass {name!r} failed (passes already run: {before}): {cause}")
+        self.pass_name = name
+        self.passes_run = list(done)
+
+
+def pass_name(p: Pass) -> str:
+    return getattr(p, "__name__", type(p).__name__)
+
+
+def run_passes(program: Program, passes: Sequence[Pass], ctx: PassContext, *,
+               dump_dir: Path | None = None, on_pass: Callable[[str], None] | None = None) -> Program:
+    """Apply `passes` in order; raise PassError naming the failing pass. Optionally dump the IR text
+    after each pass into `dump_dir` as NN-name.txt (00-input.txt is the IR before any pass)."""
+    verify(program.model)
+    if dump_dir is not None:
+        dump_dir = Path(dump_dir)
+        dump_dir.mkdir(parents=True, exist_ok=True)
+        (dump_dir / "00-input.txt").write_text(format_ir(program.model))
+    done: list[str] = []
+    for index, p in enumerate(passes, start=1):
+        name = pass_name(p)
+        if on_pass is not None:
+            on_pass(name)
+        try:
+            program = p(program, ctx)
+            verify(program.model)
+        except (IRVerificationError, Exception) as e:
+            raise PassError(name, done, e) from e
+        missing = [t.name for t in program.model.tensors if t.name not in program.weights]
+        if missing:
+            raise PassError(name, done, ValueError(f"no weight loader for {missing[:5]}"))
+        done.append(name)
+        if dump_dir is not None:
+            (dump_dir / f"{index:02d}-{name}.txt").write_text(format_ir(program.model))
+    return program

@@ -1,0 +1,40 @@
+"""The distribution builds as a wheel that installs into a fresh venv and provides both commands."""
+
+import shutil
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_wheel_installs_into_fresh_venv(tmp_path):
+    dist = tmp_path / "dist"
+    # Build from a copy so the checkout gains no build/ or egg-info debris.
+    src = tmp_path / "src"
+    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__",
+                                                              "*.thin", ".pytest_cache", "models"))
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w",
+                    str(dist), str(src)], check=True, capture_output=True)
+    wheel = next(dist.glob("thin-*.whl"))
+    env_dir = tmp_path / "venv"
+    # The venv sees the already-installed dependencies (torch etc.) but not thin itself.
+    venv.EnvBuilder(system_site_packages=True, with_pip=True).create(env_dir)
+    py = env_dir / "bin" / "python"
+    subprocess.run([str(py), "-m", "pip", "install", "--no-deps", "--no-index", str(wheel)], check=True,
+                   capture_output=True)
+    out = subprocess.run([str(env_dir / "bin" / "thinc"), "--help"], check=True, capture_output=True,
+                         text=True, cwd=tmp_path)
+    assert "compile" in out.stdout
+    out = subprocess.run([str(env_dir / "bin" / "thin-exec"), "--help"], check=True, capture_output=True,
+                         text=True, cwd=tmp_path)
+    assert "--prompt" in out.stdout
+    # The installed package comes from the wheel, not the checkout.
+    where = subprocess.run([str(py), "-c", "import thin.ir, thin.runtime, thin.artifacts, thin.compiler.hf, "
+                            "thin.passes; print(thin.ir.__file__)"],
+                           check=True, capture_output=True, text=True, cwd=tmp_path).stdout
+    assert str(env_dir) in where
