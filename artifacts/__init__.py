@@ -1,0 +1,58 @@
+"""The .thin artifact: one self-describing file holding the IR, every tensor, tokenizer and plans.
+
+Writing streams tensors into a temp file and renames it into place; reading validates every
+structure before mapping the file. No torch here: inspecting a file needs only numpy, msgpack and
+zstandard. FORMAT.md describes the bytes.
+"""
+
+from .describe import describe, render_description
+from .errors import (
+    ArtifactClosedError,
+    ArtifactError,
+    ArtifactWriteError,
+    BadMagicError,
+    ChecksumMismatchError,
+    CorruptHeaderError,
+    InvalidIRError,
+    InvalidSectionError,
+    InvalidTensorTableError,
+    LayoutError,
+    TensorNotFoundError,
+    TruncatedError,
+    UnsupportedVersionError,
+)
+from .key import compute_key, default_hash_cache, hash_files, source_files
+from .reader import Artifact, open_artifact, verify_file
+from .spec import FORMAT_VERSION, MAGIC, SECTION_NAMES
+from .validate import TensorEntry
+from .writer import ArtifactWriter
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MAGIC",
+    "SECTION_NAMES",
+    "Artifact",
+    "ArtifactClosedError",
+    "ArtifactError",
+    "ArtifactWriteError",
+    "ArtifactWriter",
+    "BadMagicError",
+    "ChecksumMismatchError",
+    "CorruptHeaderError",
+    "InvalidIRError",
+    "InvalidSectionError",
+    "InvalidTensorTableError",
+    "LayoutError",
+    "TensorEntry",
+    "TensorNotFoundError",
+    "TruncatedError",
+    "UnsupportedVersionError",
+    "compute_key",
+    "default_hash_cache",
+    "describe",
+    "hash_files",
+    "open_artifact",
+    "render_description",
+    "source_files",
+    "verify_file",
+]

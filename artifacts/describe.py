@@ -1,0 +1,92 @@
+"""A plain-data summary of an artifact, and its text rendering, for `thinc inspect FILE [--json]`."""
+
+from __future__ import annotations
+
+import os
+
+from .reader import Artifact, open_artifact
+from .spec import PREAMBLE_SIZE, SECTION_NAMES, pack
+
+
+def describe(artifact: Artifact | str | os.PathLike) -> dict:
+    """Plain data: model, format version, key, provenance, sections and sizes, tensors by format."""
+    if not isinstance(artifact, Artifact):
+        with open_artifact(artifact, writable=False) as opened:
+            return describe(opened)
+    stored = artifact.header["sections"]
+    sections = {}
+    for name in SECTION_NAMES:
+        entry = {"stored_bytes": len(pack(stored.get(name)))}
+        if name == "tokenizer":
+            files = stored[name]["files"]
+            entry["files"] = {f: {"bytes": v["size"], "stored_bytes": len(v["zstd"])} for f, v in files.items()}
+        else:
+            entry["present"] = artifact.section(name) not in (None, "", {})
+        sections[name] = entry
+    by_format: dict[str, dict] = {}
+    for name in artifact.tensor_names():
+        e = artifact.tensor_entry(name)
+        slot = by_format.setdefault(e.format, {"count": 0, "bytes": 0})
+        slot["count"] += 1
+        slot["bytes"] += e.size
+    m = artifact.model
+    return {
+        "path": str(artifact.path),
+        "file_size": artifact.file_size,
+        "format_version": list(artifact.format_version),
+        "header_bytes": artifact.preamble.header_length,
+        "preamble_bytes": PREAMBLE_SIZE,
+        "model": {"architecture": m.architecture, "family": m.family, "num_layers": len(m.layers),
+                  "hidden_size": m.hidden_size, "vocab_size": m.vocab_size},
+        "key": artifact.key,
+        "provenance": artifact.provenance,
+        "compile_config": artifact.compile_config,
+        "sections": sections,
+        "tensors": {"count": sum(v["count"] for v in by_format.values()),
+                    "bytes": sum(v["bytes"] for v in by_format.values()),
+                    "by_format": dict(sorted(by_format.items()))},
+    }
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _table(rows: list[tuple[str, ...]], right: tuple[int, ...]) -> list[str]:
+    """Rows as aligned text; columns in `right` (numbers) align right."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  " + "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths)))
+            .rstrip() for r in rows]
+
+
+def render_description(d: dict) -> str:
+    """Human-readable text of `describe()` output."""
+    m = d["model"]
+    lines = [
+        f"{d['path']}  ({_size(d['file_size'])}, .thin format {d['format_version'][0]}.{d['format_version'][1]})",
+        (f"model     {m['architecture']} ({m['family']}), {m['num_layers']} layers, "
+         f"hidden {m['hidden_size']}, vocab {m['vocab_size']}"),
+        f"key       {d['key'] or '(none)'}",
+        f"thin      {d['provenance'].get('thin_version', '?')}",
+        "",
+        "tensors",
+    ]
+    rows = [("format", "count", "bytes")]
+    rows += [(f, str(v["count"]), _size(v["bytes"])) for f, v in d["tensors"]["by_format"].items()]
+    rows.append(("total", str(d["tensors"]["count"]), _size(d["tensors"]["bytes"])))
+    lines += _table(rows, (1, 2))
+    lines += ["", "sections"]
+    rows = [("section", "stored", "contents")]
+    for name, s in d["sections"].items():
+        if "files" in s:
+            what = ", ".join(f"{f} ({_size(v['bytes'])})" for f, v in s["files"].items()) or "none"
+        else:
+            what = "yes" if s["present"] else "-"
+        rows.append((name, _size(s["stored_bytes"]), what))
+    lines += _table(rows, (1,))
+    lines.append(f"\nheader    {_size(d['header_bytes'])}")
+    return "\n".join(lines)

@@ -1,0 +1,188 @@
+"""Header sections: the plain data beside the IR (tokenizer, templates, configs, provenance, plans).
+
+One table of validators serves both sides: the writer refuses what the reader would refuse, so a
+file this thin writes always opens.
+"""
+
+from __future__ import annotations
+
+import re
+
+import zstandard
+from thin.ir import __version__ as THIN_VERSION
+
+from .errors import ArtifactWriteError, InvalidSectionError
+from .spec import (
+    MAX_TOKENIZER_FILE,
+    MAX_TOKENIZER_RATIO,
+    SECTION_NAMES,
+    SECTION_SINCE,
+    ZSTD_LEVEL,
+    plain_error,
+)
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+# Sections that are still unfilled by the compiler; later issues define their schema.
+_FUTURE = ("precision_plan", "memory", "certificate")
+
+
+def _default(name: str):
+    return {"tokenizer": {}, "generation_config": {}, "compile_config": {},
+            "provenance": {"thin_version": THIN_VERSION}, "key": ""}.get(name)
+
+
+def _file_name_error(name) -> str | None:
+    if type(name) is not str or not 0 < len(name) <= 255:
+        return "tokenizer file names must be strings of 1 to 255 characters"
+    # The runtime may write these files into a directory: no paths, no traversal.
+    if name in (".", "..") or any(c in name for c in "/\\\0"):
+        return f"tokenizer file name {name!r} must be a plain file name"
+    return None
+
+
+def _value_error(name: str, value) -> str | None:
+    """Problem with the logical value of a non-tokenizer section, or None."""
+    if name == "chat_template":
+        return None if value is None or type(value) is str else "chat_template must be a string or None"
+    if name == "key":
+        if type(value) is not str or not (value == "" or _HEX64.fullmatch(value)):
+            return "key must be '' or 64 lowercase hex digits (a sha256 from compute_key)"
+        return None
+    if name in _FUTURE:
+        if value is not None and type(value) is not dict:
+            return f"{name} must be a mapping or None"
+    elif type(value) is not dict:
+        return f"{name} must be a mapping"
+    if value is None:
+        return None
+    err = plain_error(value, name)
+    if err:
+        return err
+    if name == "compile_config" and value and not any(type(value.get(k)) is int for k in ("schema", "version")):
+        return "compile_config must carry an integer 'schema' (or 'version'): the config schema it follows"
+    return None
+
+
+def encode_sections(sections: dict | None) -> dict:
+    """The stored form of the writer's `sections` argument; ArtifactWriteError on anything invalid."""
+    sections = dict(sections or {})
+    unknown = sorted(map(str, set(sections) - set(SECTION_NAMES)))
+    if unknown:
+        raise ArtifactWriteError(f"unknown section(s) {unknown}; known: {', '.join(SECTION_NAMES)}")
+    stored = {}
+    for name in SECTION_NAMES:
+        value = sections.get(name, _default(name))
+        if name == "provenance":
+            value = dict(value) if type(value) is dict else value
+            if type(value) is dict:
+                value.setdefault("thin_version", THIN_VERSION)
+                if value["thin_version"] != THIN_VERSION:
+                    raise ArtifactWriteError(f"provenance.thin_version is {value['thin_version']!r} but this "
+                                             f"is thin {THIN_VERSION}; leave it out, the writer fills it")
+        if name == "tokenizer":
+            stored[name] = _compress_tokenizer(value)
+            continue
+        err = _value_error(name, _plainish(value))
+        if err:
+            raise ArtifactWriteError(f"section {err}")
+        stored[name] = value
+    return stored
+
+
+def _plainish(value):
+    """Tuples as lists, so that the writer accepts what canonical() will store."""
+    if isinstance(value, tuple):
+        return [_plainish(v) for v in value]
+    if isinstance(value, list):
+        return [_plainish(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _plainish(v) for k, v in value.items()}
+    if isinstance(value, (bytearray, memoryview)):
+        return bytes(value)
+    return value
+
+
+def _compress_tokenizer(files) -> dict:
+    if type(files) is not dict:
+        raise ArtifactWriteError("section tokenizer must be a mapping of file name -> bytes")
+    # Single-threaded, fixed level, content size in the frame: deterministic and bounded to decode.
+    compressor = zstandard.ZstdCompressor(level=ZSTD_LEVEL, write_content_size=True, write_checksum=True)
+    out = {}
+    for name in sorted(files):
+        err = _file_name_error(name)
+        if err:
+            raise ArtifactWriteError(err)
+        data = files[name]
+        if not isinstance(data, (bytes, bytearray, memoryview)):
+            raise ArtifactWriteError(f"tokenizer file {name!r} must be bytes, got {type(data).__name__}")
+        data = bytes(data)
+        if len(data) > MAX_TOKENIZER_FILE:
+            raise ArtifactWriteError(f"tokenizer file {name!r} is {len(data)} bytes; the limit is "
+                                     f"{MAX_TOKENIZER_FILE}")
+        out[name] = {"size": len(data), "zstd": compressor.compress(data)}
+    return {"files": out}
+
+
+def validate_sections(stored, file_minor: int, reader_minor: int) -> dict:
+    """Check the stored sections of an untrusted header; return them (unknown newer ones dropped)."""
+    if type(stored) is not dict:
+        raise InvalidSectionError("header 'sections' must be a mapping; the file is damaged: recompile")
+    unknown = sorted(set(stored) - set(SECTION_NAMES))
+    if unknown and file_minor <= reader_minor:
+        raise InvalidSectionError(f"unknown section(s) {unknown} in a format 1.{file_minor} file; "
+                                  "the file is damaged or hand-made: recompile")
+    out = {}
+    for name in SECTION_NAMES:
+        if name not in stored:
+            if file_minor >= SECTION_SINCE[name]:
+                raise InvalidSectionError(f"section {name!r} is missing; the file is damaged: recompile")
+            out[name] = _default(name)
+            continue
+        value = stored[name]
+        err = _tokenizer_error(value) if name == "tokenizer" else _value_error(name, value)
+        if err:
+            raise InvalidSectionError(f"section {err}; the file is damaged: recompile")
+        out[name] = value
+    return out
+
+
+def _tokenizer_error(value) -> str | None:
+    if type(value) is not dict or set(value) != {"files"} or type(value["files"]) is not dict:
+        return "tokenizer must be a mapping {'files': {name: {'size', 'zstd'}}}"
+    for name, entry in value["files"].items():
+        err = _file_name_error(name)
+        if err:
+            return err
+        if type(entry) is not dict or set(entry) != {"size", "zstd"}:
+            return f"tokenizer file {name!r} must be stored as {{'size', 'zstd'}}"
+        size, blob = entry["size"], entry["zstd"]
+        if type(size) is not int or type(blob) is not bytes:
+            return f"tokenizer file {name!r} has a bad size or data type"
+        if not 0 <= size <= min(MAX_TOKENIZER_FILE, (1 << 20) + MAX_TOKENIZER_RATIO * len(blob)):
+            return f"tokenizer file {name!r} claims {size} bytes, beyond the decompression bound"
+        try:
+            content = zstandard.get_frame_parameters(blob).content_size
+        except zstandard.ZstdError:
+            content = None
+        # The frame's own content size decides the allocation when decompressing: it must agree.
+        if content != size:
+            return f"tokenizer file {name!r} has a zstd frame that does not declare its {size} bytes"
+    return None
+
+
+def decompress_tokenizer(stored: dict) -> dict[str, bytes]:
+    """The tokenizer files of a validated section, each decompressed within its declared size."""
+    out = {}
+    decompressor = zstandard.ZstdDecompressor()
+    for name in sorted(stored["files"]):
+        entry = stored["files"][name]
+        try:
+            data = decompressor.decompress(entry["zstd"], max_output_size=entry["size"])
+        except zstandard.ZstdError as e:
+            raise InvalidSectionError(f"tokenizer file {name!r} does not decompress ({e}); "
+                                      "the file is damaged: recompile") from None
+        if len(data) != entry["size"]:
+            raise InvalidSectionError(f"tokenizer file {name!r} decompressed to {len(data)} bytes, "
+                                      f"expected {entry['size']}; the file is damaged: recompile")
+        out[name] = data
+    return out
