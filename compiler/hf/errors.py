@@ -1,0 +1,27 @@
+"""The Hugging Face frontend's errors: one base class, one subclass per kind of failure."""
+
+from __future__ import annotations
+
+
+class FrontendError(Exception):
+    """Any failure to turn a checkpoint directory into IR."""
+
+
+class UnsupportedArchitectureError(FrontendError):
+    """config.json names an architecture no adapter handles."""
+
+
+class PickleCheckpointError(FrontendError):
+    """The checkpoint is only available as pickle (.bin/.pt), which is never loaded."""
+
+
+class CheckpointError(FrontendError):
+    """A file is missing, unreadable, truncated or inconsistent with its index."""
+
+
+class UnsupportedConfigError(FrontendError):
+    """A config value that changes the model's math is not supported by the adapter."""
+
+
+class LedgerError(FrontendError):
+    """Source tensors were neither consumed by the adapter nor declared unused."""
