@@ -1,0 +1,269 @@
+"""The torch reference executor: runs any IR model, prefill and decode through one `forward`.
+
+Weights are decoded once at construction and kept resident: float32 on the CPU, the
+stored dtype on CUDA (norms and softmax still accumulate in float32). q/k/v and gate/up
+are fused here whatever the IR says, so each attention and MLP is one matmul per input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from thin.ir import MLP, Attention, DecoderLayer, Linear, Model, MoE, Norm, RoPE
+
+from .ffn import ACTIVATIONS, MLPPlan, MoEPlan, run_ffn
+from .kv_cache import KVCache
+from .rope import RotaryTables, apply_rotary
+
+_FLOAT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+@dataclass
+class NormPlan:
+    kind: str
+    eps: float
+    weight: torch.Tensor | None  # float32, weight_offset already added
+    bias: torch.Tensor | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        if self.kind == "rms":
+            y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        else:
+            y = F.layer_norm(xf, xf.shape[-1:], eps=self.eps)
+        if self.weight is not None:
+            y = y * self.weight
+        if self.bias is not None:
+            y = y + self.bias
+        return y.to(x.dtype)
+
+
+@dataclass
+class AttentionPlan:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    qkv_weight: torch.Tensor  # [q; k; v] fused
+    qkv_bias: torch.Tensor | None
+    o_weight: torch.Tensor
+    o_bias: torch.Tensor | None
+    q_norm: NormPlan | None
+    k_norm: NormPlan | None
+    qk_norm_per_head: bool
+    rope: RotaryTables | None
+    sliding_window: int | None
+    logit_softcap: float | None
+
+
+@dataclass
+class LayerPlan:
+    attention: AttentionPlan
+    ffn: MLPPlan | MoEPlan
+    attn_norm: NormPlan | None
+    attn_post_norm: NormPlan | None
+    ffn_norm: NormPlan | None
+    ffn_post_norm: NormPlan | None
+
+
+class Executor:
+    """Runs `model` with weights from `get_tensor(name)` (decoded, stored dtype) on `device`."""
+
+    def __init__(self, model: Model, get_tensor: Callable[[str], torch.Tensor], device="cpu"):
+        self.model = model
+        self.device = torch.device(device)
+        embed_dtype = _FLOAT_DTYPES.get(model.tensor(model.embedding.weight).source_dtype, torch.float32)
+        # CPU kernels are fastest and exact in float32; on CUDA keep the stored precision.
+        self.dtype = torch.float32 if self.device.type == "cpu" else embed_dtype
+        self._get = get_tensor
+        self._tables: dict[RoPE, RotaryTables] = {}
+        self.embed = self._weight(model.embedding.weight)
+        self.embed_scale = None
+        if model.embedding.scale is not None:
+            # Gemma multiplies by sqrt(hidden) rounded to the embedding's dtype, not the exact value.
+            self.embed_scale = torch.tensor(model.embedding.scale, dtype=embed_dtype).to(self.dtype).item()
+        self.layers = [self._plan_layer(layer) for layer in model.layers]
+        self.final_norm = self._norm(model.final_norm)
+        self.lm_head = self.embed if model.lm_head.tied else self._weight(model.lm_head.weight)
+        self.final_softcap = model.lm_head.final_softcap
+        self._get = None  # construction is over: drop the reference to the source
+
+    # ---- construction -------------------------------------------------------------------
+
+    def _weight(self, name: str | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+        if name is None:
+            return None
+        return self._get(name).to(device=self.device, dtype=dtype or self.dtype)
+
+    def _norm(self, norm: Norm | None) -> NormPlan | None:
+        if norm is None:
+            return None
+        if norm.kind not in ("rms", "layer"):
+            raise NotImplementedError(f"norm kind {norm.kind!r} is not implemented in the torch executor")
+        weight = self._weight(norm.weight, torch.float32)
+        if weight is not None and norm.weight_offset:
+            weight = weight + norm.weight_offset
+        return NormPlan(norm.kind, norm.eps, weight, self._weight(norm.bias, torch.float32))
+
+    def _fused(self, parts: list[Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Concatenate linears along the output dimension; a missing bias among present ones is zeros."""
+        weights = [self._weight(p.weight) for p in parts]
+        weight = weights[0] if len(weights) == 1 else torch.cat(weights)
+        if all(p.bias is None for p in parts):
+            return weight, None
+        biases = [self._weight(p.bias) if p.bias is not None
+                  else torch.zeros(w.shape[0], dtype=self.dtype, device=self.device)
+                  for p, w in zip(parts, weights)]
+        return weight, biases[0] if len(biases) == 1 else torch.cat(biases)
+
+    def _plan_attention(self, a: Attention) -> AttentionPlan:
+        if a.sinks is not None:
+            raise NotImplementedError("attention sinks (GPT-OSS) are not implemented in the torch executor")
+        qkv_weight, qkv_bias = self._fused([a.qkv] if a.qkv is not None else [a.q, a.k, a.v])
+        rope = None
+        if a.rope is not None:
+            if a.rope not in self._tables:
+                self._tables[a.rope] = RotaryTables(a.rope, self.device, self.dtype)
+            rope = self._tables[a.rope]
+        return AttentionPlan(
+            a.num_heads, a.num_kv_heads, a.head_dim, a.scale, qkv_weight, qkv_bias,
+            self._weight(a.o.weight), self._weight(a.o.bias), self._norm(a.q_norm), self._norm(a.k_norm),
+            a.qk_norm_per_head, rope, a.sliding_window, a.logit_softcap)
+
+    def _plan_mlp(self, mlp: MLP) -> MLPPlan:
+        if mlp.activation not in ACTIVATIONS:
+            raise NotImplementedError(f"activation {mlp.activation!r} is not implemented in the executor")
+        if not mlp.gated:
+            up, up_bias = self._fused([mlp.up])
+        else:
+            up, up_bias = self._fused([mlp.gate_up] if mlp.gate_up is not None else [mlp.gate, mlp.up])
+        return MLPPlan(mlp.activation, mlp.gated, up, up_bias, self._weight(mlp.down.weight),
+                       self._weight(mlp.down.bias))
+
+    def _plan_layer(self, layer: DecoderLayer) -> LayerPlan:
+        if isinstance(layer.ffn, MoE):
+            moe = layer.ffn
+            if moe.scoring != "softmax":
+                raise NotImplementedError(f"router scoring {moe.scoring!r} is not implemented")
+            ffn = MoEPlan(
+                moe.top_k, moe.normalize_top_k, moe.scoring,
+                self._weight(moe.router.weight), self._weight(moe.router.bias),
+                [self._plan_mlp(e) for e in moe.experts],
+                self._plan_mlp(moe.shared_expert) if moe.shared_expert is not None else None,
+                self._weight(moe.shared_expert_gate.weight) if moe.shared_expert_gate is not None else None)
+        else:
+            ffn = self._plan_mlp(layer.ffn)
+        return LayerPlan(self._plan_attention(layer.attention), ffn, self._norm(layer.attn_norm),
+                         self._norm(layer.attn_post_norm), self._norm(layer.ffn_norm),
+                         self._norm(layer.ffn_post_norm))
+
+    # ---- running ----------------------------------------------------------------------------
+
+    def new_cache(self, max_seq_len: int) -> KVCache:
+        """An empty KV cache for one sequence of up to `max_seq_len` tokens."""
+        shapes = [(p.attention.num_kv_heads, p.attention.head_dim) for p in self.layers]
+        return KVCache(shapes, max_seq_len, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """float32 logits [T, vocab] for `input_ids` [T].
+
+        With a cache, the tokens continue the cached sequence: they are placed at positions
+        cache.length .. cache.length + T - 1 and their keys/values are appended.
+        """
+        if input_ids.dim() != 1 or input_ids.numel() == 0:
+            raise ValueError(f"input_ids must be a non-empty 1-D tensor, got shape {tuple(input_ids.shape)}")
+        ids = input_ids.to(device=self.device, dtype=torch.long)
+        start = 0
+        if cache is not None:
+            cache.check_room(ids.numel())
+            start = cache.length
+        x = F.embedding(ids, self.embed)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        masks = _Masks(ids.numel(), start, self.device)
+        for index, layer in enumerate(self.layers):
+            x = self._layer(x, layer, index, cache, start, masks)
+        if cache is not None:
+            cache.advance(ids.numel())
+        logits = F.linear(self.final_norm(x), self.lm_head).float()
+        if self.final_softcap is not None:
+            logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
+        return logits
+
+    def _layer(self, x, layer: LayerPlan, index: int, cache: KVCache | None, start: int,
+               masks: _Masks) -> torch.Tensor:
+        h = layer.attn_norm(x) if layer.attn_norm is not None else x
+        h = attention(h, layer.attention, index, cache, start, masks)
+        if layer.attn_post_norm is not None:
+            h = layer.attn_post_norm(h)
+        x = x + h
+        h = layer.ffn_norm(x) if layer.ffn_norm is not None else x
+        h = run_ffn(h, layer.ffn)
+        if layer.ffn_post_norm is not None:
+            h = layer.ffn_post_norm(h)
+        return x + h
+
+
+def attention(x: torch.Tensor, p: AttentionPlan, index: int, cache: KVCache | None, start: int,
+              masks: _Masks) -> torch.Tensor:
+    """Self-attention of x [T, hidden] at positions start.. (keys/values appended to `cache`)."""
+    T = x.shape[0]
+    q_size, kv_size = p.num_heads * p.head_dim, p.num_kv_heads * p.head_dim
+    q, k, v = F.linear(x, p.qkv_weight, p.qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
+    if p.q_norm is not None and not p.qk_norm_per_head:  # OLMo-2: over the whole projection
+        q, k = p.q_norm(q), p.k_norm(k)
+    q = q.reshape(T, p.num_heads, p.head_dim)
+    k = k.reshape(T, p.num_kv_heads, p.head_dim)
+    v = v.reshape(T, p.num_kv_heads, p.head_dim)
+    if p.q_norm is not None and p.qk_norm_per_head:
+        q, k = p.q_norm(q), p.k_norm(k)
+    if p.rope is not None:
+        cos, sin = p.rope.get(start, T)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    k, v = k.transpose(0, 1), v.transpose(0, 1)  # [kv_heads, T, head_dim]
+    if cache is not None:
+        k, v = cache.update(index, k, v)
+    if T == 1 and p.sliding_window is not None and k.shape[1] > p.sliding_window:
+        # Decode: the window is exactly the last `sliding_window` keys, so slice instead of masking.
+        k, v = k[:, -p.sliding_window:], v[:, -p.sliding_window:]
+    group = p.num_heads // p.num_kv_heads
+    # Query heads sharing a kv head are stacked along the query axis, so GQA needs no repeated k/v.
+    q = q.transpose(0, 1).reshape(p.num_kv_heads, group * T, p.head_dim)
+    mask = masks.get(p.sliding_window, group)
+    if p.logit_softcap is None:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=p.scale)
+    else:
+        scores = torch.matmul(q, k.transpose(1, 2)).float() * p.scale
+        scores = torch.tanh(scores / p.logit_softcap) * p.logit_softcap
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf"))
+        out = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+    out = out.reshape(p.num_heads, T, p.head_dim).transpose(0, 1).reshape(T, q_size)
+    return F.linear(out, p.o_weight, p.o_bias)
+
+
+class _Masks:
+    """Visibility masks for one forward call, built once per (window, group) and shared by the layers."""
+
+    def __init__(self, T: int, start: int, device: torch.device):
+        self.T, self.start, self.device = T, start, device
+        self._built: dict[tuple[int | None, int], torch.Tensor] = {}
+
+    def get(self, window: int | None, group: int) -> torch.Tensor | None:
+        """bool [group * T, start + T]: key j is visible to query i (at position start + i) iff
+        start + i - window < j <= start + i. None for one query, which sees every key it is given."""
+        if self.T == 1:
+            return None
+        key = (window, group)
+        if key not in self._built:
+            query_pos = torch.arange(self.start, self.start + self.T, device=self.device)[:, None]
+            key_pos = torch.arange(self.start + self.T, device=self.device)[None, :]
+            visible = key_pos <= query_pos
+            if window is not None:
+                visible &= key_pos > query_pos - window
+            self._built[key] = visible.repeat(group, 1) if group > 1 else visible
+        return self._built[key]

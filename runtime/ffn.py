@@ -1,0 +1,87 @@
+"""Feed-forward blocks for the torch executor: gated/plain MLPs and token-choice mixtures of experts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class MLPPlan:
+    activation: str
+    gated: bool
+    up_weight: torch.Tensor  # [gate; up] when gated, else up
+    up_bias: torch.Tensor | None
+    down_weight: torch.Tensor
+    down_bias: torch.Tensor | None
+
+
+@dataclass
+class MoEPlan:
+    top_k: int
+    normalize_top_k: bool
+    scoring: str
+    router_weight: torch.Tensor
+    router_bias: torch.Tensor | None
+    experts: list[MLPPlan]
+    shared_expert: MLPPlan | None
+    shared_expert_gate: torch.Tensor | None  # Qwen2-MoE: sigmoid gate [1, hidden]
+
+
+ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
+
+
+def activate(name: str, x: torch.Tensor) -> torch.Tensor:
+    """The IR activation `name` applied to x."""
+    if name == "silu":
+        return F.silu(x)
+    if name == "gelu":
+        return F.gelu(x)
+    if name == "gelu_tanh":
+        return F.gelu(x, approximate="tanh")
+    if name == "relu":
+        return F.relu(x)
+    raise NotImplementedError(f"activation {name!r} is not implemented")
+
+
+def run_mlp(x: torch.Tensor, p: MLPPlan) -> torch.Tensor:
+    """down(act(gate(x)) * up(x)), or down(act(up(x))) when not gated."""
+    h = F.linear(x, p.up_weight, p.up_bias)
+    if p.gated:
+        gate, up = h.chunk(2, dim=-1)
+        h = activate(p.activation, gate) * up
+    else:
+        h = activate(p.activation, h)
+    return F.linear(h, p.down_weight, p.down_bias)
+
+
+def run_moe(x: torch.Tensor, p: MoEPlan) -> torch.Tensor:
+    """Softmax router over all experts, top-k (renormalised if asked), weighted sum of expert MLPs."""
+    if p.scoring != "softmax":
+        raise NotImplementedError(f"router scoring {p.scoring!r} is not implemented")
+    probs = torch.softmax(F.linear(x, p.router_weight, p.router_bias).float(), dim=-1)
+    weights, chosen = torch.topk(probs, p.top_k, dim=-1)  # [T, k]
+    if p.normalize_top_k:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    weights = weights.to(x.dtype)
+    out = torch.zeros_like(x)
+    if x.shape[0] == 1:  # decode: k experts, no bookkeeping
+        for slot, e in enumerate(chosen[0].tolist()):
+            out += run_mlp(x, p.experts[e]) * weights[0, slot]
+    else:  # prefill: each expert once, on the tokens that chose it
+        for e in torch.unique(chosen).tolist():
+            token, slot = torch.where(chosen == e)
+            out.index_add_(0, token, run_mlp(x[token], p.experts[e]) * weights[token, slot, None])
+    if p.shared_expert is not None:
+        shared = run_mlp(x, p.shared_expert)
+        if p.shared_expert_gate is not None:
+            shared = shared * torch.sigmoid(F.linear(x, p.shared_expert_gate))
+        out = out + shared
+    return out
+
+
+def run_ffn(x: torch.Tensor, p: MLPPlan | MoEPlan) -> torch.Tensor:
+    """Either feed-forward kind."""
+    return run_moe(x, p) if isinstance(p, MoEPlan) else run_mlp(x, p)
