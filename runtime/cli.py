@@ -1,0 +1,172 @@
+"""`thin-exec MODEL.thin`: chat with, or generate from, a compiled model.
+
+Interactive chat when stdin is a terminal; otherwise one completion for --prompt, or for
+the text read from stdin. Generated text streams to stdout; throughput and errors go to
+stderr. Expected failures (missing or damaged file, absent GPU, prompt too long) print
+one line and exit 1, never a traceback.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]})
+
+
+class _UserError(Exception):
+    """An error the user can fix; printed as one line."""
+
+
+def _fail(message: str):
+    # Messages stay on one line so scripts can grep them.
+    typer.echo(f"thin-exec: error: {' '.join(str(message).split())}", err=True)
+    raise typer.Exit(1)
+
+
+def _expected_errors() -> tuple[type[BaseException], ...]:
+    from jinja2 import TemplateError
+    from thin.artifacts import ArtifactError
+    from thin.runtime import ContextTooLongError, DeviceUnavailableError, NoChatTemplateError, TokenizerError
+
+    return (_UserError, ArtifactError, OSError, TemplateError, ContextTooLongError, DeviceUnavailableError,
+            NoChatTemplateError, TokenizerError)
+
+
+def _stream(model, prompt_ids: list[int], options: dict) -> tuple[str, object]:
+    """Generate for `prompt_ids`, printing text as it completes; return the text and the stats."""
+    from thin.runtime import GenerationStats
+
+    stats = GenerationStats()
+    decoder = model.tokenizer.stream(skip_special_tokens=True)
+    pieces = []
+    try:
+        for token in model.generate(prompt_ids, stats=stats, **options):
+            piece = decoder.put(token)
+            if piece:
+                pieces.append(piece)
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+    finally:
+        tail = decoder.flush()
+        pieces.append(tail)
+        sys.stdout.write(tail + "\n")
+        sys.stdout.flush()
+    return "".join(pieces), stats
+
+
+def _prompt_ids(model, text: str, raw: bool, history: list[dict] | None = None) -> list[int]:
+    # A chat template writes its own bos, so the rendered text is encoded without special tokens
+    # (as transformers' apply_chat_template(tokenize=True) does); raw text gets them.
+    if raw:
+        return model.encode(text, add_special_tokens=True)
+    messages = (history or []) + [{"role": "user", "content": text}]
+    return model.encode(model.render_chat(messages, add_generation_prompt=True), add_special_tokens=False)
+
+
+def _one_shot(model, text: str, raw: bool, options: dict):
+    if not raw and model.chat_template is None:
+        typer.echo("thin-exec: the artifact has no chat template; using the prompt as raw text", err=True)
+        raw = True
+    ids = _prompt_ids(model, text, raw)
+    if not ids:
+        raise _UserError("the prompt is empty")
+    _, stats = _stream(model, ids, options)
+    typer.echo(stats.summary(), err=True)
+
+
+def _chat(model, raw: bool, options: dict):
+    """Read-eval loop: history is kept between turns; /reset clears it, /exit (or Ctrl-D) leaves."""
+    if not raw and model.chat_template is None:
+        typer.echo("thin-exec: the artifact has no chat template; each line is a raw prompt", err=True)
+        raw = True
+    typer.echo("thin-exec: /reset clears the conversation, /exit quits", err=True)
+    history: list[dict] = []
+    while True:
+        try:
+            line = input(">>> ")
+        except (EOFError, KeyboardInterrupt):
+            typer.echo("", err=True)
+            return
+        command = line.strip()
+        if command in ("/exit", "/quit"):
+            return
+        if command == "/reset":
+            history.clear()
+            typer.echo("(conversation cleared)", err=True)
+            continue
+        if not command:
+            continue
+        try:
+            ids = _prompt_ids(model, line, raw, history)
+            reply, stats = _stream(model, ids, options)
+        except KeyboardInterrupt:
+            typer.echo("(interrupted)", err=True)
+            continue
+        except _expected_errors() as e:
+            # One bad turn (too long, template refusal) should not end the session.
+            typer.echo(f"thin-exec: error: {' '.join(str(e).split())}", err=True)
+            continue
+        typer.echo(stats.summary(), err=True)
+        if not raw:
+            history += [{"role": "user", "content": line}, {"role": "assistant", "content": reply}]
+
+
+@app.command(help="Chat with, or generate from, a compiled .thin model.\n\n"
+                  "Interactive chat when stdin is a terminal; otherwise one completion of --prompt, "
+                  "or of the text read from stdin.")
+def run(
+    model_path: Path = typer.Argument(..., metavar="MODEL.thin", help="Compiled model artifact."),
+    prompt: str | None = typer.Option(
+        None, "--prompt", "-p", help="Generate once for this prompt and exit."),
+    raw: bool = typer.Option(False, "--raw", help="Do not apply the chat template: the prompt is plain text."),
+    max_new_tokens: int | None = typer.Option(
+        None, help="Most tokens to generate (default: the model's generation_config, else 512)."),
+    temperature: float | None = typer.Option(
+        None, help="0 is greedy (default: the model's generation_config)."),
+    top_k: int | None = typer.Option(None, help="Keep the k most likely tokens (0: off)."),
+    top_p: float | None = typer.Option(None, help="Keep the smallest set with this total probability (1: off)."),
+    min_p: float | None = typer.Option(
+        None, help="Drop tokens below min_p x the top token's probability (0: off)."),
+    repetition_penalty: float | None = typer.Option(None, help="Penalise tokens already seen (1: off)."),
+    seed: int | None = typer.Option(None, help="Seed for sampling: same seed, same text."),
+    device: str = typer.Option("cpu", help="cpu or cuda."),
+    verify: bool = typer.Option(False, "--verify", help="Check every tensor's checksum before running."),
+):
+    from thin.runtime import load
+
+    options = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
+                   "min_p": min_p, "repetition_penalty": repetition_penalty, "seed": seed}
+    try:
+        if not model_path.exists():
+            raise _UserError(f"no such file: {model_path}")
+        if not model_path.is_file():
+            raise _UserError(f"not a file: {model_path}")
+        model = load(model_path, device=device, verify=verify)
+        try:
+            model.generation_options(**options)  # reject bad values before any prompt is read
+        except ValueError as e:
+            raise _UserError(str(e)) from None
+        if prompt is not None:
+            _one_shot(model, prompt, raw, options)
+        elif sys.stdin.isatty():
+            _chat(model, raw, options)
+        else:
+            # `echo text |` ends the prompt with a newline the user did not mean as text.
+            _one_shot(model, sys.stdin.read().removesuffix("\n"), raw, options)
+    except KeyboardInterrupt:
+        raise typer.Exit(130)
+    except _expected_errors() as e:
+        _fail(str(e) or type(e).__name__)
+
+
+def main(argv: list[str] | None = None):
+    """Entry point of the `thin-exec` console script."""
+    app(args=argv, prog_name="thin-exec")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""The decode loop: prefill the prompt into a KV cache, then one token at a time.
+
+It reads like gpt-fast on purpose. The executor owns the math and the cache owns the
+memory; this file only sequences them, picks tokens (runtime.sampling) and decides
+when to stop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .sampling import GenerationOptions, make_generator, sample_next
+
+
+@dataclass
+class GenerationStats:
+    """Filled in while `generate` runs; read it after the iterator is exhausted."""
+
+    prompt_tokens: int = 0
+    prefill_seconds: float = 0.0
+    new_tokens: int = 0
+    decode_seconds: float = 0.0
+    stop_reason: str = ""  # "eos", "length", or "" while running
+
+    @property
+    def prefill_tokens_per_second(self) -> float:
+        return self.prompt_tokens / self.prefill_seconds if self.prefill_seconds > 0 else float("nan")
+
+    @property
+    def decode_tokens_per_second(self) -> float:
+        # The first new token comes out of prefill; decode steps produce the rest.
+        steps = max(self.new_tokens - 1, 0)
+        return steps / self.decode_seconds if self.decode_seconds > 0 else float("nan")
+
+    def summary(self) -> str:
+        """One line for stderr: prefill and decode throughput."""
+        return (f"prefill: {self.prompt_tokens} tokens, {self.prefill_tokens_per_second:.1f} tok/s | "
+                f"decode: {self.new_tokens} tokens, {self.decode_tokens_per_second:.1f} tok/s")
+
+
+class ContextTooLongError(ValueError):
+    """Prompt plus max_new_tokens would run past the positions the model supports."""
+
+
+def _device(executor) -> torch.device:
+    return torch.device(getattr(executor, "device", "cpu"))
+
+
+def prefill(executor, cache, prompt_ids: torch.Tensor) -> torch.Tensor:
+    """Run the whole prompt through the model into `cache`; return the last position's logits [vocab]."""
+    return executor.forward(prompt_ids, cache)[-1]
+
+
+def decode_one_token(executor, cache, token_id: torch.Tensor) -> torch.Tensor:
+    """Feed one token (a LongTensor [1]) at the cache's position; return its logits [vocab]."""
+    return executor.forward(token_id, cache)[-1]
+
+
+def decode_n_tokens(executor, cache, first_token: int, n: int, pick, stop_ids: frozenset[int]) -> Iterator[int]:
+    """Decode up to `n` tokens after `first_token`, choosing each with `pick(logits) -> int`.
+
+    Yields every token it chooses, a stop token included (the caller decides what to show).
+    """
+    device = _device(executor)
+    token = first_token
+    for _ in range(n):
+        logits = decode_one_token(executor, cache, torch.tensor([token], dtype=torch.long, device=device))
+        token = pick(logits)
+        yield token
+        if token in stop_ids:
+            return
+
+
+def check_context(prompt_tokens: int, max_new_tokens: int, max_position_embeddings: int | None):
+    """Raise ContextTooLongError when the prompt and the new tokens exceed the model's positions."""
+    if max_position_embeddings is None:
+        return
+    total = prompt_tokens + max_new_tokens
+    if total > max_position_embeddings:
+        raise ContextTooLongError(
+            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) = {total} exceeds the "
+            f"model's max_position_embeddings ({max_position_embeddings}); shorten the prompt or lower "
+            f"max_new_tokens")
+
+
+def generate(executor, prompt_ids: Sequence[int], options: GenerationOptions, *,
+             max_position_embeddings: int | None = None, stats: GenerationStats | None = None) -> Iterator[int]:
+    """Stream new token ids for `prompt_ids`; stops after a token in `options.stop_token_ids`
+    (not yielded) or after `options.max_new_tokens`.
+
+    The KV cache holds prompt + max_new_tokens positions. `stats`, when given, receives the
+    token counts, timings and why generation stopped.
+    """
+    stats = stats if stats is not None else GenerationStats()
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise ValueError("generate needs at least one prompt token")
+    check_context(len(prompt), options.max_new_tokens, max_position_embeddings)
+    stats.prompt_tokens, stats.stop_reason = len(prompt), ""
+    if options.max_new_tokens == 0:
+        stats.stop_reason = "length"
+        return
+    device = _device(executor)
+    stop_ids = frozenset(options.stop_token_ids)
+    generator = make_generator(options.seed, device)
+    # Every token so far, for the repetition penalty (transformers counts the prompt too).
+    history = torch.empty(len(prompt) + options.max_new_tokens, dtype=torch.long, device=device)
+    history[:len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+    length = len(prompt)
+
+    def pick(logits: torch.Tensor) -> int:
+        nonlocal length
+        penalised = history[:length] if options.repetition_penalty != 1.0 else None
+        token = sample_next(logits, options, penalised, generator)
+        history[length] = token
+        length += 1
+        return token
+
+    cache = executor.new_cache(len(prompt) + options.max_new_tokens)
+    start = time.perf_counter()
+    token = pick(prefill(executor, cache, history[:len(prompt)].clone()))  # pick() reads back: a sync
+    stats.prefill_seconds = time.perf_counter() - start
+    stats.new_tokens = 1
+    if token in stop_ids:
+        stats.stop_reason = "eos"
+        return
+    yield token
+    # Time only the steps themselves, not what the consumer does between two tokens.
+    start = time.perf_counter()
+    for step_token in decode_n_tokens(executor, cache, token, options.max_new_tokens - 1, pick, stop_ids):
+        stats.decode_seconds += time.perf_counter() - start
+        stats.new_tokens += 1
+        if step_token in stop_ids:
+            stats.stop_reason = "eos"
+            return
+        yield step_token
+        start = time.perf_counter()
+    stats.stop_reason = "length"

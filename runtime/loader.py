@@ -1,0 +1,160 @@
+"""`load(path)`: open a .thin artifact and wrap everything needed to run it in a `ThinModel`.
+
+Weights are not copied: each tensor is the format's reference `decode` of a uint8 view of
+the artifact's mapped bytes. The executor decides where they live on the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from .chat_template import ChatTemplate
+from .generate import GenerationStats, generate
+from .perplexity import PerplexityResult, evaluate_perplexity
+from .sampling import GenerationOptions
+from .tokenizer import Tokenizer, TokenizerError
+
+
+class DeviceUnavailableError(RuntimeError):
+    """The requested device does not exist on this machine."""
+
+
+class NoChatTemplateError(ValueError):
+    """The artifact carries no chat template, so messages cannot be rendered."""
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """Check that `device` ("cpu", "cuda", "cuda:1") is usable here; raise DeviceUnavailableError if not."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise DeviceUnavailableError(f"unknown device {device!r}: {e}") from None
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceUnavailableError("--device cuda was requested but no CUDA GPU is available")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise DeviceUnavailableError(
+                f"device {device} requested but only {torch.cuda.device_count()} CUDA GPU(s) are present")
+    elif device.type != "cpu":
+        raise DeviceUnavailableError(f"device {device.type!r} is not supported (use cpu or cuda)")
+    return device
+
+
+def _tensor_getter(artifact, model_ir):
+    from thin.ir.formats import reference
+
+    records = model_ir.tensor_map()
+
+    def get_tensor(name: str) -> torch.Tensor:
+        record = records[name]
+        # open_artifact maps the file copy-on-write, so its views are writable: torch.frombuffer
+        # takes them without a copy and without the read-only-buffer warning.
+        view = artifact.buffer(name)
+        raw = torch.frombuffer(view, dtype=torch.uint8) if len(view) else torch.empty(0, dtype=torch.uint8)
+        return reference.decode(record.encoding.format, raw, record.shape, record.encoding.params)
+
+    return get_tensor
+
+
+class ThinModel:
+    """A loaded artifact: forward, generate, tokenizer, chat template, perplexity."""
+
+    def __init__(self, artifact, executor, tokenizer: Tokenizer | None, chat_template: ChatTemplate | None,
+                 device: torch.device):
+        self.artifact = artifact
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self.device = device
+        self.ir = artifact.model
+        self.generation_config: dict = dict(artifact.generation_config or {})
+        self.last_stats = GenerationStats()
+
+    def forward(self, input_ids) -> torch.Tensor:
+        """float32 logits [T, vocab] for a full sequence of ids (no cache)."""
+        ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1).to(self.device)
+        with torch.no_grad():
+            return self.executor.forward(ids)
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """EOS ids from generation_config, plus the tokenizer's eos token."""
+        ids = list(GenerationOptions.from_generation_config(self.generation_config).stop_token_ids)
+        eos = self.tokenizer.eos_token_id if self.tokenizer is not None else None
+        if eos is not None and eos not in ids:
+            ids.append(eos)
+        return tuple(ids)
+
+    def generation_options(self, **overrides) -> GenerationOptions:
+        """The artifact's generation defaults with `overrides` (None values ignored) on top."""
+        if overrides.get("stop_token_ids") is None:
+            overrides["stop_token_ids"] = self.stop_token_ids
+        return GenerationOptions.from_generation_config(self.generation_config, **overrides)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise TokenizerError("this artifact has no tokenizer (its source folder had no tokenizer.json); "
+                                 "pass token ids instead of text")
+        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+
+    def generate(self, prompt: str | Sequence[int], *, stats: GenerationStats | None = None,
+                 **options) -> Iterator[int]:
+        """Stream new token ids for `prompt` (text, encoded with special tokens, or ids).
+
+        `options` are GenerationOptions fields (max_new_tokens, temperature, top_k, top_p, min_p,
+        repetition_penalty, seed, stop_token_ids); the artifact's generation_config fills the rest.
+        Timings land in `stats` (default: `self.last_stats`).
+        """
+        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if stats is None:
+            stats = self.last_stats = GenerationStats()
+        opts = self.generation_options(**options)
+        return self._generate(ids, opts, stats)
+
+    def _generate(self, ids, opts, stats) -> Iterator[int]:
+        # A generator function of its own so option errors above raise at the call, not on first next().
+        with torch.no_grad():
+            yield from generate(self.executor, ids, opts, stats=stats,
+                                max_position_embeddings=self.ir.max_position_embeddings)
+
+    def render_chat(self, messages, add_generation_prompt: bool = True, **kwargs) -> str:
+        """The prompt text for chat `messages`, as transformers' apply_chat_template(tokenize=False) gives."""
+        if self.chat_template is None:
+            raise NoChatTemplateError("this artifact has no chat template; pass raw text instead")
+        return self.chat_template.render(messages, add_generation_prompt=add_generation_prompt, **kwargs)
+
+    def perplexity(self, text_or_ids: str | Sequence[int], *, context: int | None = None,
+                   stride: int | None = None) -> PerplexityResult:
+        """Perplexity and mean NLL of text (encoded with special tokens) or ids, teacher-forced."""
+        ids = self.encode(text_or_ids) if isinstance(text_or_ids, str) else text_or_ids
+        return evaluate_perplexity(self, ids, context=context, stride=stride)
+
+
+def load(path, device: str | torch.device = "cpu", verify: bool = False) -> ThinModel:
+    """Open the artifact at `path` and make it runnable on `device`.
+
+    With `verify`, every tensor's checksum is checked first and the artifacts' error names
+    the first bad one. Raises ArtifactError (from thin.artifacts) for a bad file,
+    DeviceUnavailableError for a device this machine lacks.
+    """
+    device = resolve_device(device)
+    from thin.artifacts import ChecksumMismatchError, open_artifact
+
+    from .executor import Executor
+
+    artifact = open_artifact(path)
+    if verify:
+        bad = artifact.verify_checksums()
+        if bad:
+            raise ChecksumMismatchError(f"{path}: checksum mismatch in {len(bad)} tensor(s), first {bad[0]!r}; "
+                                f"the file is damaged, re-download or recompile it")
+    model_ir = artifact.model
+    executor = Executor(model_ir, _tensor_getter(artifact, model_ir), device=str(device))
+    files = artifact.tokenizer_files()
+    # A model compiled without tokenizer files still runs on token ids.
+    tokenizer = Tokenizer.from_files(files) if "tokenizer.json" in files else None
+    template = artifact.chat_template
+    chat = ChatTemplate(template, tokenizer.special_tokens_map if tokenizer else {}) if template else None
+    return ThinModel(artifact, executor, tokenizer, chat, device)
