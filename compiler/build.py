@@ -58,6 +58,10 @@ def build(model_dir, output, config: CompileConfig, *, cache_dir=None, dump_ir=N
     _check_output(output)
     clock = _Clock()
 
+    # Reading the checkpoint is lazy (headers only), so a bad or unsupported model fails before hashing.
+    progress("load checkpoint", 0, 0)
+    source = load_checkpoint(model_dir)
+    clock.lap("load checkpoint")
     progress("hash inputs", 0, 0)
     key = compute_key(model_dir, config.to_plain(), calibration=None, target=config.target)
     clock.lap("hash inputs")
@@ -69,9 +73,6 @@ def build(model_dir, output, config: CompileConfig, *, cache_dir=None, dump_ir=N
         with open_artifact(output) as art:
             return _report(art, output, key, True, clock)
 
-    progress("load checkpoint", 0, 0)
-    source = load_checkpoint(model_dir)
-    clock.lap("load checkpoint")
     ctx = PassContext(options=config.to_plain())
     program = run_passes(source.program, build_pipeline(config), ctx, dump_dir=dump_ir,
                          on_pass=lambda name: progress(f"pass {name}", 0, 0))
