@@ -1,8 +1,10 @@
 """Read a Hugging Face checkpoint directory: JSON files, tokenizer files, safetensors headers.
 
-Tensor data is never read here: `TensorStore` opens every shard once (memory-mapped by
-safetensors) to learn names, shapes and dtypes, and hands out loaders that read one
-tensor, or one slice of it, when called.
+Tensor data is never read here: `TensorStore` parses every shard's safetensors header to
+learn names, shapes, dtypes and byte ranges, and hands out loaders that read one tensor, or
+one expert's block of it, when called. Loaders use plain reads rather than a memory map: a
+mapped checkpoint's touched pages count against the compiler's resident memory, a read
+buffer is freed as soon as the tensor has been written.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from safetensors import SafetensorError
 from thin.ir.formats import SAFETENSORS_DTYPES
 
 from .errors import CheckpointError, PickleCheckpointError
@@ -70,6 +71,12 @@ class SourceTensor:
     file: Path
     shape: tuple[int, ...]
     dtype: str  # thin's dense format name: "f32", "f16" or "bf16"
+    offset: int = 0  # absolute byte offset of the data in `file`
+    nbytes: int = 0
+
+
+_ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2}
+_MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 
 
 class TensorStore:
@@ -78,7 +85,6 @@ class TensorStore:
     def __init__(self, model_dir: Path):
         self.model_dir = model_dir
         self.files: list[Path] = []  # every file read: index and shards
-        self._handles: dict[Path, object] = {}
         self.tensors: dict[str, SourceTensor] = {}
         shards, expected = self._shard_list()
         for shard in shards:
@@ -116,37 +122,89 @@ class TensorStore:
         raise CheckpointError(f"no safetensors weights found in {self.model_dir}")
 
     def _read_header(self, shard: Path) -> None:
-        from safetensors import safe_open
-
-        try:
-            handle = safe_open(str(shard), framework="pt")
-            entries = [(name, handle.get_slice(name)) for name in handle.keys()]  # noqa: SIM118 (not a dict)
-            infos = [(name, tuple(s.get_shape()), s.get_dtype()) for name, s in entries]
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"cannot read {shard.name}: {str(e).splitlines()[0]}") from None
+        header, data_start, size = _parse_safetensors_header(shard)
         self.files.append(shard)
-        self._handles[shard] = handle
-        for name, shape, st_dtype in infos:
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
             if name in self.tensors:
                 raise CheckpointError(f"tensor {name!r} appears in both {self.tensors[name].file.name} "
                                       f"and {shard.name}")
-            if st_dtype not in SAFETENSORS_DTYPES:
-                raise CheckpointError(f"tensor {name!r} has dtype {st_dtype}; only "
-                                      f"{', '.join(SAFETENSORS_DTYPES)} checkpoints are supported")
-            self.tensors[name] = SourceTensor(name, shard, shape, SAFETENSORS_DTYPES[st_dtype])
+            self.tensors[name] = _source_tensor(shard, name, info, data_start, size)
 
     def loader(self, name: str, index: tuple | None = None):
-        """A zero-argument callable returning tensor `name` (or `tensor[index]`) in its stored dtype."""
+        """A zero-argument callable returning tensor `name` (or `tensor[index]`) in its stored dtype.
+
+        When `index` starts with an integer (one expert of a fused 3-D expert tensor), only that
+        block's bytes are read."""
         src = self.tensors[name]
-        handle = self._handles[src.file]
+        shape, offset, nbytes = src.shape, src.offset, src.nbytes
+        if index and isinstance(index[0], int):
+            block = nbytes // shape[0]
+            shape, offset, nbytes, index = shape[1:], offset + index[0] * block, block, index[1:]
 
         def load():
+            import torch
+
+            buf = bytearray(nbytes)
             try:
-                if index is None:
-                    return handle.get_tensor(name)
-                return handle.get_slice(name)[index].contiguous()
-            except (SafetensorError, OSError) as e:
-                raise CheckpointError(f"cannot read tensor {name!r} from {src.file.name}: "
-                                      f"{str(e).splitlines()[0]}") from None
+                with open(src.file, "rb") as f:
+                    f.seek(offset)
+                    got = f.readinto(buf)
+            except OSError as e:
+                raise CheckpointError(f"cannot read tensor {name!r} from {src.file.name}: {e}") from None
+            if got != nbytes:
+                raise CheckpointError(f"{src.file.name} is truncated inside tensor {name!r}")
+            dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[src.dtype]
+            tensor = torch.frombuffer(buf, dtype=dtype).reshape(shape)
+            return tensor[index].contiguous() if index else tensor
 
         return load
+
+
+def _parse_safetensors_header(shard: Path) -> tuple[dict, int, int]:
+    """(header dict, absolute offset of the data area, file size) of a safetensors file, checked."""
+    try:
+        size = shard.stat().st_size
+        with open(shard, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(f"{shard.name} is too short to be a safetensors file ({size} bytes)")
+            n = int.from_bytes(prefix, "little")
+            if n > min(size - 8, _MAX_HEADER):
+                raise CheckpointError(f"{shard.name} has a header length of {n} bytes in a {size}-byte "
+                                      "file: it is truncated or not safetensors")
+            raw = f.read(n)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {shard.name}: {e}") from None
+    try:
+        header = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{shard.name} has a corrupt safetensors header: {e}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{shard.name} has a corrupt safetensors header (not an object)")
+    return header, 8 + n, size
+
+
+def _source_tensor(shard: Path, name: str, info, data_start: int, size: int) -> SourceTensor:
+    try:
+        st_dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
+        valid = all(type(d) is int and d >= 0 for d in (*shape, begin, end))
+    except (TypeError, KeyError, ValueError):
+        valid = False
+    if not valid:
+        raise CheckpointError(f"{shard.name}: tensor {name!r} has a malformed header entry")
+    if st_dtype not in SAFETENSORS_DTYPES:
+        raise CheckpointError(f"tensor {name!r} has dtype {st_dtype}; only "
+                              f"{', '.join(SAFETENSORS_DTYPES)} checkpoints are supported")
+    dtype = SAFETENSORS_DTYPES[st_dtype]
+    count = 1
+    for d in shape:
+        count *= d
+    if end - begin != count * _ITEMSIZE[dtype] or begin > end:
+        raise CheckpointError(f"{shard.name}: tensor {name!r} spans {end - begin} bytes, its shape {shape} "
+                              f"needs {count * _ITEMSIZE[dtype]}")
+    if data_start + end > size:
+        raise CheckpointError(f"{shard.name} is truncated: tensor {name!r} ends at byte {data_start + end} "
+                              f"of a {size}-byte file")
+    return SourceTensor(name, shard, shape, dtype, data_start + begin, end - begin)
