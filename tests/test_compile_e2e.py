@@ -159,3 +159,41 @@ def test_python_api_round_trip(checkpoint, tmp_path):
     assert cos.min() > 0.9999 and torch.equal(ours.argmax(-1), ref.argmax(-1))
     with pytest.raises(Exception, match="unknown compile option"):
         compile_model(checkpoint, tmp_path / "x.thin", quantize="int4")
+
+
+def test_interactive_chat_in_a_real_terminal(compiled):
+    """thin-exec with a terminal on stdin chats: a prompt, answers, /reset, /exit."""
+    import os
+    import pty
+    import select
+
+    out, _ = compiled
+    exe = shutil.which("thin-exec")
+    cmd = [exe] if exe else [sys.executable, "-m", "thin.runtime.cli"]
+    master, slave = pty.openpty()
+    proc = subprocess.Popen(cmd + [str(out), "--max-new-tokens", "4"], stdin=slave, stdout=slave,
+                            stderr=slave, close_fds=True)
+    os.close(slave)
+    seen = bytearray()
+
+    def read_until(marker: bytes, count: int) -> None:
+        while seen.count(marker) < count:
+            ready, _, _ = select.select([master], [], [], 120)
+            assert ready, f"no {marker!r} from thin-exec; got {bytes(seen)!r}"
+            try:
+                seen.extend(os.read(master, 4096))
+            except OSError:  # the child closed the terminal
+                break
+
+    try:
+        read_until(b">>> ", 1)
+        os.write(master, b"hello\n")
+        read_until(b">>> ", 2)
+        os.write(master, b"/reset\n")
+        read_until(b">>> ", 3)
+        os.write(master, b"/exit\n")
+        assert proc.wait(timeout=60) == 0
+    finally:
+        proc.kill()
+        os.close(master)
+    assert b"tok/s" in seen and b"Traceback" not in seen
