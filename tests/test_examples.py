@@ -44,8 +44,8 @@ def test_heldout_perplexity_matches_transformers(pair):
     got = evaluate_perplexity(ours, ids, context=512, stride=256)
     want = evaluate_perplexity(_Reference(ref), ids, context=512, stride=256)
     assert abs(got.perplexity - want.perplexity) / want.perplexity < 1e-3, (name, got, want)
-    # A trained model, not noise: far below the vocabulary size.
-    assert got.perplexity < 20, (name, got)
+    # A trained model, not noise: far below the vocabulary size (4096).
+    assert got.perplexity < 40, (name, got)
 
 
 def test_greedy_continuation_matches_transformers(pair):
