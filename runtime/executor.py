@@ -150,7 +150,8 @@ class Executor:
                 raise NotImplementedError(f"router scoring {moe.scoring!r} is not implemented")
             ffn = MoEPlan(
                 moe.top_k, moe.normalize_top_k, moe.scoring,
-                self._weight(moe.router.weight), self._weight(moe.router.bias),
+                # Routing is a discrete choice: score it in float32 so bf16 rounding can't flip an expert.
+                self._weight(moe.router.weight, torch.float32), self._weight(moe.router.bias, torch.float32),
                 [self._plan_mlp(e) for e in moe.experts],
                 self._plan_mlp(moe.shared_expert) if moe.shared_expert is not None else None,
                 self._weight(moe.shared_expert_gate.weight) if moe.shared_expert_gate is not None else None)

@@ -23,7 +23,7 @@ class MoEPlan:
     top_k: int
     normalize_top_k: bool
     scoring: str
-    router_weight: torch.Tensor
+    router_weight: torch.Tensor  # float32 on every device
     router_bias: torch.Tensor | None
     experts: list[MLPPlan]
     shared_expert: MLPPlan | None
@@ -61,7 +61,7 @@ def run_moe(x: torch.Tensor, p: MoEPlan) -> torch.Tensor:
     """Softmax router over all experts, top-k (renormalised if asked), weighted sum of expert MLPs."""
     if p.scoring != "softmax":
         raise NotImplementedError(f"router scoring {p.scoring!r} is not implemented")
-    probs = torch.softmax(F.linear(x, p.router_weight, p.router_bias).float(), dim=-1)
+    probs = torch.softmax(F.linear(x.float(), p.router_weight, p.router_bias), dim=-1)
     weights, chosen = torch.topk(probs, p.top_k, dim=-1)  # [T, k]
     if p.normalize_top_k:
         weights = weights / weights.sum(dim=-1, keepdim=True)
