@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+
 from thin.ir import Model
 from thin.ir import __version__ as THIN_VERSION
 

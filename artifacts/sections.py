@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 
 import zstandard
+
 from thin.ir import __version__ as THIN_VERSION
 
 from .errors import ArtifactWriteError, InvalidSectionError

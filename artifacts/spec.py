@@ -41,7 +41,7 @@ ZSTD_LEVEL = 9  # fixed: the same input must give the same bytes
 SECTION_NAMES = ("tokenizer", "chat_template", "generation_config", "compile_config", "provenance", "key",
                  "precision_plan", "memory", "certificate")
 # Minor format version that introduced each section: a file of an older minor may lack it.
-SECTION_SINCE = {name: 0 for name in SECTION_NAMES}
+SECTION_SINCE = dict.fromkeys(SECTION_NAMES, 0)
 HEADER_KEYS = ("ir", "tensors", "sections")
 ENTRY_KEYS = ("name", "role", "layer", "expert", "format", "params", "shape", "offset", "size", "sha256", "align")
 

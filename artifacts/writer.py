@@ -15,6 +15,7 @@ import weakref
 from pathlib import Path
 
 import numpy as np
+
 from thin.ir import IRVerificationError, Model, to_plain, verify
 from thin.ir.formats import nbytes
 

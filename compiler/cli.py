@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -70,8 +69,9 @@ def _human_bytes(n: int) -> str:
 def compile(
     model_dir: Path = typer.Argument(..., help="Hugging Face model folder (config.json + *.safetensors)."),
     output: Path = typer.Option(..., "-o", "--output", help="Path of the .thin file to write."),
-    dump_ir: Optional[Path] = typer.Option(None, "--dump-ir", help="Write the IR text after each pass here."),
-    cache_dir: Optional[Path] = typer.Option(None, "--cache-dir", help="Reuse DIR/<key>.thin when present; store new builds there."),
+    dump_ir: Path | None = typer.Option(None, "--dump-ir", help="Write the IR text after each pass here."),
+    cache_dir: Path | None = typer.Option(
+        None, "--cache-dir", help="Reuse DIR/<key>.thin when present; store new builds there."),
     no_fuse: bool = typer.Option(False, "--no-fuse", help=_FUSE_HELP),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="Print only the summary."),
 ):

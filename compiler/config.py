@@ -33,7 +33,7 @@ class CompileConfig:
             raise CompileOptionError("fuse_projections must be true or false")
 
     @classmethod
-    def from_options(cls, **options) -> "CompileConfig":
+    def from_options(cls, **options) -> CompileConfig:
         """Build from keyword options, refusing names that are not options."""
         known = {f.name for f in dataclasses.fields(cls)} - {"schema"}
         unknown = sorted(set(options) - known)

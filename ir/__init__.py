@@ -1,7 +1,18 @@
 """thin's semantic IR: frozen dataclasses describing a model, its verifier, serialiser and printer."""
 
 from .model import (
-    Attention, DecoderLayer, Embedding, Encoding, Linear, LMHead, MLP, Model, MoE, Norm, RoPE, Tensor,
+    MLP,
+    Attention,
+    DecoderLayer,
+    Embedding,
+    Encoding,
+    Linear,
+    LMHead,
+    Model,
+    MoE,
+    Norm,
+    RoPE,
+    Tensor,
 )
 from .printer import format_ir
 from .program import Program

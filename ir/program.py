@@ -23,7 +23,7 @@ class Program:
     # Plain-data facts passes record for later passes and the artifact (plans, statistics).
     annotations: Mapping[str, Any] = field(default_factory=dict)
 
-    def replace(self, **changes) -> "Program":
+    def replace(self, **changes) -> Program:
         return dataclasses.replace(self, **changes)
 
     def load(self, name: str):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
-from functools import lru_cache
+from functools import cache
 
 from . import model as m
 from .version import IR_VERSION
@@ -60,7 +60,7 @@ def from_plain(data) -> m.Model:
     return model
 
 
-@lru_cache(maxsize=None)
+@cache
 def _hints(cls):
     return typing.get_type_hints(cls, vars(m))
 

@@ -148,7 +148,8 @@ class _Verifier:
                 self.err(f"{where}.rope: theta and factor must be positive")
             if r.kind == "llama3" and None in (r.low_freq_factor, r.high_freq_factor,
                                                 r.original_max_position_embeddings):
-                self.err(f"{where}.rope: llama3 scaling needs low/high_freq_factor and original_max_position_embeddings")
+                self.err(f"{where}.rope: llama3 scaling needs low/high_freq_factor and "
+                         "original_max_position_embeddings")
         if a.sliding_window is not None and a.sliding_window <= 0:
             self.err(f"{where}: sliding_window must be positive")
         if a.logit_softcap is not None and a.logit_softcap <= 0:

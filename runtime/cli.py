@@ -29,6 +29,7 @@ def _fail(message: str):
 
 def _expected_errors() -> tuple[type[BaseException], ...]:
     from jinja2 import TemplateError
+
     from thin.artifacts import ArtifactError
     from thin.runtime import ContextTooLongError, DeviceUnavailableError, NoChatTemplateError, TokenizerError
 
@@ -158,7 +159,7 @@ def run(
             # `echo text |` ends the prompt with a newline the user did not mean as text.
             _one_shot(model, sys.stdin.read().removesuffix("\n"), raw, options)
     except KeyboardInterrupt:
-        raise typer.Exit(130)
+        raise typer.Exit(130) from None
     except _expected_errors() as e:
         _fail(str(e) or type(e).__name__)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
 from thin.ir import MLP, Attention, DecoderLayer, Linear, Model, MoE, Norm, RoPE
 
 from .ffn import ACTIVATIONS, MLPPlan, MoEPlan, run_ffn

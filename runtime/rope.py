@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import torch
+
 from thin.ir import RoPE
 
 

@@ -1,7 +1,17 @@
 """A small hand-built IR used by the IR, pass and artifact tests."""
 
 from thin.ir import (
-    MLP, Attention, DecoderLayer, Embedding, Encoding, Linear, LMHead, Model, Norm, RoPE, Tensor,
+    MLP,
+    Attention,
+    DecoderLayer,
+    Embedding,
+    Encoding,
+    Linear,
+    LMHead,
+    Model,
+    Norm,
+    RoPE,
+    Tensor,
 )
 
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 import hashlib
 
 import numpy as np
-from ir_fixtures import tiny_model
+
 from thin.artifacts import ArtifactWriter
 from thin.artifacts.spec import PREAMBLE_SIZE, Preamble, pack, unpack, unpack_preamble
+
+from ir_fixtures import tiny_model
 
 TOKENIZER = {"tokenizer.json": b'{"model": {"vocab": {"a": 0, "b": 1}}}' * 20, "tokenizer_config.json": b"{}"}
 SECTIONS = {

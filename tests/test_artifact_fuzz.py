@@ -10,11 +10,13 @@ import time
 import tracemalloc
 
 import pytest
-import thin.artifacts as art
 import zstandard
+
+import thin.artifacts as art
+from thin.artifacts.spec import PREAMBLE_SIZE
+
 from ir_fixtures import tiny_model
 from test_artifact_common import reseal, split, write_artifact
-from thin.artifacts.spec import PREAMBLE_SIZE
 
 N_CASES = 2400
 ABSURD = [-1, 0, 1, 3, 17, 127, 128, 4096, 2**31, 2**62, 2**63 - 1, 2**63, 2**64 - 1, 1.5, True, None, "x",

@@ -7,6 +7,7 @@ import os
 import shutil
 
 import pytest
+
 import thin.artifacts.key as key_module
 from thin.artifacts import compute_key, hash_files
 

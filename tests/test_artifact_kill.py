@@ -10,7 +10,9 @@ import time
 from pathlib import Path
 
 import pytest
+
 import thin.artifacts as art
+
 from test_artifact_common import write_artifact
 
 HERE = Path(__file__).parent

@@ -9,10 +9,12 @@ import warnings
 
 import numpy as np
 import pytest
+
 import thin.artifacts as art
+from thin.artifacts import ArtifactWriter, open_artifact
+
 from ir_fixtures import tiny_model
 from test_artifact_common import SECTIONS, TOKENIZER, reseal, split, write_artifact
-from thin.artifacts import ArtifactWriter, open_artifact
 
 
 def test_round_trip(tmp_path):
@@ -147,13 +149,11 @@ def test_writer_refuses_inconsistent_input_and_leaves_nothing(tmp_path, case, ma
 def test_writer_abort_exception_and_missing_commit(tmp_path):
     path = tmp_path / "m.thin"
     path.write_bytes(b"previous")
-    with pytest.raises(RuntimeError):
-        with ArtifactWriter(path) as w:
-            w.add_tensor("a", bytes(10))
-            raise RuntimeError("compiler failed")
-    with pytest.raises(art.ArtifactWriteError, match="without commit"):
-        with ArtifactWriter(path) as w:
-            w.add_tensor("a", bytes(10))
+    with pytest.raises(RuntimeError), ArtifactWriter(path) as w:
+        w.add_tensor("a", bytes(10))
+        raise RuntimeError("compiler failed")
+    with pytest.raises(art.ArtifactWriteError, match="without commit"), ArtifactWriter(path) as w:
+        w.add_tensor("a", bytes(10))
     w = ArtifactWriter(path)
     w.abort()
     w.abort()

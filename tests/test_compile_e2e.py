@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import pytest
+
 from hf_tiny import make_checkpoint
 from tiny_tokenizer import write_tokenizer
 
@@ -144,10 +145,11 @@ def test_unknown_architecture_and_missing_dir_are_one_line_errors(checkpoint, tm
 
 def test_python_api_round_trip(checkpoint, tmp_path):
     import torch
-    from hf_tiny import load_reference
 
     from thin.compiler import compile_model
     from thin.runtime import load
+
+    from hf_tiny import load_reference
 
     path = compile_model(checkpoint, tmp_path / "api.thin", fuse_projections=False)
     model = load(path)

@@ -12,9 +12,11 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
-from hf_tiny import FAMILIES, load_reference, make_checkpoint
+
 from thin.compiler.hf import load_checkpoint
 from thin.runtime.executor import Executor
+
+from hf_tiny import FAMILIES, load_reference, make_checkpoint
 
 pytest.importorskip("transformers")
 

@@ -7,8 +7,8 @@ import shutil
 
 import pytest
 import torch
-from hf_tiny import FAMILIES, build_model, make_checkpoint
 from safetensors.torch import load_file, save_file
+
 from thin.compiler.hf import (
     ADAPTERS,
     CheckpointError,
@@ -21,6 +21,8 @@ from thin.compiler.hf import (
     register,
 )
 from thin.ir import MoE, verify
+
+from hf_tiny import FAMILIES, build_model, make_checkpoint
 
 pytest.importorskip("transformers")
 

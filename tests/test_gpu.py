@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from hf_tiny import FAMILIES, load_reference, make_checkpoint
 
 from thin.compiler import compile_model
 from thin.runtime import load
+
+from hf_tiny import FAMILIES, load_reference, make_checkpoint
 
 pytestmark = pytest.mark.gpu
 MODELS = Path(__file__).resolve().parent.parent / "examples" / "models"

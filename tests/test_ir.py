@@ -4,11 +4,19 @@ import dataclasses
 
 import msgpack
 import pytest
-from ir_fixtures import tiny_model
 
 from thin.ir import (
-    IR_VERSION, IRSchemaError, IRVerificationError, Linear, format_ir, from_plain, to_plain, verify,
+    IR_VERSION,
+    IRSchemaError,
+    IRVerificationError,
+    Linear,
+    format_ir,
+    from_plain,
+    to_plain,
+    verify,
 )
+
+from ir_fixtures import tiny_model
 
 
 def test_tiny_model_verifies_and_round_trips_through_msgpack():

@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from hf_tiny import FAMILIES, load_reference, make_checkpoint
 
 from thin.compiler import compile_model
 from thin.runtime import load
+
+from hf_tiny import FAMILIES, load_reference, make_checkpoint
 
 POSITIONS = 48  # longer than the tiny configs' sliding window (8)
 

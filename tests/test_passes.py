@@ -4,10 +4,11 @@ import dataclasses
 
 import pytest
 import torch
-from ir_fixtures import tiny_model
 
 from thin.ir import Encoding, Linear, Program, Tensor, format_ir
 from thin.passes import PassContext, PassError, canonicalize, run_passes
+
+from ir_fixtures import tiny_model
 
 
 def _program(model):

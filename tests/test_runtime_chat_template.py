@@ -3,6 +3,7 @@
 import jinja2
 import pytest
 from test_runtime_tokenizer import _files, byte_level_bpe
+
 from thin.runtime.chat_template import ChatTemplate, ChatTemplateError, render_chat
 from thin.runtime.tokenizer import Tokenizer
 

@@ -6,8 +6,9 @@ import sys
 import pytest
 import torch
 from test_runtime_loader import write_tiny_artifact
-from thin.runtime import cli
 from typer.testing import CliRunner
+
+from thin.runtime import cli
 
 
 def _exec(*args, stdin=""):

@@ -2,9 +2,11 @@
 
 import pytest
 import torch
-from test_runtime_fakes import FakeExecutor
+
 from thin.runtime.generate import ContextTooLongError, GenerationStats, generate
 from thin.runtime.sampling import GenerationOptions
+
+from test_runtime_fakes import FakeExecutor
 
 
 def _greedy_reference(ex: FakeExecutor, prompt: list[int], n: int, stop=()) -> list[int]:

@@ -5,11 +5,13 @@ import warnings
 
 import pytest
 import torch
-from ir_fixtures import tiny_model
+
 from thin.artifacts import ArtifactError, ArtifactWriter, ChecksumMismatchError
 from thin.ir.formats import reference
 from thin.runtime import DeviceUnavailableError, ThinModel, load
 from thin.runtime.executor import Executor
+
+from ir_fixtures import tiny_model
 from tiny_tokenizer import CHATML, write_tokenizer
 
 MAX_NEW = 6

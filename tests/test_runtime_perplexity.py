@@ -4,8 +4,10 @@ import math
 
 import pytest
 import torch
-from test_runtime_fakes import FakeExecutor, UniformModel
+
 from thin.runtime.perplexity import evaluate_perplexity, iter_logprobs, perplexity, token_logprobs
+
+from test_runtime_fakes import FakeExecutor, UniformModel
 
 
 class BigramModel:

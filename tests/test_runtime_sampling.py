@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from thin.runtime.sampling import (
     GenerationOptions,
     apply_min_p,

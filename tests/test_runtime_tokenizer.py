@@ -3,9 +3,10 @@
 import json
 
 import pytest
-from thin.runtime.tokenizer import Tokenizer, TokenizerError
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+from thin.runtime.tokenizer import Tokenizer, TokenizerError
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>", "</s>"]
 CORPUS = ["the quick brown fox jumps over the lazy dog. " * 20, "hello world, hello tokens! " * 20]

@@ -44,7 +44,7 @@ class Config:
 
     def optional(self, key: str, default=None):
         """config[key] where an explicit null means "off" (None) and absence means the family default."""
-        return self.raw[key] if key in self.raw else default
+        return self.raw.get(key, default)
 
     def optional_float(self, key: str, default: float | None = None) -> float | None:
         value = self.optional(key, default)

@@ -67,7 +67,7 @@ def main() -> None:
         nonlocal shard, shard_bytes, n
         name = f"model-{n:05d}.safetensors"
         save_file(shard, str(args.out / name), metadata={"format": "pt"})
-        index.update({k: name for k in shard})
+        index.update(dict.fromkeys(shard, name))
         shard, shard_bytes, n = {}, 0, n + 1
 
     for name, shape in tensor_shapes(cfg):

@@ -42,4 +42,4 @@ def get_adapter(architecture: str) -> Adapter:
 
 
 # Importing each family module registers it.
-from . import gemma2, gemma3, llama, mistral, olmo2, phi3, qwen2, qwen3, qwen3_moe  # noqa: F401
+from . import gemma2, gemma3, llama, mistral, olmo2, phi3, qwen2, qwen3, qwen3_moe  # noqa: E402, F401
