@@ -5,7 +5,7 @@ structure before mapping the file. No torch here: inspecting a file needs only n
 zstandard. FORMAT.md describes the bytes.
 """
 
-from .describe import describe, render_description
+from .describe import describe, human_size, render_description
 from .errors import (
     ArtifactClosedError,
     ArtifactError,
@@ -50,6 +50,7 @@ __all__ = [
     "compute_key",
     "default_hash_cache",
     "describe",
+    "human_size",
     "hash_files",
     "open_artifact",
     "render_description",

@@ -48,7 +48,8 @@ def describe(artifact: Artifact | str | os.PathLike) -> dict:
     }
 
 
-def _size(n: int) -> str:
+def human_size(n: int) -> str:
+    """Bytes as text in binary units: 512 B, 1.5 KiB, 11.0 MiB."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024 or unit == "GiB":
             return f"{n} B" if unit == "B" else f"{n:.1f} {unit}"
@@ -67,7 +68,7 @@ def render_description(d: dict) -> str:
     """Human-readable text of `describe()` output."""
     m = d["model"]
     lines = [
-        f"{d['path']}  ({_size(d['file_size'])}, .thin format {d['format_version'][0]}.{d['format_version'][1]})",
+        f"{d['path']}  ({human_size(d['file_size'])}, .thin format {d['format_version'][0]}.{d['format_version'][1]})",
         (f"model     {m['architecture']} ({m['family']}), {m['num_layers']} layers, "
          f"hidden {m['hidden_size']}, vocab {m['vocab_size']}"),
         f"key       {d['key'] or '(none)'}",
@@ -76,17 +77,17 @@ def render_description(d: dict) -> str:
         "tensors",
     ]
     rows = [("format", "count", "bytes")]
-    rows += [(f, str(v["count"]), _size(v["bytes"])) for f, v in d["tensors"]["by_format"].items()]
-    rows.append(("total", str(d["tensors"]["count"]), _size(d["tensors"]["bytes"])))
+    rows += [(f, str(v["count"]), human_size(v["bytes"])) for f, v in d["tensors"]["by_format"].items()]
+    rows.append(("total", str(d["tensors"]["count"]), human_size(d["tensors"]["bytes"])))
     lines += _table(rows, (1, 2))
     lines += ["", "sections"]
     rows = [("section", "stored", "contents")]
     for name, s in d["sections"].items():
         if "files" in s:
-            what = ", ".join(f"{f} ({_size(v['bytes'])})" for f, v in s["files"].items()) or "none"
+            what = ", ".join(f"{f} ({human_size(v['bytes'])})" for f, v in s["files"].items()) or "none"
         else:
             what = "yes" if s["present"] else "-"
-        rows.append((name, _size(s["stored_bytes"]), what))
+        rows.append((name, human_size(s["stored_bytes"]), what))
     lines += _table(rows, (1,))
-    lines.append(f"\nheader    {_size(d['header_bytes'])}")
+    lines.append(f"\nheader    {human_size(d['header_bytes'])}")
     return "\n".join(lines)

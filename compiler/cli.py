@@ -57,14 +57,6 @@ class _StageProgress:
         self.stage = stage
 
 
-def _human_bytes(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 @app.command()
 def compile(
     model_dir: Path = typer.Argument(..., help="Hugging Face model folder (config.json + *.safetensors)."),
@@ -76,6 +68,8 @@ def compile(
     quiet: bool = typer.Option(False, "-q", "--quiet", help="Print only the summary."),
 ):
     """Compile MODEL_DIR into one .thin file (unquantized: every tensor at its stored precision)."""
+    from thin.artifacts import human_size
+
     from .build import build
     from .config import CompileConfig
 
@@ -92,8 +86,8 @@ def compile(
         ("output", str(report.output)),
         ("parameters", f"{report.parameters:,}"),
         ("tensors", f"{report.tensors} ({formats})"),
-        ("tensor bytes", _human_bytes(report.tensor_bytes)),
-        ("file bytes", _human_bytes(report.file_bytes)),
+        ("tensor bytes", human_size(report.tensor_bytes)),
+        ("file bytes", human_size(report.file_bytes)),
         ("key", report.key[:16]),
         ("time", " ".join(f"{k} {v:.2f}s" for k, v in report.seconds.items())
          + f" | total {sum(report.seconds.values()):.2f}s"),
