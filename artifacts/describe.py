@@ -73,6 +73,8 @@ def render_description(d: dict) -> str:
          f"hidden {m['hidden_size']}, vocab {m['vocab_size']}"),
         f"key       {d['key'] or '(none)'}",
         f"thin      {d['provenance'].get('thin_version', '?')}",
+        f"source    config.json sha256 {d['provenance'].get('source_config_sha256', '?')}",
+        "compile   " + (" ".join(f"{k}={v}" for k, v in sorted((d["compile_config"] or {}).items())) or "-"),
         "",
         "tensors",
     ]
