@@ -140,7 +140,7 @@ class DecoderLayer:
 @dataclass(frozen=True)
 class Embedding:
     weight: str  # [vocab_size, hidden_size]
-    # Gemma: embeddings are multiplied by sqrt(hidden_size), rounded to the compute dtype.
+    # Gemma: embeddings are multiplied by sqrt(hidden_size), rounded to the embedding's stored dtype.
     scale: float | None = None
 
 
