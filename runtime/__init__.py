@@ -8,6 +8,7 @@ the passes, transformers or triton (a test checks). The CLI (typer) lives in
 from .chat_template import ChatTemplate, ChatTemplateError, render_chat
 from .generate import (
     ContextTooLongError,
+    ConversationCache,
     GenerationStats,
     decode_n_tokens,
     decode_one_token,
@@ -30,6 +31,7 @@ __all__ = [
     "ChatTemplate",
     "ChatTemplateError",
     "ContextTooLongError",
+    "ConversationCache",
     "DeviceUnavailableError",
     "GenerationOptions",
     "GenerationStats",

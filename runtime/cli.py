@@ -37,7 +37,7 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
             NoChatTemplateError, TokenizerError)
 
 
-def _stream(model, prompt_ids: list[int], options: dict) -> tuple[str, object]:
+def _stream(model, prompt_ids: list[int], options: dict, conversation=None) -> tuple[str, object]:
     """Generate for `prompt_ids`, printing text as it completes; return the text and the stats."""
     from thin.runtime import GenerationStats
 
@@ -45,7 +45,7 @@ def _stream(model, prompt_ids: list[int], options: dict) -> tuple[str, object]:
     decoder = model.tokenizer.stream(skip_special_tokens=True)
     pieces = []
     try:
-        for token in model.generate(prompt_ids, stats=stats, **options):
+        for token in model.generate(prompt_ids, stats=stats, conversation=conversation, **options):
             piece = decoder.put(token)
             if piece:
                 pieces.append(piece)
@@ -86,6 +86,8 @@ def _chat(model, raw: bool, options: dict):
         raw = True
     typer.echo("thin-exec: /reset clears the conversation, /exit quits", err=True)
     history: list[dict] = []
+    # Each turn's prompt starts with the previous turns: their keys and values are reused.
+    conversation = model.new_conversation()
     while True:
         try:
             line = input(">>> ")
@@ -97,13 +99,14 @@ def _chat(model, raw: bool, options: dict):
             return
         if command == "/reset":
             history.clear()
+            conversation.clear()
             typer.echo("(conversation cleared)", err=True)
             continue
         if not command:
             continue
         try:
             ids = _prompt_ids(model, line, raw, history)
-            reply, stats = _stream(model, ids, options)
+            reply, stats = _stream(model, ids, options, conversation)
         except KeyboardInterrupt:
             typer.echo("(interrupted)", err=True)
             continue

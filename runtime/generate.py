@@ -20,7 +20,8 @@ from .sampling import GenerationOptions, make_generator, sample_next
 class GenerationStats:
     """Filled in while `generate` runs; read it after the iterator is exhausted."""
 
-    prompt_tokens: int = 0
+    prompt_tokens: int = 0  # tokens prefilled by this call
+    cached_tokens: int = 0  # prompt tokens whose keys/values were already in a reused cache
     prefill_seconds: float = 0.0
     new_tokens: int = 0
     decode_seconds: float = 0.0
@@ -38,7 +39,8 @@ class GenerationStats:
 
     def summary(self) -> str:
         """One line for stderr: prefill and decode throughput."""
-        return (f"prefill: {self.prompt_tokens} tokens, {self.prefill_tokens_per_second:.1f} tok/s | "
+        cached = f" (+{self.cached_tokens} cached)" if self.cached_tokens else ""
+        return (f"prefill: {self.prompt_tokens} tokens{cached}, {self.prefill_tokens_per_second:.1f} tok/s | "
                 f"decode: {self.new_tokens} tokens, {self.decode_tokens_per_second:.1f} tok/s")
 
 
@@ -88,19 +90,26 @@ def check_context(prompt_tokens: int, max_new_tokens: int, max_position_embeddin
 
 
 def generate(executor, prompt_ids: Sequence[int], options: GenerationOptions, *,
-             max_position_embeddings: int | None = None, stats: GenerationStats | None = None) -> Iterator[int]:
+             max_position_embeddings: int | None = None, stats: GenerationStats | None = None,
+             cache=None) -> Iterator[int]:
     """Stream new token ids for `prompt_ids`; stops after a token in `options.stop_token_ids`
     (not yielded) or after `options.max_new_tokens`.
 
-    The KV cache holds prompt + max_new_tokens positions. `stats`, when given, receives the
-    token counts, timings and why generation stopped.
+    Without `cache`, a fresh KV cache of prompt + max_new_tokens positions is made. A given
+    `cache` must already hold `prompt_ids[:cache.length]` (fewer than all of them) and have room
+    for the rest plus max_new_tokens: only the uncached part is prefilled (see ConversationCache).
+    `stats`, when given, receives the token counts, timings and why generation stopped.
     """
     stats = stats if stats is not None else GenerationStats()
     prompt = [int(t) for t in prompt_ids]
     if not prompt:
         raise ValueError("generate needs at least one prompt token")
     check_context(len(prompt), options.max_new_tokens, max_position_embeddings)
-    stats.prompt_tokens, stats.stop_reason = len(prompt), ""
+    cached = 0 if cache is None else cache.length
+    if cached >= len(prompt):
+        raise ValueError(f"the cache holds {cached} tokens; at least one of the {len(prompt)} prompt tokens "
+                         "must be left to prefill")
+    stats.prompt_tokens, stats.cached_tokens, stats.stop_reason = len(prompt) - cached, cached, ""
     if options.max_new_tokens == 0:
         stats.stop_reason = "length"
         return
@@ -120,9 +129,12 @@ def generate(executor, prompt_ids: Sequence[int], options: GenerationOptions, *,
         length += 1
         return token
 
-    cache = executor.new_cache(len(prompt) + options.max_new_tokens)
+    if cache is None:
+        cache = executor.new_cache(len(prompt) + options.max_new_tokens)
+    else:
+        cache.check_room(len(prompt) - cached + options.max_new_tokens)
     start = time.perf_counter()
-    token = pick(prefill(executor, cache, history[:len(prompt)].clone()))  # pick() reads back: a sync
+    token = pick(prefill(executor, cache, history[cached:len(prompt)].clone()))  # pick() reads back: a sync
     stats.prefill_seconds = time.perf_counter() - start
     stats.new_tokens = 1
     if token in stop_ids:
@@ -140,3 +152,41 @@ def generate(executor, prompt_ids: Sequence[int], options: GenerationOptions, *,
         yield step_token
         start = time.perf_counter()
     stats.stop_reason = "length"
+
+
+class ConversationCache:
+    """A KV cache kept across generate calls, for chat: when a new prompt starts with tokens the
+    cache already holds (the conversation so far), only the rest is prefilled."""
+
+    def __init__(self, executor, max_position_embeddings: int | None, min_tokens: int = 1024):
+        self.executor = executor
+        self.limit = max_position_embeddings
+        self.min_tokens = min_tokens  # first allocation: room for a few turns without regrowing
+        self.cache = None
+        self.tokens: list[int] = []  # exactly the tokens whose keys/values the cache holds
+
+    def prepare(self, prompt: Sequence[int], max_new_tokens: int):
+        """The cache to pass to `generate` for `prompt`, truncated to the prefix it shares with it."""
+        need = len(prompt) + max_new_tokens
+        if self.cache is None or self.cache.max_seq_len < need:
+            # Grow geometrically so a long chat reallocates (and re-prefills) rarely.
+            size = max(need, 2 * self.cache.max_seq_len if self.cache is not None else self.min_tokens)
+            self.cache = self.executor.new_cache(min(size, self.limit) if self.limit else size)
+            self.tokens = []
+        common = 0
+        for a, b in zip(self.tokens, prompt[:-1]):  # leave at least one token to prefill
+            if a != b:
+                break
+            common += 1
+        self.cache.truncate(common)
+        self.tokens = list(prompt[:common])
+        return self.cache
+
+    def record(self, prompt: Sequence[int], generated: Sequence[int]) -> None:
+        """After a generate call: remember which tokens the cache now holds."""
+        self.tokens = (list(prompt) + list(generated))[:self.cache.length]
+
+    def clear(self) -> None:
+        self.tokens = []
+        if self.cache is not None:
+            self.cache.reset()

@@ -46,6 +46,12 @@ class KVCache:
         """Move the position past `n` tokens, once every layer has stored them."""
         self.length += n
 
+    def truncate(self, n: int) -> None:
+        """Keep only the first `n` stored tokens (later positions are overwritten as new tokens come)."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"cannot keep {n} tokens of a cache holding {self.length}")
+        self.length = n
+
     def reset(self) -> None:
         """Forget the sequence (buffers are reused, not cleared)."""
         self.length = 0

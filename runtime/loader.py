@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from .chat_template import ChatTemplate
-from .generate import GenerationStats, generate
+from .generate import ConversationCache, GenerationStats, check_context, generate
 from .perplexity import PerplexityResult, evaluate_perplexity
 from .sampling import GenerationOptions
 from .tokenizer import Tokenizer, TokenizerError
@@ -100,24 +100,39 @@ class ThinModel:
         return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def generate(self, prompt: str | Sequence[int], *, stats: GenerationStats | None = None,
-                 **options) -> Iterator[int]:
+                 conversation: ConversationCache | None = None, **options) -> Iterator[int]:
         """Stream new token ids for `prompt` (text, encoded with special tokens, or ids).
 
         `options` are GenerationOptions fields (max_new_tokens, temperature, top_k, top_p, min_p,
         repetition_penalty, seed, stop_token_ids); the artifact's generation_config fills the rest.
-        Timings land in `stats` (default: `self.last_stats`).
+        Timings land in `stats` (default: `self.last_stats`). With `conversation` (from
+        `new_conversation()`), keys and values of a prompt prefix seen in an earlier call are reused.
         """
         ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if stats is None:
             stats = self.last_stats = GenerationStats()
         opts = self.generation_options(**options)
-        return self._generate(ids, opts, stats)
+        return self._generate(ids, opts, stats, conversation)
 
-    def _generate(self, ids, opts, stats) -> Iterator[int]:
+    def new_conversation(self, min_tokens: int = 1024) -> ConversationCache:
+        """A KV cache to pass to successive `generate` calls of one chat (first sized for `min_tokens`)."""
+        return ConversationCache(self.executor, self.ir.max_position_embeddings, min_tokens)
+
+    def _generate(self, ids, opts, stats, conversation) -> Iterator[int]:
         # A generator function of its own so option errors above raise at the call, not on first next().
-        with torch.no_grad():
-            yield from generate(self.executor, ids, opts, stats=stats,
-                                max_position_embeddings=self.ir.max_position_embeddings)
+        if conversation is not None:
+            check_context(len(ids), opts.max_new_tokens, self.ir.max_position_embeddings)
+        cache = conversation.prepare(ids, opts.max_new_tokens) if conversation is not None else None
+        generated: list[int] = []
+        try:
+            with torch.no_grad():
+                for token in generate(self.executor, ids, opts, stats=stats, cache=cache,
+                                      max_position_embeddings=self.ir.max_position_embeddings):
+                    generated.append(token)
+                    yield token
+        finally:
+            if conversation is not None:
+                conversation.record(ids, generated)
 
     def render_chat(self, messages, add_generation_prompt: bool = True, **kwargs) -> str:
         """The prompt text for chat `messages`, as transformers' apply_chat_template(tokenize=False) gives."""
