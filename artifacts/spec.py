@@ -25,7 +25,7 @@ MAJOR_INTRODUCED_IN = {1: "0.1.0"}
 PREAMBLE = struct.Struct("<8sHH16sIQQQ32s36sI")
 PREAMBLE_SIZE = PREAMBLE.size
 FROZEN_PREFIX = 28
-assert PREAMBLE_SIZE == 128
+assert PREAMBLE_SIZE == 128 and struct.calcsize("<8sHH16s") == FROZEN_PREFIX
 
 MIN_ALIGN = 16  # every tensor can be viewed as any dtype up to 16 bytes wide
 MAX_ALIGN = 1 << 21  # 2 MiB: a huge page

@@ -82,7 +82,7 @@ def build(model_dir, output, config: CompileConfig, *, cache_dir=None, dump_ir=N
     program = run_passes(source.program, build_pipeline(config), ctx, dump_dir=dump_ir,
                          on_pass=lambda name: progress(f"pass {name}", 0, 0))
     clock.lap("passes")
-    _write(program, source, config, key, output, progress)
+    _write(program, source, config, key, output, progress, model_dir)
     clock.lap("write")
     if cached is not None:
         cached.parent.mkdir(parents=True, exist_ok=True)
@@ -92,7 +92,8 @@ def build(model_dir, output, config: CompileConfig, *, cache_dir=None, dump_ir=N
         return _report(art, output, key, False, clock)
 
 
-def _write(program, source, config: CompileConfig, key: str, output: Path, progress: Progress) -> None:
+def _write(program, source, config: CompileConfig, key: str, output: Path, progress: Progress,
+           model_dir: Path) -> None:
     from thin.artifacts import ArtifactWriter
     from thin.ir.formats.reference import encode
 
@@ -111,13 +112,13 @@ def _write(program, source, config: CompileConfig, key: str, output: Path, progr
             "chat_template": source.chat_template,
             "generation_config": dict(source.generation_config),
             "compile_config": config.to_plain(),
-            "provenance": _provenance(source),
+            "provenance": _provenance(source, model_dir),
             "key": key,
         })
 
 
-def _provenance(source) -> dict:
-    config_bytes = (Path(source.files[0]).parent / "config.json").read_bytes()
+def _provenance(source, model_dir: Path) -> dict:
+    config_bytes = (model_dir / "config.json").read_bytes()
     return {
         "thin_version": __version__,
         "architecture": source.program.model.architecture,

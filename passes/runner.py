@@ -19,7 +19,6 @@ class PassContext:
     options: dict[str, Any] = field(default_factory=dict)
     # Runs the model (the compiler passes the runtime in); used by calibrate and certify.
     evaluator: Any = None
-    log: Callable[[str], None] = lambda message: None
 
 
 class PassError(RuntimeError):

@@ -166,7 +166,9 @@ class ConversationCache:
         self.tokens: list[int] = []  # exactly the tokens whose keys/values the cache holds
 
     def prepare(self, prompt: Sequence[int], max_new_tokens: int):
-        """The cache to pass to `generate` for `prompt`, truncated to the prefix it shares with it."""
+        """The cache to pass to `generate` for `prompt`, truncated to the prefix it shares with it.
+        Raises ContextTooLongError, before touching the cache, when the turn cannot fit."""
+        check_context(len(prompt), max_new_tokens, self.limit)
         need = len(prompt) + max_new_tokens
         if self.cache is None or self.cache.max_seq_len < need:
             # Grow geometrically so a long chat reallocates (and re-prefills) rarely.

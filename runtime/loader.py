@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from .chat_template import ChatTemplate
-from .generate import ConversationCache, GenerationStats, check_context, generate
+from .generate import ConversationCache, GenerationStats, generate
 from .perplexity import PerplexityResult, evaluate_perplexity
 from .sampling import GenerationOptions
 from .tokenizer import Tokenizer, TokenizerError
@@ -120,8 +120,6 @@ class ThinModel:
 
     def _generate(self, ids, opts, stats, conversation) -> Iterator[int]:
         # A generator function of its own so option errors above raise at the call, not on first next().
-        if conversation is not None:
-            check_context(len(ids), opts.max_new_tokens, self.ir.max_position_embeddings)
         cache = conversation.prepare(ids, opts.max_new_tokens) if conversation is not None else None
         generated: list[int] = []
         try:

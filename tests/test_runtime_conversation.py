@@ -58,3 +58,15 @@ def test_outgrowing_the_cache_reallocates(model):
     assert got == _turn(model, longer, n=40)[0]
     conversation.clear()
     assert _turn(model, longer, conversation, n=3)[1].cached_tokens == 0
+
+
+def test_a_turn_too_long_for_the_model_leaves_the_cache_intact(model):
+    from thin.runtime import ContextTooLongError
+
+    conversation = model.new_conversation()
+    ids = model.encode("def add(a, b):")
+    reply, _ = _turn(model, ids, conversation)
+    with pytest.raises(ContextTooLongError):
+        _turn(model, ids, conversation, n=model.ir.max_position_embeddings)
+    _, stats = _turn(model, ids + reply + model.encode("\n"), conversation)
+    assert stats.cached_tokens == len(ids) + len(reply) - 1
