@@ -10,10 +10,11 @@ buffer is freed as soon as the tensor has been written.
 from __future__ import annotations
 
 import json
+from math import prod
 from dataclasses import dataclass
 from pathlib import Path
 
-from thin.ir.formats import SAFETENSORS_DTYPES
+from thin.ir import formats
 
 from .errors import CheckpointError, PickleCheckpointError
 
@@ -70,12 +71,11 @@ class SourceTensor:
     name: str
     file: Path
     shape: tuple[int, ...]
-    dtype: str  # thin's dense format name: "f32", "f16" or "bf16"
+    dtype: str  # thin's dense format name for the safetensors dtype ("bf16")
     offset: int = 0  # absolute byte offset of the data in `file`
     nbytes: int = 0
 
 
-_ITEMSIZE = {"f32": 4, "f16": 2, "bf16": 2}
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 
 
@@ -133,7 +133,8 @@ class TensorStore:
             self.tensors[name] = _source_tensor(shard, name, info, data_start, size)
 
     def loader(self, name: str, index: tuple | None = None):
-        """A zero-argument callable returning tensor `name` (or `tensor[index]`) in its stored dtype.
+        """A zero-argument callable returning the bytes of tensor `name` (or `tensor[index]`): a flat
+        uint8 tensor, the encoding of its stored dense format (the weight contract of `Program`).
 
         When `index` starts with an integer (one expert of a fused 3-D expert tensor), only that
         block's bytes are read."""
@@ -155,9 +156,11 @@ class TensorStore:
                 raise CheckpointError(f"cannot read tensor {name!r} from {src.file.name}: {e}") from None
             if got != nbytes:
                 raise CheckpointError(f"{src.file.name} is truncated inside tensor {name!r}")
-            dtype = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[src.dtype]
-            tensor = torch.frombuffer(buf, dtype=dtype).reshape(shape)
-            return tensor[index].contiguous() if index else tensor
+            raw = torch.frombuffer(buf, dtype=torch.uint8)
+            if not index:
+                return raw
+            dtype = getattr(torch, formats.get(src.dtype).torch_dtype)
+            return raw.view(dtype).reshape(shape)[index].contiguous().view(torch.uint8).reshape(-1)
 
         return load
 
@@ -194,16 +197,15 @@ def _source_tensor(shard: Path, name: str, info, data_start: int, size: int) -> 
         valid = False
     if not valid:
         raise CheckpointError(f"{shard.name}: tensor {name!r} has a malformed header entry")
-    if st_dtype not in SAFETENSORS_DTYPES:
-        raise CheckpointError(f"tensor {name!r} has dtype {st_dtype}; only "
-                              f"{', '.join(SAFETENSORS_DTYPES)} checkpoints are supported")
-    dtype = SAFETENSORS_DTYPES[st_dtype]
-    count = 1
-    for d in shape:
-        count *= d
-    if end - begin != count * _ITEMSIZE[dtype] or begin > end:
+    fmt = formats.from_safetensors_dtype(st_dtype) if type(st_dtype) is str else None
+    if fmt is None:
+        known = ", ".join(f.safetensors_dtype for f in formats.dense_formats())
+        raise CheckpointError(f"tensor {name!r} has dtype {st_dtype!r}; only {known} checkpoints are supported")
+    dtype = fmt.name
+    need = prod(shape) * fmt.nbytes((1,))  # a scalar's shape () holds one element
+    if end - begin != need or begin > end:
         raise CheckpointError(f"{shard.name}: tensor {name!r} spans {end - begin} bytes, its shape {shape} "
-                              f"needs {count * _ITEMSIZE[dtype]}")
+                              f"needs {need}")
     if data_start + end > size:
         raise CheckpointError(f"{shard.name} is truncated: tensor {name!r} ends at byte {data_start + end} "
                               f"of a {size}-byte file")
