@@ -123,6 +123,8 @@ def check_tensor_table(raw, model: Model, data_end: int, lenient: bool) -> list[
         if (e.role, e.layer, e.expert, e.format, e.params, e.shape) != (
                 t.role, t.layer, t.expert, t.encoding.format, tuple(t.encoding.params), tuple(t.shape)):
             raise _bad(i, e.name, "disagrees with the IR's record (role, layer, expert, format, params or shape)")
+        if e.align < t.align:
+            raise _bad(i, e.name, f"is aligned to {e.align} bytes, the IR asks at least {t.align}")
         try:
             expected = nbytes(e.format, e.shape, e.params)
         except Exception as exc:  # noqa: BLE001 -- a format this thin cannot size is as bad as a wrong size

@@ -174,6 +174,8 @@ class ArtifactWriter:
             if entry["size"] != expected:
                 problems.append(f"tensor {name!r} has {entry['size']} bytes; {t.encoding.format} "
                                 f"{list(t.shape)} takes {expected}")
+            if entry["align"] < t.align:
+                problems.append(f"tensor {name!r} was written with align {entry['align']}, the IR asks {t.align}")
             table.append({"name": name, "role": t.role, "layer": t.layer, "expert": t.expert,
                           "format": t.encoding.format, "params": [list(p) for p in t.encoding.params],
                           "shape": list(t.shape), **entry})

@@ -78,7 +78,7 @@ def build(model_dir, output, config: CompileConfig, *, cache_dir=None, dump_ir=N
         with open_artifact(output) as art:
             return _report(art, output, key, True, clock)
 
-    ctx = PassContext(options=config.to_plain())
+    ctx = PassContext(config=config)
     program = run_passes(source.program, build_pipeline(config), ctx, dump_dir=dump_ir,
                          on_pass=lambda name: progress(f"pass {name}", 0, 0))
     clock.lap("passes")
@@ -95,26 +95,30 @@ def build(model_dir, output, config: CompileConfig, *, cache_dir=None, dump_ir=N
 def _write(program, source, config: CompileConfig, key: str, output: Path, progress: Progress,
            model_dir: Path) -> None:
     from thin.artifacts import ArtifactWriter
-    from thin.ir.formats.reference import encode
 
     tensors = program.model.tensors
     with ArtifactWriter(output) as writer:
         for i, t in enumerate(tensors):
             progress("write tensors", i, len(tensors))
-            data = program.load(t.name)
-            raw = data if str(data.dtype) == "torch.uint8" else encode(t.encoding.format, data,
-                                                                       t.encoding.params)
-            writer.add_tensor(t.name, raw.contiguous().numpy())
-            del data, raw
+            raw = program.load(t.name)  # the weight contract: the encoded bytes of t's encoding
+            writer.add_tensor(t.name, raw.contiguous().numpy(), align=t.align)
+            del raw
         progress("write tensors", len(tensors), len(tensors))
         writer.commit(program.model, {
             "tokenizer": dict(source.tokenizer_files),
             "chat_template": source.chat_template,
             "generation_config": dict(source.generation_config),
             "compile_config": config.to_plain(),
+            "precision_plan": _precision_plan(program),
             "provenance": _provenance(source, model_dir),
             "key": key,
         })
+
+
+def _precision_plan(program) -> dict | None:
+    """What the precision passes decided, as they recorded it (None for an exact compile)."""
+    note = program.annotations.get("quantize")
+    return None if note is None else {"quantize": note}
 
 
 def _provenance(source, model_dir: Path) -> dict:

@@ -41,6 +41,8 @@ class Tensor:
     encoding: Encoding
     source_dtype: str  # dtype in the source checkpoint: "f32", "f16" or "bf16"
     expert: int | None = None  # MoE expert index for per-expert weights
+    # Byte alignment of the data in the artifact (a power of two): 4096 for page-major expert pages.
+    align: int = 64
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from . import formats
 from . import model as m
-from .formats import FORMATS
+
+MAX_ALIGN = 1 << 21  # 2 MiB: a huge page
 
 
 class IRVerificationError(ValueError):
@@ -69,10 +71,12 @@ class _Verifier:
                 self.err(f"tensor {t.name!r} needs a name and a role")
             if not t.shape or any(d <= 0 for d in t.shape):
                 self.err(f"tensor {t.name!r} has a bad shape {t.shape}")
-            if t.encoding.format not in FORMATS:
-                self.err(f"tensor {t.name!r} has unknown format {t.encoding.format!r}")
-            if t.source_dtype not in ("f32", "f16", "bf16"):
+            for problem in formats.check(t.encoding.format, t.shape, t.encoding.params):
+                self.err(f"tensor {t.name!r}: {problem}")
+            if t.source_dtype not in {f.name for f in formats.dense_formats()}:
                 self.err(f"tensor {t.name!r} has unknown source dtype {t.source_dtype!r}")
+            if type(t.align) is not int or not 16 <= t.align <= MAX_ALIGN or t.align & (t.align - 1):
+                self.err(f"tensor {t.name!r}: align {t.align!r} must be a power of two from 16 to {MAX_ALIGN}")
             if t.layer is not None and not 0 <= t.layer < n_layers:
                 self.err(f"tensor {t.name!r} has layer {t.layer} outside 0..{n_layers - 1}")
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -14,9 +14,11 @@ Pass = Callable[[Program, "PassContext"], Program]
 
 @dataclass(frozen=True)
 class PassContext:
-    """What a pass may read besides the program: the compile options and services the compiler wires in."""
+    """What a pass may read besides the program: the compile configuration and services the compiler
+    wires in. `config` is the compiler's CompileConfig, composed of the passes' own typed option
+    dataclasses (a pass reads `ctx.config.<its options>`, never a dict with repeated defaults)."""
 
-    options: dict[str, Any] = field(default_factory=dict)
+    config: Any = None
     # Runs the model (the compiler passes the runtime in); used by calibrate and certify.
     evaluator: Any = None
 

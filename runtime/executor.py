@@ -1,8 +1,9 @@
-"""The torch reference executor: runs any IR model, prefill and decode through one `forward`.
+"""The torch executor: runs any IR model, prefill and decode through one `forward`.
 
-Weights are decoded once at construction and kept resident: float32 on the CPU, the
-stored dtype on CUDA (norms and softmax still accumulate in float32). q/k/v and gate/up
-are fused here whatever the IR says, so each attention and MLP is one matmul per input.
+Every projection is a `LinearOp` (runtime/linear.py) made from the tensor's encoded bytes, so
+the executor never holds a raw weight and never knows a format. It follows the IR's structure:
+a fused qkv or gate_up is one op, separate projections are separate ops. Activations are float32
+on the CPU and the embedding's stored dtype on CUDA (norms and softmax accumulate in float32).
 """
 
 from __future__ import annotations
@@ -13,13 +14,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from thin.ir import MLP, Attention, DecoderLayer, Linear, Model, MoE, Norm, RoPE
+from thin.ir import MLP, Attention, DecoderLayer, Linear, Model, MoE, Norm, RoPE, formats
 
 from .ffn import ACTIVATIONS, MLPPlan, MoEPlan, run_ffn
 from .kv_cache import KVCache
+from .linear import DenseLinear, Embedding, LinearOp, load_weight, make_linear
 from .rope import RotaryTables, apply_rotary
 
-_FLOAT_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+# Raw bytes of a tensor by name: a flat uint8 torch tensor in the tensor's encoding.
+RawGetter = Callable[[str], torch.Tensor]
 
 
 @dataclass
@@ -48,10 +51,8 @@ class AttentionPlan:
     num_kv_heads: int
     head_dim: int
     scale: float
-    qkv_weight: torch.Tensor  # [q; k; v] fused
-    qkv_bias: torch.Tensor | None
-    o_weight: torch.Tensor
-    o_bias: torch.Tensor | None
+    qkv: list[LinearOp]  # one fused [q; k; v] op, or three
+    o: LinearOp
     q_norm: NormPlan | None
     k_norm: NormPlan | None
     qk_norm_per_head: bool
@@ -71,78 +72,91 @@ class LayerPlan:
 
 
 class Executor:
-    """Runs `model` with weights from `get_tensor(name)` (decoded, stored dtype) on `device`."""
+    """Runs `model` on `device` with the encoded bytes `get_raw(name)` of each tensor.
 
-    def __init__(self, model: Model, get_tensor: Callable[[str], torch.Tensor], device="cpu"):
+    `get_raw` is the weight contract shared by the loaded artifact and the compile-time Program:
+    a flat uint8 tensor in the tensor's encoding (for dense formats, a free view)."""
+
+    def __init__(self, model: Model, get_raw: RawGetter, device="cpu"):
         self.model = model
         self.device = torch.device(device)
-        embed_dtype = _FLOAT_DTYPES.get(model.tensor(model.embedding.weight).source_dtype, torch.float32)
+        self.records = model.tensor_map()
+        embed_record = self.records[model.embedding.weight]
+        stored = formats.get(embed_record.source_dtype)
+        embed_dtype = getattr(torch, stored.torch_dtype) if stored.dense else torch.float32
         # CPU kernels are fastest and exact in float32; on CUDA keep the stored precision.
         self.dtype = torch.float32 if self.device.type == "cpu" else embed_dtype
-        self._get = get_tensor
+        self._get = get_raw
         self._tables: dict[RoPE, RotaryTables] = {}
-        self.embed = self._weight(model.embedding.weight)
+        self.embed = Embedding(embed_record, get_raw(model.embedding.weight), self.device, self.dtype)
         self.embed_scale = None
         if model.embedding.scale is not None:
             # Gemma multiplies by sqrt(hidden) rounded to the embedding's dtype, not the exact value.
             self.embed_scale = torch.tensor(model.embedding.scale, dtype=embed_dtype).to(self.dtype).item()
         self.layers = [self._plan_layer(layer) for layer in model.layers]
         self.final_norm = self._norm(model.final_norm)
-        self.lm_head = self.embed if model.lm_head.tied else self._weight(model.lm_head.weight)
+        if model.lm_head.tied and self.embed.dense is not None:
+            self.lm_head = DenseLinear(self.embed.dense, None, embed_record.encoding.format)  # shared, not copied
+        else:
+            self.lm_head = self._linear(Linear(model.lm_head.weight))
         self.final_softcap = model.lm_head.final_softcap
         self._get = None  # construction is over: drop the reference to the source
 
     # ---- construction -------------------------------------------------------------------
 
-    def _weight(self, name: str | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    def _dense(self, name: str | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
         if name is None:
             return None
-        return self._get(name).to(device=self.device, dtype=dtype or self.dtype)
+        return load_weight(self.records[name], self._get(name), self.device, dtype or self.dtype)
+
+    def _linear(self, lin: Linear) -> LinearOp:
+        return make_linear(self.records[lin.weight], self._get(lin.weight), self._dense(lin.bias), self.device,
+                           self.dtype)
+
+    def linear_ops(self) -> list[LinearOp]:
+        """Every LinearOp of the model (for reports: which implementation serves what)."""
+        ops = []
+        for layer in self.layers:
+            ops += [*layer.attention.qkv, layer.attention.o]
+            ffns = layer.ffn.experts + ([layer.ffn.shared_expert] if layer.ffn.shared_expert else []) \
+                if isinstance(layer.ffn, MoEPlan) else [layer.ffn]
+            for mlp in ffns:
+                ops += [*mlp.up, mlp.down]
+        return [*ops, self.lm_head]
 
     def _norm(self, norm: Norm | None) -> NormPlan | None:
         if norm is None:
             return None
         if norm.kind not in ("rms", "layer"):
             raise NotImplementedError(f"norm kind {norm.kind!r} is not implemented in the torch executor")
-        weight = self._weight(norm.weight, torch.float32)
+        weight = self._dense(norm.weight, torch.float32)
         if weight is not None and norm.weight_offset:
             weight = weight + norm.weight_offset
-        return NormPlan(norm.kind, norm.eps, weight, self._weight(norm.bias, torch.float32))
-
-    def _fused(self, parts: list[Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Concatenate linears along the output dimension; a missing bias among present ones is zeros."""
-        weights = [self._weight(p.weight) for p in parts]
-        weight = weights[0] if len(weights) == 1 else torch.cat(weights)
-        if all(p.bias is None for p in parts):
-            return weight, None
-        biases = [self._weight(p.bias) if p.bias is not None
-                  else torch.zeros(w.shape[0], dtype=self.dtype, device=self.device)
-                  for p, w in zip(parts, weights)]
-        return weight, biases[0] if len(biases) == 1 else torch.cat(biases)
+        return NormPlan(norm.kind, norm.eps, weight, self._dense(norm.bias, torch.float32))
 
     def _plan_attention(self, a: Attention) -> AttentionPlan:
         if a.sinks is not None:
             raise NotImplementedError("attention sinks (GPT-OSS) are not implemented in the torch executor")
-        qkv_weight, qkv_bias = self._fused([a.qkv] if a.qkv is not None else [a.q, a.k, a.v])
+        qkv = [self._linear(a.qkv)] if a.qkv is not None else [self._linear(x) for x in (a.q, a.k, a.v)]
         rope = None
         if a.rope is not None:
             if a.rope not in self._tables:
                 self._tables[a.rope] = RotaryTables(a.rope, self.device, self.dtype)
             rope = self._tables[a.rope]
         return AttentionPlan(
-            a.num_heads, a.num_kv_heads, a.head_dim, a.scale, qkv_weight, qkv_bias,
-            self._weight(a.o.weight), self._weight(a.o.bias), self._norm(a.q_norm), self._norm(a.k_norm),
-            a.qk_norm_per_head, rope, a.sliding_window, a.logit_softcap)
+            a.num_heads, a.num_kv_heads, a.head_dim, a.scale, qkv, self._linear(a.o), self._norm(a.q_norm),
+            self._norm(a.k_norm), a.qk_norm_per_head, rope, a.sliding_window, a.logit_softcap)
 
     def _plan_mlp(self, mlp: MLP) -> MLPPlan:
         if mlp.activation not in ACTIVATIONS:
             raise NotImplementedError(f"activation {mlp.activation!r} is not implemented in the executor")
         if not mlp.gated:
-            up, up_bias = self._fused([mlp.up])
+            up = [self._linear(mlp.up)]
+        elif mlp.gate_up is not None:
+            up = [self._linear(mlp.gate_up)]
         else:
-            up, up_bias = self._fused([mlp.gate_up] if mlp.gate_up is not None else [mlp.gate, mlp.up])
-        return MLPPlan(mlp.activation, mlp.gated, up, up_bias, self._weight(mlp.down.weight),
-                       self._weight(mlp.down.bias))
+            up = [self._linear(mlp.gate), self._linear(mlp.up)]
+        return MLPPlan(mlp.activation, mlp.gated, up, self._linear(mlp.down))
 
     def _plan_layer(self, layer: DecoderLayer) -> LayerPlan:
         if isinstance(layer.ffn, MoE):
@@ -152,10 +166,10 @@ class Executor:
             ffn = MoEPlan(
                 moe.top_k, moe.normalize_top_k, moe.scoring,
                 # Routing is a discrete choice: score it in float32 so bf16 rounding can't flip an expert.
-                self._weight(moe.router.weight, torch.float32), self._weight(moe.router.bias, torch.float32),
+                self._dense(moe.router.weight, torch.float32), self._dense(moe.router.bias, torch.float32),
                 [self._plan_mlp(e) for e in moe.experts],
                 self._plan_mlp(moe.shared_expert) if moe.shared_expert is not None else None,
-                self._weight(moe.shared_expert_gate.weight) if moe.shared_expert_gate is not None else None)
+                self._dense(moe.shared_expert_gate.weight) if moe.shared_expert_gate is not None else None)
         else:
             ffn = self._plan_mlp(layer.ffn)
         return LayerPlan(self._plan_attention(layer.attention), ffn, self._norm(layer.attn_norm),
@@ -183,7 +197,7 @@ class Executor:
         if cache is not None:
             cache.check_room(ids.numel())
             start = cache.length
-        x = F.embedding(ids, self.embed)
+        x = self.embed(ids)
         if self.embed_scale is not None:
             x = x * self.embed_scale
         masks = _Masks(ids.numel(), start, self.device)
@@ -191,7 +205,7 @@ class Executor:
             x = self._layer(x, layer, index, cache, start, masks)
         if cache is not None:
             cache.advance(ids.numel())
-        logits = F.linear(self.final_norm(x), self.lm_head).float()
+        logits = self.lm_head(self.final_norm(x)).float()
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap
         return logits
@@ -215,7 +229,10 @@ def attention(x: torch.Tensor, p: AttentionPlan, index: int, cache: KVCache | No
     """Self-attention of x [T, hidden] at positions start.. (keys/values appended to `cache`)."""
     T = x.shape[0]
     q_size, kv_size = p.num_heads * p.head_dim, p.num_kv_heads * p.head_dim
-    q, k, v = F.linear(x, p.qkv_weight, p.qkv_bias).split([q_size, kv_size, kv_size], dim=-1)
+    if len(p.qkv) == 1:
+        q, k, v = p.qkv[0](x).split([q_size, kv_size, kv_size], dim=-1)
+    else:
+        q, k, v = (op(x) for op in p.qkv)
     if p.q_norm is not None and not p.qk_norm_per_head:  # OLMo-2: over the whole projection
         q, k = p.q_norm(q), p.k_norm(k)
     q = q.reshape(T, p.num_heads, p.head_dim)
@@ -245,7 +262,7 @@ def attention(x: torch.Tensor, p: AttentionPlan, index: int, cache: KVCache | No
             scores = scores.masked_fill(~mask, float("-inf"))
         out = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
     out = out.reshape(p.num_heads, T, p.head_dim).transpose(0, 1).reshape(T, q_size)
-    return F.linear(out, p.o_weight, p.o_bias)
+    return p.o(out)
 
 
 class _Masks:

@@ -7,15 +7,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .linear import LinearOp
+
 
 @dataclass
 class MLPPlan:
     activation: str
     gated: bool
-    up_weight: torch.Tensor  # [gate; up] when gated, else up
-    up_bias: torch.Tensor | None
-    down_weight: torch.Tensor
-    down_bias: torch.Tensor | None
+    up: list[LinearOp]  # [gate_up] fused, [gate, up] separate, or [up] when not gated
+    down: LinearOp
 
 
 @dataclass
@@ -48,13 +48,12 @@ def activate(name: str, x: torch.Tensor) -> torch.Tensor:
 
 def run_mlp(x: torch.Tensor, p: MLPPlan) -> torch.Tensor:
     """down(act(gate(x)) * up(x)), or down(act(up(x))) when not gated."""
-    h = F.linear(x, p.up_weight, p.up_bias)
-    if p.gated:
-        gate, up = h.chunk(2, dim=-1)
-        h = activate(p.activation, gate) * up
+    if not p.gated:
+        h = activate(p.activation, p.up[0](x))
     else:
-        h = activate(p.activation, h)
-    return F.linear(h, p.down_weight, p.down_bias)
+        gate, up = p.up[0](x).chunk(2, dim=-1) if len(p.up) == 1 else (p.up[0](x), p.up[1](x))
+        h = activate(p.activation, gate) * up
+    return p.down(h)
 
 
 def run_moe(x: torch.Tensor, p: MoEPlan) -> torch.Tensor:

@@ -1,7 +1,7 @@
 """`load(path)`: open a .thin artifact and wrap everything needed to run it in a `ThinModel`.
 
-Weights are not copied: each tensor is the format's reference `decode` of a uint8 view of
-the artifact's mapped bytes. The executor decides where they live on the device.
+Weights are not copied here: the executor receives uint8 views of the artifact's mapped bytes
+and its LinearOps decide what lives where (runtime/linear.py).
 """
 
 from __future__ import annotations
@@ -42,20 +42,16 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return device
 
 
-def _tensor_getter(artifact, model_ir):
-    from thin.ir.formats import reference
+def _raw_getter(artifact):
+    """get_raw(name): the tensor's encoded bytes as a uint8 torch view of the mapped file (no copy)."""
 
-    records = model_ir.tensor_map()
-
-    def get_tensor(name: str) -> torch.Tensor:
-        record = records[name]
+    def get_raw(name: str) -> torch.Tensor:
         # open_artifact maps the file copy-on-write, so its views are writable: torch.frombuffer
         # takes them without a copy and without the read-only-buffer warning.
         view = artifact.buffer(name)
-        raw = torch.frombuffer(view, dtype=torch.uint8) if len(view) else torch.empty(0, dtype=torch.uint8)
-        return reference.decode(record.encoding.format, raw, record.shape, record.encoding.params)
+        return torch.frombuffer(view, dtype=torch.uint8) if len(view) else torch.empty(0, dtype=torch.uint8)
 
-    return get_tensor
+    return get_raw
 
 
 class ThinModel:
@@ -164,7 +160,7 @@ def load(path, device: str | torch.device = "cpu", verify: bool = False) -> Thin
             raise ChecksumMismatchError(f"{path}: checksum mismatch in {len(bad)} tensor(s), first {bad[0]!r}; "
                                 f"the file is damaged, re-download or recompile it")
     model_ir = artifact.model
-    executor = Executor(model_ir, _tensor_getter(artifact, model_ir), device=str(device))
+    executor = Executor(model_ir, _raw_getter(artifact), device=str(device))
     files = artifact.tokenizer_files()
     # A model compiled without tokenizer files still runs on token ids.
     tokenizer = Tokenizer.from_files(files) if "tokenizer.json" in files else None

@@ -39,7 +39,7 @@ def compiled(checkpoint, tmp_path_factory):
 def test_compile_prints_stages_and_summary(compiled):
     out, run = compiled
     assert out.is_file()
-    for stage in ("load checkpoint", "pass canonicalize", "write tensors"):
+    for stage in ("load checkpoint", "pass fuse_projections", "write tensors"):
         assert stage in run.stderr
     for row in ("parameters", "tensors", "file bytes", "key", "time"):
         assert row in run.stdout
@@ -121,8 +121,8 @@ def test_dump_ir_and_no_fuse(checkpoint, tmp_path):
     dump = tmp_path / "ir"
     run = _cli("thinc", "compile", checkpoint, "-o", tmp_path / "m.thin", "--dump-ir", dump, "--no-fuse", "-q")
     assert run.returncode == 0, run.stderr
-    assert sorted(p.name for p in dump.iterdir()) == ["00-input.txt", "01-canonicalize.txt"]
-    assert "attn.qkv" not in (dump / "01-canonicalize.txt").read_text()
+    assert sorted(p.name for p in dump.iterdir()) == ["00-input.txt", "01-order_tensors.txt"]
+    assert "attn.qkv" not in (dump / "01-order_tensors.txt").read_text()
 
 
 def test_unknown_architecture_and_missing_dir_are_one_line_errors(checkpoint, tmp_path):
@@ -160,7 +160,7 @@ def test_python_api_round_trip(checkpoint, tmp_path):
     cos = torch.nn.functional.cosine_similarity(ours, ref, dim=-1)
     assert cos.min() > 0.9999 and torch.equal(ours.argmax(-1), ref.argmax(-1))
     with pytest.raises(Exception, match="unknown compile option"):
-        compile_model(checkpoint, tmp_path / "x.thin", quantize="int4")
+        compile_model(checkpoint, tmp_path / "x.thin", quantise="int4")
 
 
 def test_interactive_chat_in_a_real_terminal(compiled):

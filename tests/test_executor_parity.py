@@ -104,7 +104,8 @@ def test_bf16_checkpoint_runs_at_stored_precision(tmp_path):
     path = make_checkpoint("qwen3", tmp_path, dtype=torch.bfloat16)
     source = load_checkpoint(path)
     assert {t.encoding.format for t in source.program.model.tensors} == {"bf16"}
-    assert source.program.load("embed.weight").dtype == torch.bfloat16
+    raw = source.program.load("embed.weight")  # the weight contract: encoded bytes, here bf16's
+    assert raw.dtype == torch.uint8 and raw.numel() == 2 * source.program.model.vocab_size * 64
     executor = Executor(source.program.model, source.program.load)
     ids = _ids(SEQ)
     cosine = F.cosine_similarity(executor.forward(ids), _reference_logits(load_reference(path), ids), dim=-1)

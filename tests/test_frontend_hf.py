@@ -20,7 +20,7 @@ from thin.compiler.hf import (
     load_checkpoint,
     register,
 )
-from thin.ir import MoE, verify
+from thin.ir import MoE, formats, verify
 
 from hf_tiny import FAMILIES, build_model, make_checkpoint
 
@@ -53,8 +53,9 @@ def test_ir_verifies_and_loads_every_tensor(family, tmp_path):
     assert model.family == family
     for t in model.tensors:
         assert t.encoding.format == t.source_dtype == "f32"
-        data = source.program.load(t.name)
-        assert tuple(data.shape) == t.shape and data.dtype == torch.float32, t.name
+        raw = source.program.load(t.name)  # encoded bytes, which f32 decodes back to the tensor
+        assert raw.dtype == torch.uint8 and raw.dim() == 1, t.name
+        assert tuple(formats.decode("f32", raw, t.shape).shape) == t.shape, t.name
     assert set(source.program.weights) == {t.name for t in model.tensors}
     assert source.config["architectures"] == [model.architecture]
     assert source.generation_config.get("eos_token_id") == 2

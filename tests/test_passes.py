@@ -1,12 +1,12 @@
-"""The pass runner and canonicalize."""
+"""The pass runner, fuse_projections and order_tensors."""
 
 import dataclasses
 
 import pytest
 import torch
 
-from thin.ir import Encoding, Linear, Program, Tensor, format_ir
-from thin.passes import PassContext, PassError, canonicalize, run_passes
+from thin.ir import Encoding, Linear, Program, Tensor, format_ir, formats
+from thin.passes import PassContext, PassError, fuse_projections, order_tensors, run_passes
 
 from ir_fixtures import tiny_model
 
@@ -14,7 +14,14 @@ from ir_fixtures import tiny_model
 def _program(model):
     gen = torch.Generator().manual_seed(0)
     data = {t.name: torch.randn(t.shape, generator=gen) for t in model.tensors}
-    return Program(model, {name: (lambda v=v: v) for name, v in data.items()}), data
+    # The weight contract: loaders hand out each tensor's encoded bytes.
+    raw = {t.name: formats.encode(t.encoding.format, data[t.name]) for t in model.tensors}
+    return Program(model, {name: (lambda v=v: v) for name, v in raw.items()}), data
+
+
+def _decoded(program, name):
+    t = program.model.tensor(name)
+    return formats.decode(t.encoding.format, program.load(name), t.shape, t.encoding.params)
 
 
 def _expected_fused(model):
@@ -39,22 +46,22 @@ def _expected_fused(model):
     return dataclasses.replace(model, layers=tuple(layers), tensors=tuple(tensors[n] for n in order))
 
 
-def test_canonicalize_fuses_projections_in_execution_order():
+def test_fusion_then_order_gives_the_canonical_form():
     before = tiny_model()
     program, data = _program(before)
-    after = run_passes(program, [canonicalize], PassContext())
+    after = run_passes(program, [fuse_projections, order_tensors], PassContext())
     assert after.model == _expected_fused(before)
-    qkv = after.load("layers.1.attn.qkv.weight")
+    qkv = _decoded(after, "layers.1.attn.qkv.weight")
     p = "layers.1.attn."
     assert torch.equal(qkv, torch.cat([data[p + "q.weight"], data[p + "k.weight"], data[p + "v.weight"]]))
-    gate_up = after.load("layers.0.ffn.gate_up.weight")
+    gate_up = _decoded(after, "layers.0.ffn.gate_up.weight")
     assert torch.equal(gate_up, torch.cat([data["layers.0.ffn.gate.weight"], data["layers.0.ffn.up.weight"]]))
 
 
-def test_canonicalize_without_fusion_only_orders():
+def test_order_alone_keeps_the_structure():
     before = tiny_model()
     program, _ = _program(before)
-    after = run_passes(program, [canonicalize], PassContext(options={"fuse_projections": False}))
+    after = run_passes(program, [order_tensors], PassContext())
     assert after.model.layers == before.layers
     assert sorted(t.name for t in after.model.tensors) == sorted(t.name for t in before.tensors)
 
@@ -64,7 +71,7 @@ def test_mixed_formats_are_not_fused():
     tensors = tuple(dataclasses.replace(t, encoding=Encoding("bf16"), source_dtype="bf16")
                     if t.name == "layers.0.attn.k.weight" else t for t in before.tensors)
     program, _ = _program(dataclasses.replace(before, tensors=tensors))
-    after = run_passes(program, [canonicalize], PassContext())
+    after = run_passes(program, [fuse_projections], PassContext())
     assert after.model.layers[0].attention.qkv is None
     assert after.model.layers[1].attention.qkv is not None
 
@@ -75,8 +82,8 @@ def test_runner_names_the_failing_pass_and_those_before(tmp_path):
         return program.replace(model=dataclasses.replace(program.model, vocab_size=7))
 
     program, _ = _program(tiny_model())
-    with pytest.raises(PassError, match=r"pass 'drop_a_layer' failed \(passes already run: canonicalize\)"):
-        run_passes(program, [canonicalize, drop_a_layer], PassContext(), dump_dir=tmp_path)
+    with pytest.raises(PassError, match=r"pass 'drop_a_layer' failed \(passes already run: fuse_projections\)"):
+        run_passes(program, [fuse_projections, drop_a_layer], PassContext(), dump_dir=tmp_path)
     # The dump holds the input and each pass that succeeded.
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["00-input.txt", "01-canonicalize.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["00-input.txt", "01-fuse_projections.txt"]
     assert (tmp_path / "00-input.txt").read_text() == format_ir(tiny_model())

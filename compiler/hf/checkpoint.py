@@ -10,8 +10,8 @@ buffer is freed as soon as the tensor has been written.
 from __future__ import annotations
 
 import json
-from math import prod
 from dataclasses import dataclass
+from math import prod
 from pathlib import Path
 
 from thin.ir import formats
