@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from math import prod
 
 from .reader import Artifact, open_artifact
 from .spec import PREAMBLE_SIZE, SECTION_NAMES, pack
@@ -24,11 +25,18 @@ def describe(artifact: Artifact | str | os.PathLike) -> dict:
             entry["present"] = artifact.section(name) not in (None, "", {})
         sections[name] = entry
     by_format: dict[str, dict] = {}
+    by_role: dict[str, dict] = {}
     for name in artifact.tensor_names():
         e = artifact.tensor_entry(name)
-        slot = by_format.setdefault(e.format, {"count": 0, "bytes": 0})
-        slot["count"] += 1
-        slot["bytes"] += e.size
+        for table, key in ((by_format, e.format), (by_role, f"{e.role} {_encoding_label(e)}")):
+            slot = table.setdefault(key, {"count": 0, "bytes": 0, "parameters": 0})
+            slot["count"] += 1
+            slot["bytes"] += e.size
+            slot["parameters"] += prod(e.shape)
+    for slot in (*by_format.values(), *by_role.values()):
+        slot["bits_per_weight"] = round(8 * slot["bytes"] / max(slot["parameters"], 1), 4)
+    total_bytes = sum(v["bytes"] for v in by_format.values())
+    total_parameters = sum(v["parameters"] for v in by_format.values())
     m = artifact.model
     return {
         "path": str(artifact.path),
@@ -43,9 +51,28 @@ def describe(artifact: Artifact | str | os.PathLike) -> dict:
         "compile_config": artifact.compile_config,
         "sections": sections,
         "tensors": {"count": sum(v["count"] for v in by_format.values()),
-                    "bytes": sum(v["bytes"] for v in by_format.values()),
-                    "by_format": dict(sorted(by_format.items()))},
+                    "bytes": total_bytes, "parameters": total_parameters,
+                    "bits_per_weight": round(8 * total_bytes / max(total_parameters, 1), 4),
+                    "by_format": dict(sorted(by_format.items())),
+                    "by_role": dict(sorted(by_role.items()))},
+        "precision_plan": artifact.section("precision_plan"),
     }
+
+
+def _encoding_label(e) -> str:
+    """`int4(asymmetric=0,group_size=128)`: a format with its parameters, as one word."""
+    return e.format + (f"({','.join(f'{k}={v}' for k, v in e.params)})" if e.params else "")
+
+
+def _flat(config: dict, prefix: str = "") -> list[tuple[str, object]]:
+    """Nested option mappings as sorted dotted (key, value) pairs: quantize.format=int4."""
+    out = []
+    for key, value in sorted(config.items(), key=lambda kv: str(kv[0])):
+        if isinstance(value, dict):
+            out += _flat(value, f"{prefix}{key}.")
+        else:
+            out.append((f"{prefix}{key}", value))
+    return out
 
 
 def human_size(n: int) -> str:
@@ -74,14 +101,22 @@ def render_description(d: dict) -> str:
         f"key       {d['key'] or '(none)'}",
         f"thin      {d['provenance'].get('thin_version', '?')}",
         f"source    config.json sha256 {d['provenance'].get('source_config_sha256', '?')}",
-        "compile   " + (" ".join(f"{k}={v}" for k, v in sorted((d["compile_config"] or {}).items())) or "-"),
+        "compile   " + (" ".join(f"{k}={v}" for k, v in _flat(d["compile_config"] or {})) or "-"),
         "",
         "tensors",
     ]
-    rows = [("format", "count", "bytes")]
-    rows += [(f, str(v["count"]), human_size(v["bytes"])) for f, v in d["tensors"]["by_format"].items()]
-    rows.append(("total", str(d["tensors"]["count"]), human_size(d["tensors"]["bytes"])))
-    lines += _table(rows, (1, 2))
+    t = d["tensors"]
+    rows = [("format", "count", "bytes", "bits/weight")]
+    rows += [(f, str(v["count"]), human_size(v["bytes"]), f"{v['bits_per_weight']:.3f}")
+             for f, v in t["by_format"].items()]
+    rows.append(("total", str(t["count"]), human_size(t["bytes"]), f"{t['bits_per_weight']:.3f}"))
+    lines += _table(rows, (1, 2, 3))
+    lines += ["", "tensors by role"]
+    rows = [("role", "encoding", "count", "bytes", "bits/weight")]
+    for key, v in t["by_role"].items():
+        role, encoding = key.split(" ", 1)
+        rows.append((role, encoding, str(v["count"]), human_size(v["bytes"]), f"{v['bits_per_weight']:.3f}"))
+    lines += _table(rows, (2, 3, 4))
     lines += ["", "sections"]
     rows = [("section", "stored", "contents")]
     for name, s in d["sections"].items():

@@ -12,6 +12,18 @@ app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_
                   help="thin's compiler: Hugging Face checkpoint in, one verified .thin file out.")
 
 _FUSE_HELP = "Keep q/k/v and gate/up as separate projections (default: fuse them)."
+_QUANT_HELP = ("Store every linear weight in FORMAT, round-to-nearest: fp8_e4m3, int8, int3..int6, mxfp4, "
+               "q2, q1 (`thinc formats` lists them). Embeddings and norms stay as stored.")
+_GROUP_HELP = "Group size along the input dimension for formats with groups (default: the format's)."
+_ASYM_HELP = "Grouped integer formats: store a per-group offset as well as a scale."
+_KEEP_HEAD_HELP = "Leave an untied LM head as stored when quantizing."
+
+
+def _config(no_fuse: bool, quant: str | None, group_size: int | None, asymmetric: bool, keep_lm_head: bool):
+    from .config import CompileConfig
+
+    return CompileConfig.from_options(fuse_projections=not no_fuse, quant=quant, group_size=group_size,
+                                      asymmetric=asymmetric, keep_lm_head=keep_lm_head)
 
 
 def _fail(message: str, code: int = 1) -> None:
@@ -65,16 +77,19 @@ def compile(
     cache_dir: Path | None = typer.Option(
         None, "--cache-dir", help="Reuse DIR/<key>.thin when present; store new builds there."),
     no_fuse: bool = typer.Option(False, "--no-fuse", help=_FUSE_HELP),
+    quant: str | None = typer.Option(None, "--quant", metavar="FORMAT", help=_QUANT_HELP),
+    group_size: int | None = typer.Option(None, "--group-size", metavar="N", help=_GROUP_HELP),
+    asymmetric: bool = typer.Option(False, "--asymmetric", help=_ASYM_HELP),
+    keep_lm_head: bool = typer.Option(False, "--keep-lm-head", help=_KEEP_HEAD_HELP),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="Print only the summary."),
 ):
-    """Compile MODEL_DIR into one .thin file (unquantized: every tensor at its stored precision)."""
+    """Compile MODEL_DIR into one .thin file. Without --quant every tensor keeps its stored precision."""
     from thin.artifacts import human_size
 
     from .build import build
-    from .config import CompileConfig
 
     def run():
-        config = CompileConfig(fuse_projections=not no_fuse)
+        config = _config(no_fuse, quant, group_size, asymmetric, keep_lm_head)
         return build(model_dir, output, config, cache_dir=cache_dir, dump_ir=dump_ir,
                      progress=_StageProgress(quiet))
 
@@ -86,7 +101,8 @@ def compile(
         ("output", str(report.output)),
         ("parameters", f"{report.parameters:,}"),
         ("tensors", f"{report.tensors} ({formats})"),
-        ("tensor bytes", human_size(report.tensor_bytes)),
+        ("tensor bytes", f"{human_size(report.tensor_bytes)} ({8 * report.tensor_bytes / report.parameters:.2f} "
+                         "bits per weight)"),
         ("file bytes", human_size(report.file_bytes)),
         ("key", report.key[:16]),
         ("time", " ".join(f"{k} {v:.2f}s" for k, v in report.seconds.items())
@@ -136,19 +152,36 @@ def verify(file: Path = typer.Argument(..., help="A .thin file.")):
 def key(
     model_dir: Path = typer.Argument(..., help="Hugging Face model folder."),
     no_fuse: bool = typer.Option(False, "--no-fuse", help=_FUSE_HELP),
+    quant: str | None = typer.Option(None, "--quant", metavar="FORMAT", help=_QUANT_HELP),
+    group_size: int | None = typer.Option(None, "--group-size", metavar="N", help=_GROUP_HELP),
+    asymmetric: bool = typer.Option(False, "--asymmetric", help=_ASYM_HELP),
+    keep_lm_head: bool = typer.Option(False, "--keep-lm-head", help=_KEEP_HEAD_HELP),
 ):
     """Print the cache key `thinc compile` would give MODEL_DIR with these options."""
     from thin.artifacts import compute_key
 
-    from .config import CompileConfig
-
     def run():
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"{model_dir} has no config.json; give a Hugging Face model folder")
-        config = CompileConfig(fuse_projections=not no_fuse)
+        config = _config(no_fuse, quant, group_size, asymmetric, keep_lm_head)
         return compute_key(model_dir, config.to_plain(), calibration=None, target=config.target)
 
     typer.echo(_guard(run))
+
+
+@app.command("formats")
+def formats_command():
+    """List the storage formats, their parameters and bits per weight (on a 4096x4096 weight)."""
+    from thin.ir import formats
+
+    rows = [("format", "params (default)", "bits/weight", "description")]
+    for fmt in formats.FORMATS.values():
+        params = ", ".join(f"{k} {'/'.join(map(str, p.choices))} ({p.default})" for k, p in fmt.params.items())
+        rows.append((fmt.name, params or "-", f"{fmt.bits_per_weight((4096, 4096)):.3f}",
+                     fmt.description.splitlines()[0]))
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    for r in rows:
+        typer.echo("  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3])
 
 
 def main() -> None:

@@ -139,6 +139,8 @@ def run(
     seed: int | None = typer.Option(None, help="Seed for sampling: same seed, same text."),
     device: str = typer.Option("cpu", help="cpu or cuda."),
     verify: bool = typer.Option(False, "--verify", help="Check every tensor's checksum before running."),
+    verbose: bool = typer.Option(False, "--verbose", "-v",
+                                 help="Say which implementation runs each weight format on this device."),
 ):
     from thin.runtime import load
 
@@ -150,6 +152,8 @@ def run(
         if not model_path.is_file():
             raise _UserError(f"not a file: {model_path}")
         model = load(model_path, device=device, verify=verify)
+        if verbose:
+            typer.echo(f"thin-exec: {model.describe_implementations()}", err=True)
         try:
             model.generation_options(**options)  # reject bad values before any prompt is read
         except ValueError as e:

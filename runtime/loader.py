@@ -68,6 +68,14 @@ class ThinModel:
         self.generation_config: dict = dict(artifact.generation_config or {})
         self.last_stats = GenerationStats()
 
+    def describe_implementations(self) -> str:
+        """One line: which implementation serves the model's linear weights, per format, here."""
+        counts: dict[tuple[str, str], int] = {}
+        for op in self.executor.linear_ops():
+            counts[(op.format, op.implementation)] = counts.get((op.format, op.implementation), 0) + 1
+        served = ", ".join(f"{fmt} x{n} -> {impl}" for (fmt, impl), n in sorted(counts.items()))
+        return f"linear weights on {self.device.type}: {served}"
+
     def forward(self, input_ids) -> torch.Tensor:
         """float32 logits [T, vocab] for a full sequence of ids (no cache)."""
         ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1).to(self.device)

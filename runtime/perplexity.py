@@ -25,6 +25,7 @@ class Window:
     positions: torch.Tensor  # [n] LongTensor: positions in the text of the scored tokens
     targets: torch.Tensor  # [n] LongTensor: the tokens at those positions
     logprobs: torch.Tensor  # [n, vocab] float32 log-softmax of the logits predicting them
+    logits: torch.Tensor | None = None  # [n, vocab] float32: the logits themselves
 
 
 def _forward(model, ids: torch.Tensor) -> torch.Tensor:
@@ -74,7 +75,7 @@ def iter_logprobs(model, token_ids: Sequence[int] | torch.Tensor, *, context: in
         # logits[i] predicts window[i + 1]; keep the rows whose targets were not scored before.
         rows = logits[first - begin - 1:end - begin - 1].float()
         yield Window(positions=torch.arange(first, end), targets=ids[first:end],
-                     logprobs=torch.log_softmax(rows, dim=-1).cpu())
+                     logprobs=torch.log_softmax(rows, dim=-1).cpu(), logits=rows.cpu())
 
 
 def _max_positions(model) -> int | None:

@@ -1,0 +1,104 @@
+"""Quality of compiled models against their source, teacher-forced on held-out text.
+
+    python examples/benchmarks/bench_quality.py examples/models/tiny-coder \
+        --config int8 --config fp8_e4m3 --config int4:g32 --config int4:g128:asym
+
+Each --config is compiler options in short form: `FORMAT[:gN][:asym][:keep-head]` for `--quant`
+(`exact` compiles without quantization); or any `key=value` pairs of `compile_model` options joined
+by commas (`bpw=5.06` once the planner exists). The source model runs in float32 through thin's
+executor (the same numbers as transformers, see the parity tests); each artifact runs on the CPU.
+Text: the first N tokens of the held-out stdlib modules (thin.compiler.corpus.heldout_text),
+scored in windows of --context tokens, each scoring --stride new positions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from pathlib import Path
+
+
+def parse_config(text: str) -> dict:
+    """`int4:g32:asym` -> {"quant": "int4", "group_size": 32, "asymmetric": True}; `k=v,...` as is."""
+    if "=" in text:
+        out = {}
+        for pair in text.split(","):
+            key, value = pair.split("=", 1)
+            out[key] = json.loads(value) if value[:1].isdigit() or value in ("true", "false") else value
+        return out
+    fields = text.split(":")
+    if fields[0] == "exact":
+        return {}
+    options = {"quant": fields[0]}
+    for f in fields[1:]:
+        if f.startswith("g"):
+            options["group_size"] = int(f[1:])
+        elif f == "asym":
+            options["asymmetric"] = True
+        elif f == "keep-head":
+            options["keep_lm_head"] = True
+        else:
+            raise SystemExit(f"unknown config field {f!r} in {text!r}")
+    return options
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model_dir", type=Path)
+    parser.add_argument("--config", action="append", required=True, help="see above; repeat for several")
+    parser.add_argument("--tokens", type=int, default=4224, help="held-out tokens to score (default 4224)")
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--stride", type=int, default=128)
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON too")
+    args = parser.parse_args()
+
+    import torch
+
+    from thin.compiler import compile_model
+    from thin.compiler.corpus import heldout_text
+    from thin.compiler.hf import load_checkpoint
+    from thin.runtime import load
+    from thin.runtime.executor import Executor
+    from thin.runtime.quality import compare
+
+    torch.manual_seed(0)
+    source = load_checkpoint(args.model_dir)
+    reference = Executor(source.program.model, source.program.load)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, text in enumerate(args.config):
+            options = parse_config(text)
+            path = Path(tmp) / f"{i}.thin"
+            t0 = time.perf_counter()
+            compile_model(args.model_dir, path, **options)
+            seconds = time.perf_counter() - t0
+            model = load(path)
+            ids = model.encode(heldout_text())[:args.tokens]
+            result = compare(reference, model, ids, context=args.context, stride=args.stride)
+            tensor_bytes = sum(model.artifact.tensor_entry(n)["size"] for n in model.artifact.tensor_names())
+            parameters = sum(_numel(t.shape) for t in model.ir.tensors)
+            rows.append({"config": text, "bits_per_weight": 8 * tensor_bytes / parameters,
+                         "file_bytes": path.stat().st_size, "compile_s": seconds, **result.to_plain()})
+            print(f"{text:<24} {rows[-1]['bits_per_weight']:6.3f} bpw  {result.summary()}", flush=True)
+    print()
+    print("| config | bits per weight | file | mean KLD | KLD p99 | top-1 | ppl (source) | positions |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['config']} | {r['bits_per_weight']:.2f} | {r['file_bytes'] / 2**20:.2f} MiB | "
+              f"{r['mean_kld']:.5f} | {r['kld_p99']:.4f} | {100 * r['top1_agreement']:.1f}% | "
+              f"{r['perplexity_candidate']:.3f} ({r['perplexity_reference']:.3f}) | {r['positions']} |")
+    if args.json:
+        print(json.dumps(rows, indent=1))
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+if __name__ == "__main__":
+    main()
