@@ -8,6 +8,12 @@ from __future__ import annotations
 
 from .base import PART_ALIGN, Format, GridQuantizer, Param, Part
 from .dense import BF16, F16, F32
+from .fp8 import FP8_E4M3
+from .grouped_int import INT3, INT4, INT5, INT6
+from .int8 import INT8
+from .mxfp4 import MXFP4
+from .q1 import Q1_FORMAT
+from .q2 import Q2_FORMAT
 
 FORMATS: dict[str, Format] = {}
 
@@ -20,7 +26,7 @@ def register(fmt: Format) -> Format:
     return fmt
 
 
-for _fmt in (F32, F16, BF16):
+for _fmt in (F32, F16, BF16, FP8_E4M3, INT8, INT3, INT4, INT5, INT6, MXFP4, Q2_FORMAT, Q1_FORMAT):
     register(_fmt)
 
 

@@ -256,6 +256,11 @@ class GridQuantizer:
         blob = q.pack(w_hat, grids)               # codes are recovered exactly from w_hat
 
     `encode` is exactly this loop without any update, with `importance=None`.
+
+    `fit` also takes several whole blocks at once ([rows, n * block]) and returns one grid for
+    them all, the same as fitting them one at a time (a grid never looks across its block), and
+    `pack` takes the grids in column order however many blocks each covers. `encode` fits the
+    whole weight in one call, so no Python loop runs over rows or groups.
     """
 
     block: int
@@ -264,8 +269,9 @@ class GridQuantizer:
         """See the whole float32 weight [rows, cols] once before any `fit`."""
 
     def fit(self, w_block, importance=None):
-        """The grid for one block of columns [rows, block] (float32), optionally weighting each
-        column's squared error by `importance` [block] (e.g. the diagonal of the input Hessian)."""
+        """The grid for one block of columns [rows, block] (float32), or for several whole blocks
+        [rows, n * block], optionally weighting each column's squared error by `importance`
+        [block] or [n * block] (e.g. the diagonal of the input Hessian)."""
         raise NotImplementedError
 
     def project(self, w_cols, grid, offset: int = 0):
