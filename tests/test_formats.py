@@ -458,3 +458,20 @@ def test_huge_and_tiny_weights_stay_finite(name, params, magnitude):
     wide_scales = name in ("fp8_e4m3", "int8", "mxfp4", "q2", "q1")
     if wide_scales and magnitude in (1e30, 1e-30):
         assert _sqnr_db([w], [out]) >= FLOORS[_id(name, params)][0] - 1.5
+
+
+# ---- devices ----------------------------------------------------------------------------------
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, params", CASES)
+def test_cuda_encodes_and_decodes_the_same_bytes(name, params):
+    """The reference runs on whatever device the weight is on, with the same result."""
+    fmt, p = formats.get(name), _params(params)
+    w = _gaussian(256, 1024, seed=5) * torch.exp(_gaussian(256, 1024, seed=6))
+    blob = fmt.encode(w, p)
+    on_gpu = fmt.encode(w.cuda(), p)
+    assert torch.equal(on_gpu.cpu(), blob)
+    decoded = fmt.decode(on_gpu.cuda(), w.shape, p)
+    assert decoded.is_cuda and torch.equal(decoded.cpu(), fmt.decode(blob, w.shape, p))
+    index = torch.tensor([255, 3, 3], device="cuda")
+    assert torch.equal(fmt.decode_rows(on_gpu.cuda(), w.shape, p, index).cpu(), decoded.cpu()[[255, 3, 3]])

@@ -46,6 +46,7 @@ from .quantized import (
     QuantizedFormat,
     affine_least_squares,
     by_group,
+    divide,
     pack_bits,
     to_float16,
     unpack_bits,
@@ -142,7 +143,7 @@ class _GroupedIntQuantizer(GroupQuantizer):
         return {"scale": to_float16(torch.where(den > 0, scale, grid["scale"])).float()}
 
     def _affine(self, lo, hi):
-        return {"scale": to_float16((hi - lo) / self.top).float(), "offset": to_float16(lo).float()}
+        return {"scale": to_float16(divide(hi - lo, self.top)).float(), "offset": to_float16(lo).float()}
 
     def codes(self, w, grid):
         import torch

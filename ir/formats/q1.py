@@ -35,6 +35,7 @@ from .quantized import (
     float32_scale,
     pack_bits,
     to_e4m3,
+    tree_sum,
     unpack_bits,
 )
 
@@ -76,9 +77,10 @@ def values(bits, grid):
 
 
 def mean_magnitude(groups):
-    """mean |w| over the last dimension, divided before summing (a power of two, so exactly the
-    mean) so that a sum of huge weights can't overflow."""
-    return (groups.abs() * (1.0 / groups.shape[-1])).sum(-1)
+    """mean |w| over the last dimension: divided before summing (by a power of two, so exactly)
+    so that a sum of huge weights can't overflow, and summed in a fixed order (`tree_sum`) so that
+    CPU and GPU encodings agree to the byte."""
+    return tree_sum(groups.abs() * (1.0 / groups.shape[-1]))
 
 
 class _Q1Quantizer(GroupQuantizer):

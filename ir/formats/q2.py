@@ -39,6 +39,7 @@ from .quantized import (
     QuantizedFormat,
     affine_least_squares,
     by_group,
+    divide,
     float32_scale,
     pack_bits,
     to_e4m3,
@@ -89,7 +90,7 @@ def values(codes, grid):
 def group_ranges(groups):
     """(s_g, m_g) of weight groups [rows, groups, g]: step (max - min) / 3 and offset min."""
     lo, hi = groups.amin(-1), groups.amax(-1)
-    return (hi / TOP - lo / TOP), lo  # divided first: the difference can't overflow
+    return divide(hi, TOP) - divide(lo, TOP), lo  # divided first: the difference can't overflow
 
 
 class _Q2Quantizer(GroupQuantizer):
@@ -112,7 +113,7 @@ class _Q2Quantizer(GroupQuantizer):
         lo, hi = groups.amin(-1), groups.amax(-1)
         center, half = hi / 2 + lo / 2, hi / 2 - lo / 2
         for factor in RANGE_FACTORS:
-            yield self._grid(2 * factor * half / TOP, center - factor * half)
+            yield self._grid(divide(2 * factor * half, TOP), center - factor * half)
 
     def refine(self, groups, imp, grid):
         """Least-squares step and offset for the codes the best grid so far gives."""

@@ -61,11 +61,28 @@ def round_significand(x, bits: int = SCALE_SIGNIFICANT_BITS):
     return torch.ldexp(torch.round(mantissa * 2.0**bits), exponent - bits)
 
 
+def divide(x, constant: float):
+    """x / constant, correctly rounded on every device. (torch divides a CUDA tensor by a Python
+    number as a multiplication by its reciprocal, which can differ in the last bit; dividing by a
+    tensor keeps CPU and GPU encodings byte-identical.)"""
+    torch = _torch()
+    return x / torch.tensor(constant, dtype=x.dtype, device=x.device)
+
+
+def tree_sum(x):
+    """The sum over the last dimension (a power of two) as a tree of pairwise additions: the same
+    bits on every device and for any memory layout, which torch's reductions don't promise."""
+    while x.shape[-1] > 1:
+        half = x.shape[-1] // 2
+        x = x[..., :half] + x[..., half:]
+    return x[..., 0]
+
+
 def float32_scale(amax, top: float):
     """A float32 scale that maps `amax` to `top`: amax / top with 16 significant bits; 1 where that
     is zero or below the normal range (such rows hold nothing a float32 scale can resolve)."""
     torch = _torch()
-    scale = round_significand(amax / top)
+    scale = round_significand(divide(amax, top))
     return torch.where(scale >= FLOAT32_MIN_NORMAL, scale, torch.ones_like(scale))
 
 
