@@ -45,8 +45,9 @@ DOCUMENTED_BITS = {
     "q1": lambda p, k: 1 + 8 / p["group_size"] + 32 / k,
 }
 
-# SQNR floors in dB: (Gaussian 128x1024 seeded, tiny-coder weights). Each sits about 0.5 dB under
-# the measurement in the comment beside it (Gaussian / tiny-coder), so losing half a dB fails.
+# SQNR floors in dB of the reference encoder: (Gaussian 128x1024 seeded, three tiny-coder weights
+# together: MODEL_WEIGHTS). Each sits 0.5 dB under the measurement in the comment beside it
+# (Gaussian / tiny-coder), so losing half a dB fails; a better encoder raises the floor.
 FLOORS = {
     "fp8_e4m3": (31.1, 31.1),  # 31.56 / 31.63
     "int3-a0-g32": (14.7, 14.6),  # 15.18 / 15.14

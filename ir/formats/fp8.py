@@ -9,7 +9,8 @@ Bits per weight: 8 + 32 / K.
 
 Reference quantizer (round to nearest): scale = amax_row / 448 (448 is e4m3fn's largest finite
 value), kept to 16 significant bits (see `quantized.SCALE_SIGNIFICANT_BITS`), 1 for an all-zero
-row; values = e4m3(clamp(w / scale, -448, 448)), rounding to nearest even.
+row; values = e4m3(clamp(w / scale, -448, 448)), rounding to nearest even. Importance-weighted
+fits also try amax times each of `quantized.RANGE_FACTORS` (clipping).
 
 Why this layout suits a matrix-vector kernel: a row's K bytes are contiguous, so a warp reading
 one row issues fully coalesced 16-byte loads, and on GPUs with fp8 support the bytes convert to

@@ -26,7 +26,9 @@ Reference quantizer (round to nearest):
     asymmetric: scale = f16((max - min) / (2^b - 1)), offset = f16(min),
     u = clamp(round((w - offset) / scale), 0, 2^b - 1).
 Scales are rounded to float16 (clamped to its range) before the codes are computed; a group whose
-scale is zero stores the code of zero (symmetric) or 0 (asymmetric).
+scale is zero stores the code of zero (symmetric) or 0 (asymmetric). Importance-weighted fits
+also try the range scaled by each of `quantized.RANGE_FACTORS`, then the weighted least-squares
+scale (and offset) for the codes of the best grid so far.
 
 Why this layout suits a matrix-vector kernel: each plane is one contiguous run of bytes per row,
 so a warp streaming a row issues coalesced 16-byte loads of each plane; 8 weights come from one

@@ -10,7 +10,8 @@ Bits per weight: 8 + 32 / K.
 
 Reference quantizer (round to nearest): scale = amax_row / 127, kept to 16 significant bits (see
 `quantized.SCALE_SIGNIFICANT_BITS`), 1 for an all-zero row; values = clamp(round(w / scale),
--127, 127), rounding half to even.
+-127, 127), rounding half to even. Importance-weighted fits also try amax times each of
+`quantized.RANGE_FACTORS` (clipping).
 
 Why this layout suits a matrix-vector kernel: a row's K bytes are contiguous, so loads are fully
 coalesced and a 16-byte load yields 16 weights; int8 converts to float in one instruction (or

@@ -12,13 +12,16 @@ Layout of a weight [N, K] with group size g (parts 16-byte aligned, in this orde
     row_offset  float32 [N]
 Bits per weight: 2 + 16 / g + 64 / K.
 
-Reference quantizer (round to nearest): per group s_g = (max - min) / 3, m_g = min;
+Reference quantizer (round to nearest): per group s_g = (max - min) / 3 (computed as
+max / 3 - min / 3, which can't overflow), m_g = min;
 row_scale = max_g s_g / 448, row_offset = max_g |m_g| / 448 (each kept to 16 significant bits,
 see `quantized.SCALE_SIGNIFICANT_BITS`, and 1 for an all-zero row); the group's stored codes are
 e4m3(s_g / row_scale) and e4m3(m_g / row_offset), clamped to +-448; the codes u are then computed
 from the effective (decoded) step and offset: u = clamp(round((w - offset) / step), 0, 3), 0 where
 the step is 0. `start` takes the row scales from the whole weight; groups fitted later (after
-GPTQ's updates) clamp to the e4m3 range under those row scales.
+GPTQ's updates) clamp to the e4m3 range under those row scales. Importance-weighted fits also
+try the range scaled about its centre by each of `quantized.RANGE_FACTORS`, then the weighted
+least-squares step and offset for the codes of the best grid so far.
 
 Why this layout suits a matrix-vector kernel: a row's codes are contiguous (one 16-byte load
 brings 64 weights), the group scales and offsets are one byte each in their own parts, and the

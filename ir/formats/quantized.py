@@ -3,7 +3,8 @@ packing and rounding to the storage precision of scales.
 
 A quantized format stores each weight as a small code on a grid that is fixed per group of
 `block` consecutive columns of a row. Its quantizer describes that grid as a dict of tensors of
-shape [rows, groups] (`grid`), and supplies four elementwise hooks:
+shape [rows, groups] (`grid`), and supplies four hooks (the first two elementwise, the grid
+broadcast over the columns of its group):
 
     codes(w, grid)       the nearest code of each weight (round to nearest on the grid)
     values(codes, grid)  what the codes stand for (the format's decode, float32)
