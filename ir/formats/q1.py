@@ -97,8 +97,9 @@ class _Q1Quantizer(GroupQuantizer):
         return effective(to_e4m3(magnitude / self.row_scale.unsqueeze(1)).float(), self.row_scale)
 
     def candidates(self, groups, imp):
-        """The two e4m3 values around the weighted mean |w| (the weighted optimum; the error is a
-        parabola in the magnitude, so the best stored value is one of them)."""
+        """The e4m3 value nearest the weighted mean |w| (the weighted optimum) and its two
+        neighbours: the error is a parabola in the magnitude, so the best stored value is one of
+        the two around the optimum."""
         import torch
 
         weight = imp.expand_as(groups).sum(-1)
