@@ -18,11 +18,14 @@ from thin.ir import MLP, Attention, DecoderLayer, Linear, Model, MoE, Norm, RoPE
 
 from .ffn import ACTIVATIONS, MLPPlan, MoEPlan, run_ffn
 from .kv_cache import KVCache
-from .linear import DenseLinear, Embedding, LinearOp, load_weight, make_linear
+from .linear import Embedding, LinearOp, load_weight, make_linear
 from .rope import RotaryTables, apply_rotary
 
 # Raw bytes of a tensor by name: a flat uint8 torch tensor in the tensor's encoding.
 RawGetter = Callable[[str], torch.Tensor]
+# wrap_linear(weight name, op) -> op: lets a caller (the compiler's calibration and sensitivity
+# probes) interpose on every projection, the LM head included, without the executor knowing why.
+LinearWrapper = Callable[[str, LinearOp], LinearOp]
 
 
 @dataclass
@@ -75,10 +78,13 @@ class Executor:
     """Runs `model` on `device` with the encoded bytes `get_raw(name)` of each tensor.
 
     `get_raw` is the weight contract shared by the loaded artifact and the compile-time Program:
-    a flat uint8 tensor in the tensor's encoding (for dense formats, a free view)."""
+    a flat uint8 tensor in the tensor's encoding (for dense formats, a free view). `wrap_linear`,
+    when given, receives every LinearOp the executor builds (with its weight's name) and returns
+    the op to use in its place."""
 
-    def __init__(self, model: Model, get_raw: RawGetter, device="cpu"):
+    def __init__(self, model: Model, get_raw: RawGetter, device="cpu", wrap_linear: LinearWrapper | None = None):
         self.model = model
+        self._wrap = wrap_linear or (lambda name, op: op)
         self.device = torch.device(device)
         self.records = model.tensor_map()
         embed_record = self.records[model.embedding.weight]
@@ -95,8 +101,8 @@ class Executor:
             self.embed_scale = torch.tensor(model.embedding.scale, dtype=embed_dtype).to(self.dtype).item()
         self.layers = [self._plan_layer(layer) for layer in model.layers]
         self.final_norm = self._norm(model.final_norm)
-        if model.lm_head.tied and self.embed.dense is not None:
-            self.lm_head = DenseLinear(self.embed.dense, None, embed_record.encoding.format)  # shared, not copied
+        if model.lm_head.tied:
+            self.lm_head = self.embed.as_linear(embed_record)
         else:
             self.lm_head = self._linear(Linear(model.lm_head.weight))
         self.final_softcap = model.lm_head.final_softcap
@@ -110,8 +116,9 @@ class Executor:
         return load_weight(self.records[name], self._get(name), self.device, dtype or self.dtype)
 
     def _linear(self, lin: Linear) -> LinearOp:
-        return make_linear(self.records[lin.weight], self._get(lin.weight), self._dense(lin.bias), self.device,
-                           self.dtype)
+        op = make_linear(self.records[lin.weight], self._get(lin.weight), self._dense(lin.bias), self.device,
+                         self.dtype)
+        return self._wrap(lin.weight, op)
 
     def linear_ops(self) -> list[LinearOp]:
         """Every LinearOp of the model (for reports: which implementation serves what)."""

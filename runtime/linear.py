@@ -11,8 +11,11 @@ Implementations:
   into the mapped artifact, on CUDA one copy on the device); each call dequantizes the weight in
   row blocks and multiplies, so at most one block of one weight is ever dense. Slow, exact to
   the format's reference `decode`: it is what every kernel is tested against.
-- Triton kernels (`runtime/kernels/`) register for CUDA as they land; they are loaded lazily so
-  importing the runtime never imports triton.
+- `triton` (runtime/kernels/): every format on CUDA, reading the packed bytes in place: a matvec
+  for one row of activations (decode), a dequantize-a-tile-then-tl.dot matmul for many (prefill;
+  dense weights use cuBLAS there). Registered below by "module:factory" name, so importing the
+  runtime never imports triton; a factory returns None for a shape its tiles can't take, and the
+  torch path serves that weight.
 """
 
 from __future__ import annotations
@@ -112,20 +115,28 @@ def load_weight(record: Tensor, raw: torch.Tensor, device: torch.device, dtype: 
 
 
 class Embedding:
-    """Row lookup in a table stored in any format: quantized tables decode only the rows asked for."""
+    """Row lookup in a table stored in any format. Only the rows asked for are converted: a dense
+    table stays as stored (on the CPU a view of the mapped artifact), a quantized one is decoded
+    row by row."""
 
     def __init__(self, record: Tensor, raw: torch.Tensor, device: torch.device, dtype: torch.dtype):
         self.fmt = formats.get(record.encoding.format)
         self.shape, self.params, self.dtype = tuple(record.shape), record.encoding.params, dtype
-        self.dense = load_weight(record, raw, device, dtype) if self.fmt.dense else None
-        self.raw = None if self.fmt.dense else to_device(raw, device)
+        self.raw = to_device(raw, device)
+        self.table = self.fmt.decode(self.raw, self.shape, self.params) if self.fmt.dense else None
 
     def __call__(self, ids: torch.Tensor) -> torch.Tensor:
-        if self.dense is not None:
-            return F.embedding(ids, self.dense)
+        if self.table is not None:
+            return F.embedding(ids, self.table).to(self.dtype)
         unique, inverse = torch.unique(ids, return_inverse=True)
         rows = self.fmt.decode_rows(self.raw, self.shape, self.params, unique, self.dtype)
         return rows[inverse]
+
+    def as_linear(self, record: Tensor) -> LinearOp:
+        """The same table as a tied LM head (one dense copy in the compute dtype when dense)."""
+        if self.table is not None:
+            return DenseLinear(self.table.to(self.dtype), None, record.encoding.format)
+        return make_linear(record, self.raw, None, self.raw.device, self.dtype)
 
 
 # ---- the registry ------------------------------------------------------------------------------
@@ -148,7 +159,7 @@ class Implementation:
 
 
 _REGISTRY: dict[tuple[str, str], list[Implementation]] = {}
-_FACTORIES: dict[str, Factory | None] = {}
+_FACTORIES: dict[Implementation, Factory | None] = {}  # None where the implementation isn't available
 
 
 def register(format: str, device_type: str, impl: Implementation, *, first: bool = True) -> None:
@@ -159,14 +170,24 @@ def register(format: str, device_type: str, impl: Implementation, *, first: bool
     impls.insert(0 if first else len(impls), impl)
 
 
+def unregister(format: str, device_type: str, name: str) -> None:
+    """Stop serving `format` on `device_type` with the implementation called `name` (KeyError if absent)."""
+    impls = _REGISTRY.get((format, device_type), [])
+    for i, impl in enumerate(impls):
+        if impl.name == name:
+            del impls[i]
+            return
+    raise KeyError(f"no implementation {name!r} registered for ({format}, {device_type})")
+
+
 def _factory(impl: Implementation) -> Factory | None:
-    if impl.name not in _FACTORIES:
+    if impl not in _FACTORIES:
         factory = None
         if impl.available():
             module, _, attr = impl.target.partition(":")
             factory = getattr(importlib.import_module(module), attr)
-        _FACTORIES[impl.name] = factory
-    return _FACTORIES[impl.name]
+        _FACTORIES[impl] = factory
+    return _FACTORIES[impl]
 
 
 def implementations(format: str, device_type: str) -> list[Implementation]:
@@ -210,3 +231,17 @@ def _dequant_factory(record, raw, bias, device, dtype):
 
 _TORCH_DENSE = Implementation("torch", f"{__name__}:_dense_factory")
 _TORCH_DEQUANT = Implementation("torch-dequant", f"{__name__}:_dequant_factory")
+
+
+def _register_kernels() -> None:
+    from .kernels import cuda_kernels_available
+
+    families = {"dense": ("f32", "f16", "bf16"), "rowwise8": ("int8", "fp8_e4m3"),
+                "grouped_int": ("int3", "int4", "int5", "int6"), "mxfp4": ("mxfp4",), "q2": ("q2",), "q1": ("q1",)}
+    for family, names in families.items():
+        for name in names:
+            register(name, "cuda", Implementation("triton", f"thin.runtime.kernels.{family}:make",
+                                                  available=cuda_kernels_available))
+
+
+_register_kernels()

@@ -47,7 +47,7 @@ def test_verify_reports_every_violation_at_once():
 def test_verify_rejects_unknown_format_and_activation():
     model = tiny_model()
     t0 = dataclasses.replace(model.tensors[0], encoding=dataclasses.replace(model.tensors[0].encoding,
-                                                                            format="int3"))
+                                                                            format="int7"))
     layer = dataclasses.replace(model.layers[0], ffn=dataclasses.replace(model.layers[0].ffn, activation="swish"))
     bad = dataclasses.replace(model, tensors=(t0,) + model.tensors[1:], layers=(layer,) + model.layers[1:])
     with pytest.raises(IRVerificationError) as info:
