@@ -52,7 +52,7 @@ def test_verify_rejects_unknown_format_and_activation():
     bad = dataclasses.replace(model, tensors=(t0,) + model.tensors[1:], layers=(layer,) + model.layers[1:])
     with pytest.raises(IRVerificationError) as info:
         verify(bad)
-    assert "unknown format 'int3'" in str(info.value) and "unknown activation 'swish'" in str(info.value)
+    assert "unknown format 'int7'" in str(info.value) and "unknown activation 'swish'" in str(info.value)
 
 
 @pytest.mark.parametrize("mutate, message", [
