@@ -1,0 +1,44 @@
+"""Triton kernels for the CUDA decode path, one family per file.
+
+Weight formats (each reads its format's packed bytes directly, never a dequantized copy):
+    dense.py        bf16 / f16 / f32                 matvec (+ fused gate/up activation, split-K)
+    rowwise8.py     int8, fp8_e4m3 (one scale a row)  matvec, prefill matmul
+    grouped_int.py  int3, int4, int5, int6            matvec, prefill matmul (bits are constexpr)
+    mxfp4.py        mxfp4                             matvec, prefill matmul
+    q2.py, q1.py    q2, q1                            matvec, prefill matmul
+Everything else a decode step runs:
+    norm.py         residual add (+ split-K partial sums) + RMSNorm, with the optional post-norm
+    rope.py         q/k norm + RoPE (every kind, via the cos/sin tables) + paged KV append
+    attention.py    split-KV decode attention over the paged cache (GQA, window, softcap, sinks),
+                    prefill attention through scaled_dot_product_attention
+    activation.py   the IR's activations, and act(gate) * up for prefill
+    sampling.py     greedy argmax and temperature / top-k / top-p / min-p draws on the device
+
+Nothing here is imported by `thin.runtime` itself: `runtime/linear.py` registers the linear
+families by "module:factory" name and imports them on first use, and the engine imports the rest
+when it is built. With TRITON_INTERPRET=1 every kernel also runs on CPU tensors (the tests do that).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+
+def triton_available() -> bool:
+    """Triton can be imported here (without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """Kernels run through Triton's interpreter (on CPU tensors), as in the CPU test suite."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def cuda_kernels_available() -> bool:
+    """Triton is importable and a CUDA device is present: the registry may serve kernels on CUDA."""
+    if not triton_available():
+        return False
+    import torch
+
+    return torch.cuda.is_available()

@@ -1,0 +1,98 @@
+"""Residual add + RMSNorm, fused: the one kernel between two projections.
+
+    h        = sum of the projection's split-K partial sums (+ bias), or its dense output
+    h        = post_norm(h)                 Gemma-2/3 and OLMo-2 sandwich norms, when present
+    residual = residual + h                 in place, rounded to the compute dtype
+    out      = norm(residual)               the next projection's input
+
+Each rounding step is the torch path's (executor.py: the projection's output, the post-norm,
+the add, the norm are each rounded to the compute dtype; statistics in float32). One program a
+row: a decode step has one row of hidden_size values, summed from at most a few partial rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import next_power_of_2
+
+
+@triton.jit
+def _rms(x, mask, w_ptr, cols, H, eps):
+    """x * rsqrt(mean(x^2) + eps) * w over one row (float32 in and out)."""
+    x = tl.where(mask, x, 0.0)
+    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
+    return x * inv * tl.load(w_ptr + cols, mask=mask, other=0.0)
+
+
+@triton.jit
+def _add_rmsnorm_kernel(res_ptr, delta_ptr, bias_ptr, post_ptr, norm_ptr, out_ptr, H, n_parts, post_eps, eps,
+                        DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, POST: tl.constexpr, NORM: tl.constexpr,
+                        BLOCK: tl.constexpr):
+    """Row r (program r). DELTA: 0 none, 1 float32 partials [n_parts, H] (decode, one row),
+    2 a dense [rows, H] projection output."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    dtype = res_ptr.dtype.element_ty
+    res = tl.load(res_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+    if DELTA > 0:
+        if DELTA == 1:
+            h = tl.zeros([BLOCK], dtype=tl.float32)
+            for s in range(0, n_parts):
+                h += tl.load(delta_ptr + s * H + cols, mask=mask, other=0.0)
+            if HAS_BIAS:
+                h += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        else:
+            h = tl.load(delta_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
+        h = h.to(dtype).to(tl.float32)
+        if POST:
+            h = _rms(h, mask, post_ptr, cols, H, post_eps).to(dtype).to(tl.float32)
+        res = (res + h).to(dtype).to(tl.float32)
+        tl.store(res_ptr + row * H + cols, res.to(dtype), mask=mask)
+    if NORM:  # noqa: SIM108  (constexpr branches: only one is compiled)
+        out = _rms(res, mask, norm_ptr, cols, H, eps)
+    else:
+        out = res
+    tl.store(out_ptr + row * H + cols, out.to(dtype), mask=mask)
+
+
+def add_rmsnorm(residual: torch.Tensor, out: torch.Tensor, *, partials: torch.Tensor | None = None,
+                dense: torch.Tensor | None = None, bias: torch.Tensor | None = None, post=None, norm=None) -> None:
+    """residual [rows, H] (or [H]) += h (from `partials` [n, H] float32 summed, plus `bias`, for one
+    row; or `dense` [rows, H]), h first normed by `post` when given; then out = norm(residual).
+
+    `post` and `norm` are (float32 weight [H], eps) pairs or None (out = residual)."""
+    H = residual.shape[-1]
+    rows = residual.numel() // H
+    delta = 0 if partials is None and dense is None else 1 if partials is not None else 2
+    if delta == 1 and rows != 1:
+        raise ValueError("partial sums are for one row (a decode step)")
+    source = partials if partials is not None else dense if dense is not None else residual
+    post_w, post_eps = post if post is not None else (residual, 0.0)
+    norm_w, eps = norm if norm is not None else (residual, 0.0)
+    block = next_power_of_2(H)
+    _add_rmsnorm_kernel[(rows,)](
+        residual, source, bias if bias is not None else residual, post_w, norm_w, out, H,
+        partials.shape[0] if partials is not None else 0, float(post_eps), float(eps), DELTA=delta,
+        HAS_BIAS=bias is not None, POST=post is not None, NORM=norm is not None, BLOCK=block,
+        num_warps=min(16, max(1, block // 256)))
+
+
+def reference(residual, h, post, norm):
+    """What add_rmsnorm computes, in torch (the executor's NormPlan arithmetic): (new residual, out)."""
+    dtype = residual.dtype
+
+    def rms(x, weight_eps):
+        w, eps = weight_eps
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w).to(dtype)
+
+    if h is not None:
+        h = h.to(dtype)
+        if post is not None:
+            h = rms(h, post)
+        residual = residual + h
+    return residual, (rms(residual, norm) if norm is not None else residual)

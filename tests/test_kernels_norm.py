@@ -1,0 +1,49 @@
+"""Fused residual add + RMSNorm against the executor's norm arithmetic."""
+
+import pytest
+import torch
+from kernel_support import DEVICE, poisoned, rel_err
+
+
+def _weight(h, seed):
+    return (1 + 0.2 * torch.randn(h, generator=torch.Generator().manual_seed(seed))).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("post", [False, True])
+def test_partials_bias_post_norm(dtype, post):
+    from thin.runtime.kernels.norm import add_rmsnorm, reference
+
+    H = 96
+    gen = torch.Generator().manual_seed(0)
+    residual = torch.randn(H, generator=gen).to(dtype).to(DEVICE)
+    parts = torch.randn(3, H, generator=gen).to(DEVICE)
+    bias = torch.randn(H, generator=gen).to(dtype).to(DEVICE)
+    norm, post_norm = (_weight(H, 1), 1e-6), ((_weight(H, 2), 1e-5) if post else None)
+    want_res, want_out = reference(residual.cpu(), (parts.sum(0) + bias.float()).cpu(),
+                                   None if post_norm is None else (post_norm[0].cpu(), post_norm[1]),
+                                   (norm[0].cpu(), norm[1]))
+    out = poisoned(H, dtype=dtype)
+    add_rmsnorm(residual, out, partials=parts, bias=bias, post=post_norm, norm=norm)
+    tol = 1e-6 if dtype == torch.float32 else 8e-3
+    assert rel_err(residual, want_res) < tol and rel_err(out, want_out) < tol
+
+
+def test_rows_with_a_dense_delta_and_without_a_norm():
+    from thin.runtime.kernels.norm import add_rmsnorm, reference
+
+    gen = torch.Generator().manual_seed(3)
+    residual = torch.randn(5, 64, generator=gen).to(DEVICE)
+    delta = torch.randn(5, 64, generator=gen).to(DEVICE)
+    want_res, want_out = reference(residual.cpu(), delta.cpu(), None, (_weight(64, 4).cpu(), 1e-5))
+    out = poisoned(5, 64, dtype=torch.float32)
+    add_rmsnorm(residual, out, dense=delta, norm=(_weight(64, 4), 1e-5))
+    assert rel_err(residual, want_res) < 1e-6 and rel_err(out, want_out) < 1e-6
+    plain = poisoned(5, 64, dtype=torch.float32)
+    add_rmsnorm(residual, plain)  # no delta, no norm: a copy
+    assert torch.equal(plain, residual)
+
+
+@pytest.mark.gpu
+def test_real_shape_on_gpu():
+    test_partials_bias_post_norm(torch.bfloat16, True)

@@ -1,0 +1,20 @@
+"""q2 kernels against the format's decode."""
+
+import pytest
+import torch
+from linear_kernel_cases import check_all, check_matvec, make_op
+
+
+@pytest.mark.parametrize("group_size", [16, 32, 64])
+def test_matches_decode(group_size):
+    check_all("q2", (96, 192), {"group_size": group_size}, torch.float32, bias=group_size == 32)
+
+
+def test_matches_decode_bfloat16():
+    check_all("q2", (64, 128), dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_real_shape_on_gpu():
+    op, dense, _ = make_op("q2", (4096, 14336), dtype=torch.bfloat16)
+    check_matvec(op, dense, None, torch.bfloat16)
