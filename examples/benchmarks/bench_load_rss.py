@@ -64,7 +64,8 @@ def main() -> None:
         size = out.stat().st_size
         bound = 1.5 * size + r["largest_f32"]
         mib = 2 ** 20
-        print(f"artifact {size / mib:.0f} MiB ({args.quant}); largest weight in float32 {r['largest_f32'] / mib:.0f} MiB")
+        print(f"artifact {size / mib:.0f} MiB ({args.quant}); "
+              f"largest weight in float32 {r['largest_f32'] / mib:.0f} MiB")
         print(f"peak RSS above baseline: load {r['load_peak'] / mib:.0f} MiB, load + forward "
               f"{r['forward_peak'] / mib:.0f} MiB; bound 1.5 x artifact + largest f32 = {bound / mib:.0f} MiB "
               f"({'within' if r['forward_peak'] <= bound else 'OVER'})")
