@@ -25,7 +25,7 @@ VARIANTS = {
     **{f"int{b}": [{"group_size": g, "asymmetric": a} for a in (0, 1) for g in (32, 64, 128)] for b in (3, 4, 5, 6)},
     "mxfp4": [{}],
     "q2": [{"group_size": g} for g in (16, 32, 64)],
-    "q1": [{"group_size": g} for g in (16, 32, 64, 128)],
+    "q1": [{"group_size": g} for g in (32, 64, 128)],
 }
 
 
@@ -76,7 +76,6 @@ FLOORS = {
     "int6-a1-g128": (32.0, 31.9),  # 32.45 / 32.44
     "int8": (41.5, 42.3),  # 42.02 / 42.75
     "mxfp4": (18.3, 18.4),  # 18.82 / 18.85
-    "q1-g16": (4.2, 4.2),  # 4.68 / 4.65
     "q1-g32": (4.0, 4.0),  # 4.53 / 4.51
     "q1-g64": (4.0, 3.9),  # 4.46 / 4.44
     "q1-g128": (3.9, 3.9),  # 4.43 / 4.41
@@ -200,15 +199,15 @@ EXACT = [
       "scales": torch.tensor([[0x76, 0x7E], [0, 0]]), "offsets": torch.tensor([[0x00, 0xFE], [0, 0]]),
       "row_scale": torch.tensor([2.0**-8, 1.0]), "row_offset": torch.tensor([2.0**-7, 1.0])},
      _rows([0, 2.625, 0.875, 1.75] + [0] * 12 + [-3.5, 1.75, 0, -1.75] + [0] * 12, [], k=32)),
-    # Group magnitudes 1.75 (e4m3 448 under row scale 2^-8) and 0.875 (224); +0 stores bit 1,
-    # -0 bit 0; an all-zero group decodes to +-0.
-    ("q1", {"group_size": 16},
+    # One group per row: mean |w| 1.3125 (row scale 1.3125 / 448 = 3 / 1024, e4m3 448) and 0.875
+    # (row scale 2^-9); +0 stores bit 1, -0 bit 0, so the padding zeros decode to +0.875.
+    ("q1", {"group_size": 32},
      _rows([1.75, -1.75, 1.75, 1.75, -1.75, -1.75, -1.75, -1.75] + [1.75] * 8 + [0.5, -1.25] * 8,
            [0.0, -0.0, 14, -14], k=32),
      {"signs": torch.tensor([[0x0D, 0xFF, 0x55, 0x55], [0xF5, 0xFF, 0xFF, 0xFF]]),
-      "scales": torch.tensor([[0x7E, 0x76], [0x7E, 0x00]]), "row_scale": torch.tensor([2.0**-8, 2.0**-8])},
-     _rows([1.75, -1.75, 1.75, 1.75, -1.75, -1.75, -1.75, -1.75] + [1.75] * 8 + [0.875, -0.875] * 8,
-           [1.75, -1.75, 1.75, -1.75] + [1.75] * 12, k=32)),
+      "scales": torch.tensor([[0x7E], [0x7E]]), "row_scale": torch.tensor([3 / 1024, 2.0**-9])},
+     _rows([1.3125, -1.3125, 1.3125, 1.3125, -1.3125, -1.3125, -1.3125, -1.3125] + [1.3125] * 8
+           + [1.3125, -1.3125] * 8, [0.875, -0.875, 0.875, -0.875] + [0.875] * 28, k=32)),
 ]
 
 
