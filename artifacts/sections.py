@@ -23,8 +23,9 @@ from .spec import (
 )
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
-# Sections that are still unfilled by the compiler; later issues define their schema.
-_FUTURE = ("precision_plan", "memory", "certificate")
+# Sections that may be absent (None): an exact compile has no plan and no ledger.
+_OPTIONAL = ("precision_plan", "memory", "certificate")
+CERTIFICATE_STATUSES = ("PASSED", "FAILED", "EXACT")
 
 
 def _default(name: str):
@@ -49,7 +50,7 @@ def _value_error(name: str, value) -> str | None:
         if type(value) is not str or not (value == "" or _HEX64.fullmatch(value)):
             return "key must be '' or 64 lowercase hex digits (a sha256 from compute_key)"
         return None
-    if name in _FUTURE:
+    if name in _OPTIONAL:
         if value is not None and type(value) is not dict:
             return f"{name} must be a mapping or None"
     elif type(value) is not dict:
@@ -61,7 +62,103 @@ def _value_error(name: str, value) -> str | None:
         return err
     if name == "compile_config" and value and not any(type(value.get(k)) is int for k in ("schema", "version")):
         return "compile_config must carry an integer 'schema' (or 'version'): the config schema it follows"
+    check = {"precision_plan": _plan_error, "memory": _memory_error, "certificate": _certificate_error}.get(name)
+    return check(value) if check else None
+
+
+# ---- schemas of the quality sections -----------------------------------------------------------
+# Each returns the first problem or None; the writer and the reader share them.
+
+def _number(v) -> bool:
+    return type(v) in (int, float)
+
+
+def _fields(value: dict, where: str, spec: dict) -> str | None:
+    """Every key of `spec` present in `value` with a value its predicate accepts (None allowed
+    where the predicate tuple says so)."""
+    for key, (predicate, nullable) in spec.items():
+        if key not in value:
+            return f"{where} lacks {key!r}"
+        v = value[key]
+        if not ((nullable and v is None) or predicate(v)):
+            return f"{where}.{key} has the wrong type"
     return None
+
+
+def _plan_error(value: dict) -> str | None:
+    unknown = set(value) - {"quantize", "plan", "calibration"}
+    if unknown:
+        return f"precision_plan has unknown part(s) {sorted(unknown)}"
+    if "quantize" in value:
+        err = _fields(value["quantize"], "precision_plan.quantize",
+                      {"method": (lambda v: type(v) is str, False), "tensors": (lambda v: type(v) is int, False)})
+        if err:
+            return err
+    if "calibration" in value:
+        err = _fields(value["calibration"], "precision_plan.calibration",
+                      {"tokens": (lambda v: type(v) is int, False),
+                       "text_sha256": (lambda v: type(v) is str and bool(_HEX64.fullmatch(v)), False)})
+        if err:
+            return err
+    plan = value.get("plan")
+    if plan is None:
+        return None
+    if type(plan) is not dict:
+        return "precision_plan.plan must be a mapping"
+    err = _fields(plan, "precision_plan.plan",
+                  {"choices": (lambda v: type(v) is dict, False), "weight_bytes": (lambda v: type(v) is int, False),
+                   "bits_per_weight": (_number, False), "predicted_kld": (_number, False),
+                   "budget": (lambda v: type(v) is dict, False)})
+    if err:
+        return err
+    for tensor, choice in plan["choices"].items():
+        if type(choice) is not dict:
+            return f"precision_plan.plan.choices[{tensor!r}] must be a mapping"
+        err = _fields(choice, f"precision_plan.plan.choices[{tensor!r}]",
+                      {"format": (lambda v: type(v) is str, False), "params": (lambda v: type(v) is list, False),
+                       "bytes": (lambda v: type(v) is int and v >= 0, False),
+                       "predicted_kld": (_number, False), "layer": (lambda v: type(v) is int, True)})
+        if err:
+            return err
+    return None
+
+
+def _memory_error(value: dict) -> str | None:
+    err = _fields(value, "memory", {"lines": (lambda v: type(v) is dict, False),
+                                    "total": (lambda v: type(v) is int and v >= 0, False),
+                                    "ctx": (lambda v: type(v) is int and v > 0, False),
+                                    "budget": (lambda v: type(v) is int and v > 0, True)})
+    if err:
+        return err
+    if any(type(k) is not str or type(v) is not int or v < 0 for k, v in value["lines"].items()):
+        return "memory.lines must map item names to byte counts"
+    if sum(value["lines"].values()) != value["total"]:
+        return "memory.total is not the sum of its lines"
+    return None
+
+
+def _certificate_error(value: dict) -> str | None:
+    if value.get("status") not in CERTIFICATE_STATUSES:
+        return f"certificate.status must be one of {', '.join(CERTIFICATE_STATUSES)}"
+    if value["status"] == "EXACT":
+        return None
+    err = _fields(value, "certificate", {"gate": (lambda v: type(v) is dict, False),
+                                         "measured": (lambda v: type(v) is dict, False),
+                                         "prompts": (lambda v: type(v) is dict, False)})
+    if err:
+        return err
+    err = _fields(value["gate"], "certificate.gate", {"max_kld": (_number, False)})
+    if err:
+        return err
+    err = _fields(value["measured"], "certificate.measured", dict.fromkeys(
+        ("mean_kld", "top1_agreement", "mean_cosine", "min_cosine", "perplexity_source", "perplexity_compiled",
+         "greedy_agreement"), (_number, False)))
+    if err:
+        return err
+    return _fields(value["prompts"], "certificate.prompts",
+                   {"count": (lambda v: type(v) is int and v > 0, False),
+                    "positions": (lambda v: type(v) is int and v > 0, False),
+                    "sha256": (lambda v: type(v) is str and bool(_HEX64.fullmatch(v)), False)})
 
 
 def encode_sections(sections: dict | None) -> dict:

@@ -13,10 +13,14 @@ from math import prod
 from pathlib import Path
 
 from thin.ir import __version__
-from thin.passes import PassContext, run_passes
+from thin.passes import PassContext, Scratch, run_passes
 
 from .config import CompileConfig
+from .inputs import evaluation_identity, evaluation_texts
 from .pipeline import build_pipeline
+
+# The certificate of a compile that keeps every tensor as stored: nothing to measure.
+EXACT_CERTIFICATE = {"status": "EXACT"}
 
 # progress(stage, done, total): total is 0 for stages without a count.
 Progress = Callable[[str, int, int], None]
@@ -33,24 +37,33 @@ class CompileReport:
     tensors: int = 0
     formats: dict[str, int] = field(default_factory=dict)  # format -> tensor count
     seconds: dict[str, float] = field(default_factory=dict)  # stage -> wall seconds
+    precision_plan: dict | None = None  # the artifact's sections, as written
+    memory: dict | None = None
+    certificate: dict | None = None
 
 
 def compile_model(model_dir, output, *, cache_dir=None, dump_ir=None, progress: Progress | None = None,
-                  **options) -> Path:
+                  calib=None, **options) -> Path:
     """Compile the Hugging Face checkpoint in `model_dir` into the artifact `output` and return its path.
 
-    `options` are CompileConfig fields (e.g. fuse_projections=False). With `cache_dir`, an artifact
+    `options` are CompileConfig fields or their flat forms (e.g. fuse_projections=False, bpw=4.5,
+    vram="8G", quant="int4"). `calib` is a calibration file (text or JSON lines with a "text"
+    field) replacing the default sample of the standard library. With `cache_dir`, an artifact
     built earlier from identical inputs is reused and new builds are stored there. `dump_ir` names a
     folder that receives the IR text after each pass."""
+    if calib is not None:
+        options["calib_source"] = "file"
     config = CompileConfig.from_options(**options)
-    return build(model_dir, output, config, cache_dir=cache_dir, dump_ir=dump_ir, progress=progress).output
+    return build(model_dir, output, config, cache_dir=cache_dir, dump_ir=dump_ir, progress=progress,
+                 calib=calib).output
 
 
 def build(model_dir, output, config: CompileConfig, *, cache_dir=None, dump_ir=None,
-          progress: Progress | None = None) -> CompileReport:
+          progress: Progress | None = None, calib=None) -> CompileReport:
     """compile_model's worker: the same, returning a CompileReport for the CLI's summary."""
     from thin.artifacts import compute_key, open_artifact
 
+    from .evaluate import make_evaluator
     from .hf import load_checkpoint
 
     progress = progress or (lambda stage, done, total: None)
@@ -67,8 +80,10 @@ def build(model_dir, output, config: CompileConfig, *, cache_dir=None, dump_ir=N
     progress("load checkpoint", 0, 0)
     source = load_checkpoint(model_dir)
     clock.lap("load checkpoint")
+    calibration, heldout = evaluation_texts(config, calib)
     progress("hash inputs", 0, 0)
-    key = compute_key(model_dir, config.to_plain(), calibration=None, target=config.target)
+    key = compute_key(model_dir, config.to_plain(), calibration=evaluation_identity(calibration, heldout),
+                      target=config.target)
     clock.lap("hash inputs")
     cached = Path(cache_dir) / f"{key}.thin" if cache_dir is not None else None
     if cached is not None and cached.is_file():
@@ -78,11 +93,21 @@ def build(model_dir, output, config: CompileConfig, *, cache_dir=None, dump_ir=N
         with open_artifact(output) as art:
             return _report(art, output, key, True, clock)
 
-    ctx = PassContext(config=config)
-    program = run_passes(source.program, build_pipeline(config), ctx, dump_dir=dump_ir,
-                         on_pass=lambda name: progress(f"pass {name}", 0, 0))
-    clock.lap("passes")
-    _write(program, source, config, key, output, progress, model_dir)
+    with tempfile.TemporaryDirectory(prefix="thin-scratch-") as scratch:
+        evaluator = make_evaluator(config.device, source.tokenizer_files) if config.evaluated else None
+        ctx = PassContext(config=config, evaluator=evaluator, source=source.program, calibration_text=calibration,
+                          heldout_text=heldout, scratch=Scratch(scratch), device=config.device or "cpu",
+                          progress=progress)
+
+        def on_pass(name: str) -> None:
+            clock.lap(clock.stage)  # each pass's time under its own name in the summary
+            clock.stage = name
+            progress(f"pass {name}", 0, 0)
+
+        clock.stage = "setup"
+        program = run_passes(source.program, build_pipeline(config), ctx, dump_dir=dump_ir, on_pass=on_pass)
+        clock.lap(clock.stage)
+        _write(program, source, config, key, output, progress, model_dir)
     clock.lap("write")
     if cached is not None:
         cached.parent.mkdir(parents=True, exist_ok=True)
@@ -110,6 +135,8 @@ def _write(program, source, config: CompileConfig, key: str, output: Path, progr
             "generation_config": dict(source.generation_config),
             "compile_config": config.to_plain(),
             "precision_plan": _precision_plan(program),
+            "memory": program.annotations.get("memory"),
+            "certificate": program.annotations.get("certificate", None if config.quantized else EXACT_CERTIFICATE),
             "provenance": _provenance(source, model_dir),
             "key": key,
         })
@@ -117,8 +144,17 @@ def _write(program, source, config: CompileConfig, key: str, output: Path, progr
 
 def _precision_plan(program) -> dict | None:
     """What the precision passes decided, as they recorded it (None for an exact compile)."""
-    note = program.annotations.get("quantize")
-    return None if note is None else {"quantize": note}
+    notes = {"quantize": program.annotations.get("quantize"), "plan": program.annotations.get("precision_plan"),
+             "calibration": _calibration_summary(program.annotations.get("calibration"))}
+    notes = {k: v for k, v in notes.items() if v is not None}
+    return notes or None
+
+
+def _calibration_summary(note: dict | None) -> dict | None:
+    """The calibration facts worth keeping in the artifact (not the per-weight input table)."""
+    if note is None:
+        return None
+    return {k: note[k] for k in ("source", "text_sha256", "tokens", "windows")}
 
 
 def _provenance(source, model_dir: Path) -> dict:
@@ -132,7 +168,9 @@ def _provenance(source, model_dir: Path) -> dict:
 
 
 def _report(art, output: Path, key: str, cache_hit: bool, clock: _Clock) -> CompileReport:
-    report = CompileReport(output=output, key=key, cache_hit=cache_hit, seconds=clock.laps)
+    report = CompileReport(output=output, key=key, cache_hit=cache_hit, seconds=clock.laps,
+                           precision_plan=art.section("precision_plan"), memory=art.section("memory"),
+                           certificate=art.section("certificate"))
     for t in art.model.tensors:
         report.tensors += 1
         report.formats[t.encoding.format] = report.formats.get(t.encoding.format, 0) + 1
@@ -167,6 +205,7 @@ class _Clock:
     def __init__(self):
         self.start = self.last = time.perf_counter()
         self.laps: dict[str, float] = {}
+        self.stage = ""
 
     def lap(self, stage: str) -> None:
         now = time.perf_counter()

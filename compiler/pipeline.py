@@ -2,18 +2,34 @@
 
 from __future__ import annotations
 
-from thin.passes import Pass, fuse_projections, order_tensors, quantize_weights
+from thin.passes import (
+    Pass,
+    calibrate_inputs,
+    certify_model,
+    check_budget,
+    fuse_projections,
+    order_tensors,
+    plan_precision,
+    quantize_weights,
+    score_formats,
+)
 
 from .config import CompileConfig
 
 
 def build_pipeline(config: CompileConfig) -> list[Pass]:
     """The passes a compile with `config` runs, in order."""
+    planned = config.plan.planned
     return [
-        # -- precision: one format for every linear weight (calibrate, score and plan arrive with --vram)
-        *([quantize_weights] if config.quantize.format is not None else []),
+        # -- budget: a budget below the smallest model fails here, before the model ever runs
+        *([check_budget] if planned else []),
+        # -- precision: statistics of every linear input, predicted error per format, the plan
+        *([calibrate_inputs] if config.calibrated else []),
+        *([score_formats, plan_precision] if planned else []),
+        *([quantize_weights] if config.quantized else []),
+        # -- proof: held-out comparison with the source; promotions and re-planning below the gate
+        *([certify_model] if config.certified else []),
         # -- structure: fusion (after precision, so q/k/v fuse when their formats agree), execution order
         *([fuse_projections] if config.fuse_projections else []),
         order_tensors,
-        # -- proof (certify) arrives with the certificate
     ]

@@ -1,9 +1,21 @@
 """IR -> IR passes and the runner that applies them in order."""
 
+from .calibrate_inputs import CalibrateOptions, CalibrationError, calibrate_inputs, input_groups
+from .certify_model import DEFAULT_MAX_KLD, CertificationError, CertifyOptions, certify_model
+from .check_budget import check_budget
 from .fuse_projections import fuse_projections
+from .memory_ledger import RUNTIME_OVERHEAD, ledger, parse_size
 from .order_tensors import order_tensors
+from .plan_precision import BudgetError, PlanOptions, plan_precision, solve
 from .quantize_weights import QuantizeOptionError, QuantizeOptions, linear_weights, quantize_weights
-from .runner import Pass, PassContext, PassError, run_passes
+from .runner import Evaluator, Pass, PassContext, PassError, run_passes
+from .score_formats import ScoreOptions, plannable, score_formats
+from .scratch import Scratch
 
-__all__ = ["fuse_projections", "order_tensors", "quantize_weights", "QuantizeOptions", "QuantizeOptionError",
-           "linear_weights", "Pass", "PassContext", "PassError", "run_passes"]
+__all__ = [
+    "BudgetError", "CalibrateOptions", "CalibrationError", "CertificationError", "CertifyOptions", "DEFAULT_MAX_KLD",
+    "Evaluator", "Pass", "PassContext", "PassError", "PlanOptions", "QuantizeOptionError", "QuantizeOptions",
+    "RUNTIME_OVERHEAD", "ScoreOptions", "Scratch", "calibrate_inputs", "certify_model", "check_budget",
+    "fuse_projections", "input_groups", "ledger", "linear_weights", "order_tensors", "parse_size",
+    "plan_precision", "plannable", "quantize_weights", "run_passes", "score_formats", "solve",
+]

@@ -1,4 +1,4 @@
-"""quantize_weights: store every linear weight in one quantized format (`thinc compile --quant`)."""
+"""quantize_weights: store each tensor in the format the precision plan (or `--quant`) gives it."""
 
 from __future__ import annotations
 
@@ -7,7 +7,12 @@ from dataclasses import dataclass
 
 from thin.ir import MLP, Encoding, Model, MoE, Program, formats
 
+from .calibrate_inputs import load_statistics
+from .gptq import gptq
 from .runner import PassContext
+from .scratch import Scratch
+
+METHODS = ("gptq", "rtn")
 
 
 class QuantizeOptionError(ValueError):
@@ -16,14 +21,24 @@ class QuantizeOptionError(ValueError):
 
 @dataclass(frozen=True)
 class QuantizeOptions:
-    """Round-to-nearest quantization of every linear weight to one format; None keeps all as stored."""
+    """How weights are quantized: one format for every linear weight (`--quant`; None keeps all as
+    stored unless a budget plans formats), and the method that rounds them."""
 
     format: str | None = None
     group_size: int | None = None  # None: the format's default (only for formats with groups)
     asymmetric: bool = False  # grouped integer formats: a per-group offset as well as a scale
     keep_lm_head: bool = False  # leave an untied LM head as stored
+    # "gptq": error-compensating rounding with the calibration statistics; "rtn": round to nearest.
+    # None resolves in CompileConfig: gptq when a budget is planned, rtn for a plain --quant.
+    method: str | None = None
+    # GPTQ visits columns by decreasing input energy, on grids fitted before any update.
+    act_order: bool = False
 
     def __post_init__(self):
+        if self.method is not None and self.method not in METHODS:
+            raise QuantizeOptionError(f"--method takes {' or '.join(METHODS)}, got {self.method!r}")
+        if type(self.act_order) is not bool:
+            raise QuantizeOptionError("act_order must be true or false")
         if self.format is None:
             if self.group_size is not None or self.asymmetric:
                 raise QuantizeOptionError("--group-size and --asymmetric need --quant FORMAT")
@@ -76,14 +91,18 @@ def linear_weights(model: Model, *, lm_head: bool = True) -> list[str]:
     return names
 
 
-def quantize_weights(program: Program, ctx: PassContext) -> Program:
-    """Afterwards every linear weight (see `linear_weights`; the LM head too unless keep_lm_head) is
-    stored in the chosen format, quantized round-to-nearest from its source values; embeddings
-    (a tied head with them), norms, biases and routers stay as stored."""
-    options: QuantizeOptions = ctx.config.quantize
-    fmt = formats.get(options.format)
-    params = options.params()
+def planned_encodings(program: Program, options: QuantizeOptions) -> dict[str, Encoding]:
+    """{tensor name: encoding} this pass will apply: the precision plan's choices when one was made
+    (annotations['precision_plan']), else --quant's format for every linear weight."""
+    plan = program.annotations.get("precision_plan")
     records = program.model.tensor_map()
+    if plan is not None:
+        chosen = {name: Encoding(c["format"], tuple(tuple(p) for p in c["params"]))
+                  for name, c in plan["choices"].items()}
+        return {name: enc for name, enc in chosen.items() if enc != records[name].encoding}
+    if options.format is None:
+        return {}
+    fmt, params = formats.get(options.format), options.params()
     chosen = linear_weights(program.model, lm_head=not options.keep_lm_head)
     problems = [f"{name} {records[name].shape}: {'; '.join(fmt.check(records[name].shape, params))}"
                 for name in chosen if fmt.check(records[name].shape, params)]
@@ -91,27 +110,100 @@ def quantize_weights(program: Program, ctx: PassContext) -> Program:
         hint = " (try another --group-size)" if "group_size" in fmt.params else ""
         raise QuantizeOptionError(f"{len(problems)} weight(s) can't be stored as {options.format}{hint}: "
                                   f"{problems[0]}")
+    return dict.fromkeys(chosen, Encoding(options.format, params))
+
+
+def quantize_weights(program: Program, ctx: PassContext) -> Program:
+    """Afterwards every tensor in `planned_encodings` is stored in its encoding: quantized formats by
+    GPTQ against the calibration statistics of the tensor's input (method gptq; round-to-nearest
+    for a weight no calibration token reached) or by round-to-nearest (rtn); dense targets by a
+    cast. Weights that read the same input in the same format are rounded together. Everything
+    else (embeddings unless planned, norms, biases, routers) stays as stored."""
+    options: QuantizeOptions = ctx.config.quantize
+    method = options.method or "rtn"
+    targets = planned_encodings(program, options)
+    records = program.model.tensor_map()
+    scratch = ctx.scratch if ctx.scratch is not None else Scratch()
+    batches = _batches(program, targets, method)
+    fallback: list[str] = []
     weights = dict(program.weights)
-    for name in chosen:
-        weights[name] = _quantizing_loader(records[name], program.weights[name], options.format, params)
-        records[name] = dataclasses.replace(records[name], encoding=Encoding(options.format, params))
+    for i, names in enumerate(batches):
+        ctx.report(f"quantize ({method})", i, len(batches))
+        encoding = targets[names[0]]
+        key = f"quantized/{method}/{options.act_order}/{encoding.format}/{encoding.params}/" + ",".join(names)
+        if not scratch.has(f"{key}#{names[-1]}"):
+            blobs, rounded = _quantize(program, ctx, [records[n] for n in names], encoding, method, options)
+            fallback += [] if rounded else names
+            for name in names:
+                scratch.save(f"{key}#{name}", {"blob": blobs[name]})
+        for name in names:
+            weights[name] = _stored(scratch, f"{key}#{name}")
+            records[name] = dataclasses.replace(records[name], encoding=encoding)
+    ctx.report(f"quantize ({method})", len(batches), len(batches))
     model = dataclasses.replace(program.model, tensors=tuple(records[t.name] for t in program.model.tensors))
-    note = {"method": "round-to-nearest", "format": options.format, "params": [list(p) for p in params],
-            "tensors": len(chosen)}
-    return program.replace(model=model, weights=weights,
-                           annotations={**program.annotations, "quantize": note})
+    by_format: dict[str, int] = {}
+    for enc in targets.values():
+        by_format[enc.format] = by_format.get(enc.format, 0) + 1
+    note = {"method": {"gptq": "gptq", "rtn": "round-to-nearest"}[method], "act_order": options.act_order,
+            "tensors": len(targets), "formats": dict(sorted(by_format.items())),
+            "round_to_nearest_fallback": sorted(fallback)}
+    if options.format is not None and "precision_plan" not in program.annotations:
+        note.update(format=options.format, params=[list(p) for p in options.params()])
+    return program.replace(model=model, weights=weights, annotations={**program.annotations, "quantize": note})
 
 
-def _quantizing_loader(record, load, format: str, params):
-    source = formats.get(record.encoding.format)
+def _batches(program: Program, targets: dict[str, Encoding], method: str) -> list[list[str]]:
+    """Targets grouped for rounding: with GPTQ, weights that read one input (q/k/v, gate/up) in one
+    encoding go through one column sweep (GPTQ treats rows independently, so this changes nothing
+    but the time); everything else alone. In the model's tensor order."""
+    inputs = program.annotations.get("calibration", {}).get("inputs", {}) if method == "gptq" else {}
+    batches: dict[tuple, list[str]] = {}
+    for t in program.model.tensors:
+        if t.name not in targets:
+            continue
+        dense = formats.get(targets[t.name].format).dense
+        key = (inputs.get(t.name), targets[t.name]) if inputs.get(t.name) and not dense else (t.name,)
+        batches.setdefault(key, []).append(t.name)
+    return list(batches.values())
 
-    def quantized():
-        import torch
 
-        dense = source.decode(load(), record.shape, record.encoding.params, torch.float32)
-        return formats.get(format).encode(dense, params)
+def _quantize(program, ctx, records, encoding: Encoding, method: str, options: QuantizeOptions):
+    """({name: blob}, rounded by GPTQ?) for weights `records` sharing one input, in `encoding`."""
+    import torch
 
-    return quantized
+    fmt = formats.get(encoding.format)
+    dense = [formats.get(r.encoding.format).decode(program.load(r.name), r.shape, r.encoding.params, torch.float32)
+             for r in records]
+    stats = load_statistics(ctx, program, records[0].name) if method == "gptq" and not fmt.dense else None
+    if stats is None:
+        return {r.name: fmt.encode(w, encoding.params) for r, w in zip(records, dense)}, False
+    stacked = torch.cat(dense).to(ctx.device)
+    blob, _ = gptq(stacked, stats["hessian"], fmt, encoding.params, act_order=options.act_order)
+    blob = blob.cpu()
+    if len(records) == 1:
+        return {records[0].name: blob}, True
+    return dict(zip((r.name for r in records), split_rows(fmt, blob, tuple(stacked.shape), encoding.params,
+                                                          [r.shape for r in records]))), True
 
 
-__all__ = ["QuantizeOptions", "QuantizeOptionError", "linear_weights", "quantize_weights"]
+def split_rows(fmt, blob, shape, params, shapes) -> list:
+    """The blobs of weights `shapes` whose rows were stacked into one blob of `shape` (the inverse of
+    Format.stack_rows: every part keeps the rows as its leading dimension)."""
+    parts = fmt.split(blob, shape, params)
+    out, start = [], 0
+    for s in shapes:
+        rows = slice(start, start + s[0])
+        out.append(fmt.join({name: t[rows] for name, t in parts.items()}, tuple(s), params))
+        start += s[0]
+    return out
+
+
+def _stored(scratch: Scratch, key: str):
+    def load():
+        return scratch.load(key)["blob"]
+
+    return load
+
+
+__all__ = ["QuantizeOptions", "QuantizeOptionError", "linear_weights", "planned_encodings", "quantize_weights",
+           "split_rows"]

@@ -5,11 +5,35 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from thin.ir import IRVerificationError, Program, format_ir, verify
 
+from .scratch import Scratch
+
 Pass = Callable[[Program, "PassContext"], Program]
+
+
+# progress(stage, done, total): long passes report here (total 0 for stages without a count).
+Progress = Callable[[str, int, int], None]
+
+
+class Evaluator(Protocol):
+    """What a pass may run (the compiler wires in the runtime's executor; see compiler/evaluate.py).
+
+    `session(program)` loads a program once and returns an object with `forward(ids) -> float32
+    logits [T, vocab]`, `observing(fn)` (a context in which fn(weight name, x [tokens, in]) sees
+    every linear's input), `overriding({name: dense weight})` (a context in which those weights
+    are replaced) and `greedy(prompt ids, n) -> ids`; `compare(reference, candidate, prompts)`
+    returns runtime.quality's statistics as a dict; `encode(text)` gives token ids."""
+
+    device: str
+
+    def session(self, program: Program) -> Any: ...
+
+    def compare(self, reference: Any, candidate: Any, prompts: Sequence[Sequence[int]]) -> dict: ...
+
+    def encode(self, text: str) -> list[int]: ...
 
 
 @dataclass(frozen=True)
@@ -19,8 +43,23 @@ class PassContext:
     dataclasses (a pass reads `ctx.config.<its options>`, never a dict with repeated defaults)."""
 
     config: Any = None
-    # Runs the model (the compiler passes the runtime in); used by calibrate and certify.
-    evaluator: Any = None
+    # Runs the model (the compiler passes the runtime in); used by calibrate, score and certify.
+    evaluator: Evaluator | None = None
+    # The program as the frontend produced it: certify measures against it and re-plans from it.
+    source: Program | None = None
+    # The calibration text (`--calib FILE`, or the default sample of the standard library).
+    calibration_text: str | None = None
+    # Held-out text the certificate's prompts come from (never calibration text).
+    heldout_text: str | None = None
+    # Large intermediate tensors (calibration statistics, quantized blobs) shared between passes.
+    scratch: Scratch | None = None
+    # Where passes do heavy tensor work (GPTQ, scoring): "cpu" or "cuda".
+    device: str = "cpu"
+    progress: Progress | None = None
+
+    def report(self, stage: str, done: int = 0, total: int = 0) -> None:
+        if self.progress is not None:
+            self.progress(stage, done, total)
 
 
 class PassError(RuntimeError):

@@ -102,7 +102,7 @@ class Executor:
         self.layers = [self._plan_layer(layer) for layer in model.layers]
         self.final_norm = self._norm(model.final_norm)
         if model.lm_head.tied:
-            self.lm_head = self.embed.as_linear(embed_record)
+            self.lm_head = self._wrap(model.lm_head.weight, self.embed.as_linear(embed_record))
         else:
             self.lm_head = self._linear(Linear(model.lm_head.weight))
         self.final_softcap = model.lm_head.final_softcap

@@ -45,18 +45,27 @@ def compare(reference, candidate, token_ids: Sequence[int] | torch.Tensor, *, co
     """Score `candidate` against `reference` (each a ThinModel or Executor) on `token_ids`.
 
     Windows and strides as in `iter_logprobs`; every scored position counts once."""
+    return compare_prompts(reference, candidate, [token_ids], context=context, stride=stride)
+
+
+def compare_prompts(reference, candidate, prompts: Sequence[Sequence[int] | torch.Tensor], *,
+                    context: int | None = None, stride: int | None = None) -> Comparison:
+    """`compare` over several token sequences at once: each is scored on its own (windows as in
+    `iter_logprobs`, every position after its first), and every scored position of every sequence
+    counts once in the statistics."""
     klds, agree, cosines = [], 0, []
     nll_ref = nll_cand = 0.0
-    windows = zip(iter_logprobs(reference, token_ids, context=context, stride=stride),
-                  iter_logprobs(candidate, token_ids, context=context, stride=stride))
-    for ref, cand in windows:
-        p = ref.logprobs.exp()
-        kld = (p * (ref.logprobs - cand.logprobs)).sum(-1).clamp_min(0)
-        klds.append(kld.double())
-        agree += int((ref.logprobs.argmax(-1) == cand.logprobs.argmax(-1)).sum())
-        cosines.append(torch.nn.functional.cosine_similarity(ref.logits, cand.logits, dim=-1).double())
-        nll_ref -= float(ref.logprobs.gather(-1, ref.targets[:, None]).double().sum())
-        nll_cand -= float(cand.logprobs.gather(-1, cand.targets[:, None]).double().sum())
+    for token_ids in prompts:
+        windows = zip(iter_logprobs(reference, token_ids, context=context, stride=stride),
+                      iter_logprobs(candidate, token_ids, context=context, stride=stride))
+        for ref, cand in windows:
+            p = ref.logprobs.exp()
+            kld = (p * (ref.logprobs - cand.logprobs)).sum(-1).clamp_min(0)
+            klds.append(kld.double())
+            agree += int((ref.logprobs.argmax(-1) == cand.logprobs.argmax(-1)).sum())
+            cosines.append(torch.nn.functional.cosine_similarity(ref.logits, cand.logits, dim=-1).double())
+            nll_ref -= float(ref.logprobs.gather(-1, ref.targets[:, None]).double().sum())
+            nll_cand -= float(cand.logprobs.gather(-1, cand.targets[:, None]).double().sum())
     kld = torch.cat(klds)
     cosine = torch.cat(cosines)
     n = kld.numel()

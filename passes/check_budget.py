@@ -1,0 +1,59 @@
+"""check_budget: refuse a budget no choice of formats can meet, before any calibration or quantization."""
+
+from __future__ import annotations
+
+import math
+
+from thin.ir import Program, formats
+
+from .memory_ledger import ledger
+from .plan_precision import BudgetError, PlanOptions, parameters, stored_bytes, weight_budget
+from .runner import PassContext
+from .score_formats import candidates, plannable
+
+
+def smallest_encodings(program: Program, allowed: tuple[str, ...] | None = None) -> dict:
+    """{tensor: its smallest candidate encoding} over every plannable tensor."""
+    records = program.model.tensor_map()
+    out = {}
+    for name in plannable(program.model):
+        r = records[name]
+        out[name] = min(candidates(r, allowed), key=lambda e: formats.nbytes(e.format, r.shape, e.params))
+    return out
+
+
+def check_budget(program: Program, ctx: PassContext) -> Program:
+    """Afterwards the budget is known to be reachable: the smallest formats of every plannable tensor
+    fit it (else BudgetError naming the smallest budget that would work), and
+    annotations['budget'] records the bytes the weights may take and the ledger's other lines."""
+    options: PlanOptions = ctx.config.plan
+    model = program.model
+    names = plannable(model)
+    budget, fixed = weight_budget(model, options, names)
+    smallest = stored_bytes(model, smallest_encodings(program, ctx.config.score.formats), ctx.config.fuse_projections)
+    if smallest > budget:
+        params = parameters(model)
+        need = []
+        if options.bpw is not None:
+            need.append(f"--bpw {_ceil(8 * smallest / params, 3)} (the smallest formats give "
+                        f"{8 * smallest / params:.3f} bits per weight)")
+        if options.vram is not None:
+            total = ledger(model, smallest, ctx=options.ctx, prefill_chunk=options.prefill_chunk,
+                           quantizable=names)["total"]
+            need.append(f"--vram {_mib(total)} at --ctx {options.ctx} (weights {_mib(smallest)}, KV cache "
+                        f"{_mib(fixed['lines']['kv_cache'])}, activations and workspace "
+                        f"{_mib(fixed['lines']['activations'] + fixed['lines']['dequant_workspace'])}, runtime "
+                        f"{_mib(fixed['lines']['runtime_overhead'])})")
+        raise BudgetError("the budget is below the smallest model: even the smallest formats for every tensor "
+                          f"need {smallest} bytes of weights, and the budget leaves {max(budget, 0)}; the smallest "
+                          "budget that works is " + " and ".join(need))
+    note = {"weight_bytes": budget, "smallest_weight_bytes": smallest, "ledger_without_weights": fixed["lines"]}
+    return program.replace(annotations={**program.annotations, "budget": note})
+
+
+def _ceil(x: float, digits: int) -> float:
+    return math.ceil(x * 10**digits) / 10**digits
+
+
+def _mib(n: int) -> str:
+    return f"{-(-n // 2**20)}M"

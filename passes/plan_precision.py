@@ -1,0 +1,308 @@
+"""plan_precision: choose every tensor's format so the model fits its budget at the least predicted error.
+
+The problem is a multiple-choice knapsack: tensor t takes one candidate c with bytes b_tc and
+predicted KLD k_tc (score_formats); minimise sum k subject to sum b <= budget. `solve` starts every
+tensor at its smallest candidate and spends the remaining bytes on the upgrades that buy the most
+KLD per byte, along each tensor's lower convex hull (the greedy that is optimal for the
+continuous relaxation), then spends what is left on any single upgrade that still fits. Tensors
+the planner does not choose for (norms, routers, biases) count at their stored size.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+from math import prod
+
+from thin.ir import MLP, Encoding, Model, MoE, Program, formats
+
+from .memory_ledger import DEFAULT_CTX, PREFILL_CHUNK, ledger
+from .runner import PassContext
+
+
+class BudgetError(ValueError):
+    """The budget cannot be met by any choice of formats (or is not given at all)."""
+
+
+@dataclass(frozen=True)
+class PlanOptions:
+    """The budget the planner meets: `--bpw` (bits per weight over every tensor, scales included)
+    and/or `--vram` (bytes on the device, the memory ledger's total)."""
+
+    bpw: float | None = None
+    vram: int | None = None  # bytes
+    ctx: int = DEFAULT_CTX  # tokens of KV cache the --vram ledger reserves
+    prefill_chunk: int = PREFILL_CHUNK  # tokens per prefill step the ledger's activations assume
+    # Give fused q/k/v and gate/up one format, so they fuse into one matmul (speed over quality).
+    tie_fused: bool = False
+
+    def __post_init__(self):
+        if self.bpw is not None and (not isinstance(self.bpw, (int, float)) or not 0 < self.bpw <= 32):
+            raise BudgetError(f"--bpw must be a number of bits in (0, 32], got {self.bpw!r}")
+        if self.vram is not None and (type(self.vram) is not int or self.vram <= 0):
+            raise BudgetError(f"--vram must be a positive number of bytes, got {self.vram!r}")
+        if type(self.ctx) is not int or self.ctx < 1:
+            raise BudgetError(f"--ctx must be a positive number of tokens, got {self.ctx!r}")
+        if type(self.prefill_chunk) is not int or self.prefill_chunk < 1:
+            raise BudgetError(f"prefill_chunk must be a positive number of tokens, got {self.prefill_chunk!r}")
+        if type(self.tie_fused) is not bool:
+            raise BudgetError("tie_fused must be true or false")
+
+    @property
+    def planned(self) -> bool:
+        return self.bpw is not None or self.vram is not None
+
+
+# ---- the knapsack -------------------------------------------------------------------------------
+
+def solve(items: dict[str, list[tuple[int, float]]], budget: int) -> dict[str, int]:
+    """{item: index of its chosen option} minimising the summed cost with summed bytes <= `budget`.
+
+    `items` maps a name to its options as (bytes, cost). Raises BudgetError when even the smallest
+    options exceed the budget."""
+    fronts = {name: _pareto(options) for name, options in items.items()}
+    choice = {name: front[0] for name, front in fronts.items()}  # indices into the options
+    used = sum(items[n][i][0] for n, i in choice.items())
+    if used > budget:
+        raise BudgetError(f"the smallest formats need {used} bytes, over the budget of {budget}")
+    # Greedy along each lower convex hull: best KLD saved per byte first.
+    hulls = {name: _hull([items[name][i] for i in front], front) for name, front in fronts.items()}
+    position = dict.fromkeys(items, 0)
+    heap = []
+    for name, hull in hulls.items():
+        _push_next(heap, name, hull, 0, items)
+    while heap:
+        _, name, step = heapq.heappop(heap)
+        if step != position[name]:
+            continue
+        hull = hulls[name]
+        current, nxt = items[name][hull[step]], items[name][hull[step + 1]]
+        if used + nxt[0] - current[0] <= budget:
+            used += nxt[0] - current[0]
+            position[name] = step + 1
+            choice[name] = hull[step + 1]
+            _push_next(heap, name, hull, step + 1, items)
+    # Spend what is left: any single move to a better option that still fits, best gain first.
+    improved = True
+    while improved:
+        improved = False
+        best = None
+        for name, front in fronts.items():
+            cur_bytes, cur_cost = items[name][choice[name]]
+            for i in front:
+                b, c = items[name][i]
+                if c < cur_cost and used + b - cur_bytes <= budget:
+                    gain = cur_cost - c
+                    if best is None or gain > best[0]:
+                        best = (gain, name, i, b - cur_bytes)
+        if best is not None:
+            _, name, i, extra = best
+            choice[name] = i
+            used += extra
+            improved = True
+    return choice
+
+
+def _pareto(options: list[tuple[int, float]]) -> list[int]:
+    """Indices of the options no other beats in both bytes and cost, by increasing bytes."""
+    order = sorted(range(len(options)), key=lambda i: (options[i][0], options[i][1]))
+    front, best = [], float("inf")
+    for i in order:
+        if options[i][1] < best:
+            front.append(i)
+            best = options[i][1]
+    return front
+
+
+def _hull(points: list[tuple[int, float]], indices: list[int]) -> list[int]:
+    """The lower convex hull of a Pareto front (bytes increasing, cost decreasing), as indices."""
+    hull: list[int] = []
+    pts: list[tuple[int, float]] = []
+    for p, i in zip(points, indices):
+        while len(pts) >= 2:
+            (x1, y1), (x2, y2) = pts[-2], pts[-1]
+            # Drop the middle point when it lies on or above the segment from pts[-2] to p.
+            if (y2 - y1) * (p[0] - x1) >= (p[1] - y1) * (x2 - x1):
+                pts.pop()
+                hull.pop()
+            else:
+                break
+        pts.append(p)
+        hull.append(i)
+    return hull
+
+
+def _push_next(heap, name: str, hull: list[int], step: int, items) -> None:
+    if step + 1 < len(hull):
+        (b0, c0), (b1, c1) = items[name][hull[step]], items[name][hull[step + 1]]
+        heapq.heappush(heap, ((c1 - c0) / max(b1 - b0, 1), name, step))
+
+
+# ---- budgets ------------------------------------------------------------------------------------
+
+def parameters(model: Model) -> int:
+    """Elements of every tensor (a tied head shares the embedding, so it counts once)."""
+    return sum(prod(t.shape) for t in model.tensors)
+
+
+def fused_groups(model: Model) -> list[list[str]]:
+    """Weights fuse_projections stacks when their encodings agree: q/k/v and each gate/up."""
+    groups = []
+
+    def mlp(m: MLP) -> None:
+        if m.gated and m.gate is not None and m.up is not None:
+            groups.append([m.gate.weight, m.up.weight])
+
+    for layer in model.layers:
+        a = layer.attention
+        if a.q is not None and a.k is not None and a.v is not None:
+            groups.append([a.q.weight, a.k.weight, a.v.weight])
+        ffn = layer.ffn
+        for m in (ffn.experts + ((ffn.shared_expert,) if ffn.shared_expert else ())) if isinstance(ffn, MoE) \
+                else (ffn,):
+            mlp(m)
+    return groups
+
+
+def stored_bytes(model: Model, encodings: dict[str, Encoding], fuse: bool) -> int:
+    """Bytes of every tensor's data once `encodings` are applied (others as stored), with q/k/v and
+    gate/up stacked into one blob where fuse_projections will stack them."""
+    records = model.tensor_map()
+
+    def enc(name):
+        return encodings.get(name, records[name].encoding)
+
+    total = sum(formats.nbytes(enc(t.name).format, t.shape, enc(t.name).params) for t in model.tensors)
+    if not fuse:
+        return total
+    for group in fused_groups(model):
+        encs = {enc(n) for n in group}
+        shapes = [records[n].shape for n in group]
+        if len(encs) != 1 or len({s[1:] for s in shapes}) != 1:
+            continue
+        e = encs.pop()
+        stacked = (sum(s[0] for s in shapes), *shapes[0][1:])
+        total += formats.nbytes(e.format, stacked, e.params) - sum(formats.nbytes(e.format, s, e.params)
+                                                                    for s in shapes)
+    return total
+
+
+def weight_budget(model: Model, options: PlanOptions, quantizable: list[str]) -> tuple[int, dict]:
+    """(bytes the weights may take, the ledger's lines other than the weights)."""
+    fixed = ledger(model, 0, ctx=options.ctx, prefill_chunk=options.prefill_chunk, quantizable=quantizable)
+    budgets = []
+    if options.bpw is not None:
+        budgets.append(int(options.bpw * parameters(model) / 8))
+    if options.vram is not None:
+        budgets.append(options.vram - fixed["total"])
+    return min(budgets), fixed
+
+
+# ---- the pass -----------------------------------------------------------------------------------
+
+def plan_precision(program: Program, ctx: PassContext) -> Program:
+    """Afterwards annotations['precision_plan'] gives every plannable tensor an encoding such that
+    all tensors' bytes (norms and the like at their stored size, fused blobs as fused) fit the
+    budget, with the least total predicted KLD the scores allow; annotations['memory'] holds the
+    memory ledger of that plan. Sensitivities scaled by annotations['plan_adjustments'] (set by
+    certify_model's promotion rounds) are used as scaled."""
+    options: PlanOptions = ctx.config.plan
+    model = program.model
+    records = model.tensor_map()
+    scores = program.annotations["scores"]["tensors"]
+    scale = program.annotations.get("plan_adjustments", {}).get("scale", {})
+    budget, _ = weight_budget(model, options, list(scores))
+    encodings = {name: [Encoding(c[0], tuple(tuple(p) for p in c[1])) for c in row["candidates"]]
+                 for name, row in scores.items()}
+    costs = {name: [(c[2], c[4] * scale.get(name, 1.0)) for c in row["candidates"]] for name, row in scores.items()}
+    items, members = _items(model, encodings, costs, options.tie_fused)
+    fixed = stored_bytes(model, {}, False) - sum(formats.nbytes(records[n].encoding.format, records[n].shape,
+                                                                records[n].encoding.params) for n in scores)
+    fuse = ctx.config.fuse_projections
+    chosen = _solve_within(model, items, members, budget - fixed, budget, fuse)
+    total_bytes = stored_bytes(model, chosen, fuse)
+    choices = {}
+    predicted = 0.0
+    for name in scores:
+        enc = chosen[name]
+        index = encodings[name].index(enc)
+        kld = scores[name]["candidates"][index][4]
+        predicted += kld
+        r = records[name]
+        choices[name] = {"format": enc.format, "params": [list(p) for p in enc.params],
+                         "bytes": scores[name]["candidates"][index][2], "predicted_kld": kld,
+                         "layer": r.layer, "role": r.role, "expert": r.expert, "shape": list(r.shape)}
+    params_count = parameters(model)
+    plan = {"budget": {"bpw": options.bpw, "vram": options.vram, "weight_bytes": budget},
+            "weight_bytes": total_bytes, "parameters": params_count,
+            "bits_per_weight": round(8 * total_bytes / params_count, 4), "predicted_kld": predicted,
+            "method": ctx.config.quantize.method, "tie_fused": options.tie_fused, "choices": choices}
+    memory = ledger(model, total_bytes, ctx=options.ctx, prefill_chunk=options.prefill_chunk,
+                    quantizable=list(scores))
+    memory["budget"] = options.vram
+    return program.replace(annotations={**program.annotations, "precision_plan": plan, "memory": memory})
+
+
+def _items(model: Model, encodings, costs, tie: bool):
+    """Knapsack items: one per tensor, or per fused group when tied (options every member can take,
+    bytes as one stacked blob, cost summed). Returns (items, {item: (members, [encoding per option])})."""
+    records = model.tensor_map()
+    items, members = {}, {}
+    grouped = set()
+    if tie:
+        for group in fused_groups(model):
+            if not all(n in encodings for n in group):
+                continue
+            common = [e for e in encodings[group[0]] if all(e in encodings[n] for n in group[1:])]
+            shapes = [records[n].shape for n in group]
+            stacked = (sum(s[0] for s in shapes), *shapes[0][1:])
+            options = []
+            for e in common:
+                cost = sum(costs[n][encodings[n].index(e)][1] for n in group)
+                options.append((formats.nbytes(e.format, stacked, e.params), cost))
+            key = "+".join(group)
+            items[key], members[key] = options, (group, common)
+            grouped.update(group)
+    for name in encodings:
+        if name not in grouped:
+            items[name], members[name] = costs[name], ([name], encodings[name])
+    return items, members
+
+
+def _solve_within(model, items, members, budget: int, total_budget: int, fuse: bool) -> dict[str, Encoding]:
+    """solve(), then demote the cheapest-to-demote item while the real stored bytes (fusion changes
+    part padding by a few bytes) exceed the budget."""
+    try:
+        choice = solve(items, budget)
+    except BudgetError:
+        smallest = {n: min(range(len(o)), key=lambda i: o[i][0]) for n, o in items.items()}
+        need = stored_bytes(model, _encodings(members, smallest), fuse)
+        raise BudgetError(f"even the smallest formats need {need} bytes of weights, over the "
+                          f"{max(total_budget, 0)} the budget leaves for them") from None
+    while True:
+        chosen = _encodings(members, choice)
+        over = stored_bytes(model, chosen, fuse) - total_budget
+        if over <= 0:
+            return chosen
+        best = None
+        for name, i in choice.items():
+            b, c = items[name][i]
+            for j, (b2, c2) in enumerate(items[name]):
+                if b2 < b and (best is None or (c2 - c) / (b - b2) < best[0]):
+                    best = ((c2 - c) / (b - b2), name, j)
+        if best is None:
+            raise BudgetError(f"the plan exceeds its budget by {over} bytes and nothing can shrink")
+        choice[best[1]] = best[2]
+
+
+def _encodings(members, choice) -> dict[str, Encoding]:
+    out = {}
+    for key, i in choice.items():
+        names, encs = members[key]
+        for n in names:
+            out[n] = encs[i]
+    return out
+
+
+__all__ = ["BudgetError", "PlanOptions", "fused_groups", "parameters", "plan_precision", "solve", "stored_bytes",
+           "weight_budget"]

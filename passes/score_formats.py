@@ -1,0 +1,240 @@
+"""score_formats: predict, per tensor and candidate format, how much it would raise the output error.
+
+Two factors per (tensor t, format f), both measured on calibration data:
+
+- E_t(f), the layer-output error the rounding leaves, E||(W - W_f) x||^2 summed over outputs, from
+  the input second-moment matrix H = E[x x^T] that calibrate_inputs kept. For round-to-nearest it
+  is exact: trace(dW H dW^T). For GPTQ it is estimated without running GPTQ: GPTQ rounds column j
+  with the columns after it left to absorb the error, so each squared rounding error costs
+  1 / [H_F^-1]_jj = 1 / U_jj^2 (U the upper Cholesky factor of H^-1, F the columns from j on)
+  instead of about H_jj; E_t(f) = sum_j sum_rows err_rj^2 / U_jj^2 with err the format's
+  round-to-nearest error on the importance-weighted grid. The embedding of an untied model is a
+  lookup, not a product: its E is the token-frequency-weighted squared row error.
+- a_t, the sensitivity of the model's output to that layer error: tensor (or, for MoE experts,
+  all experts of one role in one layer) is rounded alone to a probe format, the model runs on
+  calibration windows with the rest exact, and a_t = measured mean KLD / E_t(probe).
+
+The predicted KLD of a plan is sum_t a_t E_t(f_t): additive, as errors of different tensors are
+independent to first order. plan_precision minimises it under the byte budget; certify_model
+measures the truth, and BENCHMARKS.md reports the two side by side.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from thin.ir import Encoding, Model, Program, formats
+
+from .calibrate_inputs import load_statistics
+from .gptq import inverse_cholesky
+from .quantize_weights import linear_weights
+from .runner import PassContext
+
+# Probe encodings, first that fits: coarse enough that one tensor's rounding moves the output
+# measurably above float noise, fine enough to stay where KLD grows linearly with the layer error.
+PROBES = (Encoding("int3", (("asymmetric", 0), ("group_size", 64))),
+          Encoding("int3", (("asymmetric", 0), ("group_size", 32))),
+          Encoding("q2", (("group_size", 32),)), Encoding("int8"))
+PROBE_WINDOWS = 8
+PROBE_TOKENS = 256
+
+
+@dataclass(frozen=True)
+class ScoreOptions:
+    """Which encodings the planner may choose among, and how sensitivity is probed."""
+
+    # Formats the planner may pick (every parameter variant of each); None: every registered one.
+    formats: tuple[str, ...] | None = None
+    probe_windows: int = PROBE_WINDOWS  # calibration windows of PROBE_TOKENS each per probe
+
+    def __post_init__(self):
+        if self.formats is not None:
+            unknown = [f for f in self.formats if f not in formats.FORMATS]
+            if unknown:
+                raise ValueError(f"unknown format(s) {', '.join(unknown)}; known: {', '.join(formats.FORMATS)}")
+        if type(self.probe_windows) is not int or self.probe_windows < 1:
+            raise ValueError(f"probe_windows must be a positive integer, got {self.probe_windows!r}")
+
+
+def plannable(model: Model) -> list[str]:
+    """The tensors the planner chooses a format for: every linear weight (LM head included) and the
+    embedding. Norms, biases, routers and gates stay as stored."""
+    names = [model.embedding.weight]
+    names += [n for n in linear_weights(model, lm_head=True) if n != model.embedding.weight]
+    return names
+
+
+def candidates(record, allowed: tuple[str, ...] | None = None) -> list[Encoding]:
+    """Every encoding `record` can be stored in: each quantized format with each combination of its
+    parameters that fits the shape, plus the stored dense format and any narrower dense one."""
+    stored = formats.get(record.encoding.format)
+    out = [record.encoding] if stored.dense else []
+    for fmt in formats.FORMATS.values():
+        if allowed is not None and fmt.name not in allowed and fmt.name != record.encoding.format:
+            continue
+        if fmt.dense:
+            # bf16 is the one narrower dense choice for an f32 or f16 source.
+            if fmt.name == "bf16" and stored.dense and stored.name in ("f32", "f16"):
+                out.append(Encoding(fmt.name))
+            continue
+        keys = sorted(fmt.params)
+        for values in itertools.product(*(fmt.params[k].choices for k in keys)):
+            params = tuple(zip(keys, values))
+            if not fmt.check(record.shape, params):
+                out.append(Encoding(fmt.name, params))
+    return out
+
+
+def probe_groups(model: Model, names: list[str]) -> list[list[str]]:
+    """Tensors probed together: every tensor alone, except MoE experts, probed per (layer, role)
+    so a model with hundreds of experts needs a few probes per layer, not hundreds."""
+    records = model.tensor_map()
+    expert_groups: dict[tuple, list[str]] = {}
+    out = []
+    for name in names:
+        r = records[name]
+        if r.expert is not None:
+            expert_groups.setdefault((r.layer, r.role), []).append(name)
+        else:
+            out.append([name])
+    return out + list(expert_groups.values())
+
+
+def score_formats(program: Program, ctx: PassContext) -> Program:
+    """Afterwards annotations['scores'] holds, for every plannable tensor, its sensitivity a_t and
+    for every candidate encoding its bytes, predicted layer error E_t and predicted KLD a_t E_t
+    (see the module docstring); the stored encoding scores 0."""
+    import torch
+
+    options: ScoreOptions = ctx.config.score
+    model = program.model
+    records = model.tensor_map()
+    names = plannable(model)
+    method = ctx.config.quantize.method or "gptq"
+    tensors: dict[str, dict] = {}
+    probe_errors: dict[str, float] = {}
+    for i, name in enumerate(names):
+        ctx.report("score formats", i, len(names))
+        r = records[name]
+        w = formats.get(r.encoding.format).decode(program.load(name), r.shape, r.encoding.params,
+                                                  torch.float32).to(ctx.device)
+        error = _error_model(program, ctx, name, w, method)
+        rows = []
+        for enc in candidates(r, options.formats):
+            e = 0.0 if enc == r.encoding else error(enc)
+            rows.append([enc.format, [list(p) for p in enc.params], formats.nbytes(enc.format, r.shape, enc.params),
+                         e])
+        probe = probe_encoding(r)
+        tensors[name] = {"candidates": rows, "probe": None if probe is None else [probe.format, [
+            list(p) for p in probe.params]]}
+        probe_errors[name] = error(probe, exact=True) if probe is not None else 0.0
+        del w
+    ctx.report("score formats", len(names), len(names))
+    probes = _probe(program, ctx, names, probe_errors, options)
+    for name, row in tensors.items():
+        a = probes["sensitivity"][name]
+        row["sensitivity"] = a
+        for c in row["candidates"]:
+            c.append(a * c[3])
+    note = {"method": method, "probe": probes["summary"],
+            "columns": ["format", "params", "bytes", "layer_error", "predicted_kld"], "tensors": tensors}
+    return program.replace(annotations={**program.annotations, "scores": note})
+
+
+def probe_encoding(record) -> Encoding | None:
+    """The first of PROBES that can store `record`, or None."""
+    for enc in PROBES:
+        if not formats.check(enc.format, record.shape, enc.params):
+            return enc
+    return None
+
+
+def _error_model(program: Program, ctx: PassContext, name: str, w, method: str):
+    """error(encoding, exact=False) -> predicted layer error E of storing `w` (tensor `name`) so.
+
+    exact=True (and method rtn) is round-to-nearest as `Format.encode` does it, scored exactly;
+    otherwise the GPTQ estimate of the module docstring."""
+    import torch
+
+    model = program.model
+    untied_embedding = name == model.embedding.weight and not model.lm_head.tied
+    if untied_embedding:
+        frequency = ctx.scratch.load("calibration/token_frequency")["frequency"].to(w.device)
+        hessian, gain = None, None
+    else:
+        stats = load_statistics(ctx, program, name)
+        if stats is None:  # no calibration token reached it (an unused expert): one unit token's worth
+            hessian = torch.eye(w.shape[1], device=w.device) / max(program.annotations["calibration"]["tokens"], 1)
+        else:
+            hessian = stats["hessian"].to(w.device).float()
+        upper, damped = inverse_cholesky(hessian)
+        gain = 1.0 / torch.diagonal(upper).double() ** 2
+        importance = torch.diagonal(damped)
+
+    def layer_error(delta) -> float:
+        if untied_embedding:
+            return float(frequency.double() @ (delta.double() ** 2).sum(1))
+        return float(((delta @ hessian) * delta).sum())
+
+    def error(enc: Encoding, exact: bool = False) -> float:
+        fmt = formats.get(enc.format)
+        if fmt.dense:
+            return layer_error(w - fmt.decode(fmt.encode(w, enc.params), tuple(w.shape), enc.params, torch.float32))
+        if exact or method == "rtn" or untied_embedding:
+            w_hat = fmt.decode(fmt.encode(w, enc.params), tuple(w.shape), enc.params, torch.float32).to(w.device)
+            return layer_error(w - w_hat)
+        q = fmt.quantizer(tuple(w.shape), enc.params)
+        q.start(w)
+        delta = w - q.project(w, q.fit(w, importance))
+        return float(gain @ (delta.double() ** 2).sum(0))
+
+    return error
+
+
+def _probe(program: Program, ctx: PassContext, names: list[str], probe_errors: dict[str, float],
+           options: ScoreOptions) -> dict:
+    """Sensitivities a_t: each probe group rounded alone to its probe encoding, mean KLD against the
+    exact model on calibration windows, divided by the group's predicted layer error."""
+    import torch
+
+    records = program.model.tensor_map()
+    ids = ctx.scratch.load("calibration/ids")["ids"].tolist()
+    span = max(len(ids) // options.probe_windows, PROBE_TOKENS)
+    windows = [ids[i:i + PROBE_TOKENS] for i in range(0, len(ids) - PROBE_TOKENS + 1, span)][:options.probe_windows]
+    session = ctx.evaluator.session(program)
+    reference = [torch.log_softmax(session.forward(w).float(), -1) for w in windows]
+    groups = probe_groups(program.model, names)
+    sensitivity: dict[str, float] = {}
+    measured = []
+    for i, group in enumerate(groups):
+        ctx.report("probe sensitivity", i, len(groups))
+        dense = {}
+        for name in group:
+            r = records[name]
+            probe = probe_encoding(r)
+            if probe is None:
+                continue
+            fmt = formats.get(probe.format)
+            w = formats.get(r.encoding.format).decode(program.load(name), r.shape, r.encoding.params, torch.float32)
+            dense[name] = fmt.decode(fmt.encode(w, probe.params), r.shape, probe.params, torch.float32)
+        error = sum(probe_errors[n] for n in dense)
+        if not dense or error <= 0:
+            continue
+        with session.overriding(dense):
+            kld = 0.0
+            for w, ref in zip(windows, reference):
+                out = torch.log_softmax(session.forward(w).float(), -1)
+                kld += float((ref.exp() * (ref - out)).sum(-1).mean())
+        kld /= len(windows)
+        measured.append({"tensors": group, "kld": kld, "layer_error": error})
+        for name in group:
+            sensitivity[name] = kld / error
+    ctx.report("probe sensitivity", len(groups), len(groups))
+    if measured:  # tensors no probe could take borrow the mean sensitivity
+        mean = sum(m["kld"] for m in measured) / sum(m["layer_error"] for m in measured)
+        for name in names:
+            sensitivity.setdefault(name, mean)
+    summary = {"windows": len(windows), "tokens": PROBE_TOKENS, "groups": len(groups),
+               "total_probe_kld": sum(m["kld"] for m in measured)}
+    return {"sensitivity": {n: sensitivity.get(n, 0.0) for n in names}, "summary": summary}
