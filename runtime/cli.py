@@ -172,8 +172,15 @@ def run(
 
 
 def main(argv: list[str] | None = None):
-    """Entry point of the `thin-exec` console script."""
-    app(args=argv, prog_name="thin-exec")
+    """Entry point of the `thin-exec` console script: `thin-exec serve ...` (runtime/serve/)
+    or `thin-exec MODEL.thin ...`."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args[:1] == ["serve"]:
+        from thin.runtime.serve.cli import main as serve
+
+        serve(args[1:])
+    else:
+        app(args=args, prog_name="thin-exec")
 
 
 if __name__ == "__main__":

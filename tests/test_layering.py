@@ -44,6 +44,18 @@ def test_imports_run_one_way():
     assert not violations, "\n".join(violations)
 
 
+def test_only_the_server_imports_the_server_packages():
+    """starlette, uvicorn and pydantic are the `serve` extra: nothing outside runtime/serve/ may need them."""
+    violations = []
+    for layer in ALLOWED:
+        for path in sorted((ROOT / layer).rglob("*.py")):
+            if path.is_relative_to(ROOT / "runtime" / "serve"):
+                continue
+            violations += [f"{path.relative_to(ROOT)}:{line} imports {module}" for line, module in _imports(path)
+                           if module.split(".")[0] in ("starlette", "uvicorn", "pydantic", "fastapi")]
+    assert not violations, "\n".join(violations)
+
+
 def test_ir_is_plain_data_without_torch():
     code = ("import sys, thin.ir, thin.ir.formats, thin.artifacts; "
             "bad = [m for m in ('torch', 'transformers', 'triton') if m in sys.modules]; "
