@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 # Activation names accepted by MLP.activation.
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
 # RoPE kinds accepted by RoPE.kind.
-ROPE_KINDS = ("default", "linear", "llama3")
+ROPE_KINDS = ("default", "linear", "llama3", "yarn")
 NORM_KINDS = ("rms", "layer")
 ROUTER_SCORINGS = ("softmax",)
 
@@ -39,7 +39,9 @@ class Tensor:
     layer: int | None  # decoder layer index; None for embedding, final norm, lm head
     shape: tuple[int, ...]
     encoding: Encoding
-    source_dtype: str  # dtype in the source checkpoint: "f32", "f16" or "bf16"
+    # Format in the source checkpoint: "f32", "f16" or "bf16"; a quantized format for a checkpoint that
+    # stores it pre-quantized (GPT-OSS: "mxfp4" experts).
+    source_dtype: str
     expert: int | None = None  # MoE expert index for per-expert weights
     # Byte alignment of the data in the artifact (a power of two): 4096 for page-major expert pages.
     align: int = 64
@@ -75,6 +77,13 @@ class RoPE:
     low_freq_factor: float | None = None
     high_freq_factor: float | None = None
     original_max_position_embeddings: int | None = None
+    # YaRN (GPT-OSS): frequencies ramp from extrapolated to interpolated (/ factor) between the dims
+    # where beta_fast and beta_slow rotations fit the original context; floor/ceil of that range when
+    # truncate; cos and sin are multiplied by attention_factor (the resolved mscale).
+    beta_fast: float | None = None
+    beta_slow: float | None = None
+    truncate: bool = True
+    attention_factor: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -110,6 +119,11 @@ class MLP:
     gate: Linear | None = None
     up: Linear | None = None
     gate_up: Linear | None = None  # fused [gate; up] (Phi-3, or after canonicalize)
+    # GPT-OSS's clamped SwiGLU: gate = min(gate, limit), up = clamp(up, -limit, limit), then
+    # act(gate) * (up + up_offset) with silu's gain act(x) = x * sigmoid(alpha * x).
+    alpha: float = 1.0
+    limit: float | None = None
+    up_offset: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 from . import formats
 from . import model as m
 
@@ -73,7 +75,7 @@ class _Verifier:
                 self.err(f"tensor {t.name!r} has a bad shape {t.shape}")
             for problem in formats.check(t.encoding.format, t.shape, t.encoding.params):
                 self.err(f"tensor {t.name!r}: {problem}")
-            if t.source_dtype not in {f.name for f in formats.dense_formats()}:
+            if t.source_dtype not in formats.FORMATS:
                 self.err(f"tensor {t.name!r} has unknown source dtype {t.source_dtype!r}")
             if type(t.align) is not int or not 16 <= t.align <= MAX_ALIGN or t.align & (t.align - 1):
                 self.err(f"tensor {t.name!r}: align {t.align!r} must be a power of two from 16 to {MAX_ALIGN}")
@@ -154,16 +156,41 @@ class _Verifier:
                                                 r.original_max_position_embeddings):
                 self.err(f"{where}.rope: llama3 scaling needs low/high_freq_factor and "
                          "original_max_position_embeddings")
+            self.yarn(r, f"{where}.rope")
         if a.sliding_window is not None and a.sliding_window <= 0:
             self.err(f"{where}: sliding_window must be positive")
         if a.logit_softcap is not None and a.logit_softcap <= 0:
             self.err(f"{where}: logit_softcap must be positive")
         self.ref(a.sinks, (a.num_heads,), f"{where}.sinks")
 
+    def yarn(self, r: m.RoPE, where: str) -> None:
+        yarn = (r.beta_fast, r.beta_slow)
+        if r.kind != "yarn":
+            if yarn != (None, None) or r.attention_factor != 1.0:
+                self.err(f"{where}: beta_fast, beta_slow and attention_factor are for yarn, not {r.kind}")
+            return
+        if None in (*yarn, r.original_max_position_embeddings):
+            self.err(f"{where}: yarn needs beta_fast, beta_slow and original_max_position_embeddings")
+            return
+        if not all(_finite(x) and x > 0 for x in (*yarn, r.attention_factor)):
+            self.err(f"{where}: yarn's beta_fast, beta_slow and attention_factor must be finite and positive")
+        if r.original_max_position_embeddings <= 0:
+            self.err(f"{where}: original_max_position_embeddings must be positive")
+
+    def swiglu(self, mlp: m.MLP, where: str) -> None:
+        if not (_finite(mlp.alpha) and mlp.alpha > 0 and _finite(mlp.up_offset)):
+            self.err(f"{where}: alpha must be finite and positive, up_offset finite")
+        if mlp.limit is not None and not (_finite(mlp.limit) and mlp.limit > 0):
+            self.err(f"{where}: limit must be finite and positive")
+        clamped = (mlp.alpha, mlp.limit, mlp.up_offset) != (1.0, None, 0.0)
+        if clamped and not (mlp.gated and mlp.activation == "silu"):
+            self.err(f"{where}: alpha, limit and up_offset belong to a gated silu MLP (clamped SwiGLU)")
+
     def mlp(self, mlp: m.MLP, intermediate: int | None, where: str) -> int | None:
         H = self.model.hidden_size
         if mlp.activation not in m.ACTIVATIONS:
             self.err(f"{where}: unknown activation {mlp.activation!r} (known: {', '.join(m.ACTIVATIONS)})")
+        self.swiglu(mlp, where)
         down = self.tensors.get(mlp.down.weight)
         inter = down.shape[-1] if down is not None and len(down.shape) == 2 else intermediate
         if inter is None:
@@ -200,3 +227,7 @@ class _Verifier:
         if moe.shared_expert is not None:
             self.mlp(moe.shared_expert, None, f"{where}.shared_expert")
         self.linear(moe.shared_expert_gate, 1, H, f"{where}.shared_expert_gate")
+
+
+def _finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)

@@ -62,6 +62,7 @@ class AttentionPlan:
     rope: RotaryTables | None
     sliding_window: int | None
     logit_softcap: float | None
+    sinks: torch.Tensor | None = None  # GPT-OSS: float32 [num_heads] logits in each softmax's denominator
 
 
 @dataclass
@@ -142,8 +143,6 @@ class Executor:
         return NormPlan(norm.kind, norm.eps, weight, self._dense(norm.bias, torch.float32))
 
     def _plan_attention(self, a: Attention) -> AttentionPlan:
-        if a.sinks is not None:
-            raise NotImplementedError("attention sinks (GPT-OSS) are not implemented in the torch executor")
         qkv = [self._linear(a.qkv)] if a.qkv is not None else [self._linear(x) for x in (a.q, a.k, a.v)]
         rope = None
         if a.rope is not None:
@@ -152,7 +151,8 @@ class Executor:
             rope = self._tables[a.rope]
         return AttentionPlan(
             a.num_heads, a.num_kv_heads, a.head_dim, a.scale, qkv, self._linear(a.o), self._norm(a.q_norm),
-            self._norm(a.k_norm), a.qk_norm_per_head, rope, a.sliding_window, a.logit_softcap)
+            self._norm(a.k_norm), a.qk_norm_per_head, rope, a.sliding_window, a.logit_softcap,
+            self._dense(a.sinks, torch.float32))
 
     def _plan_mlp(self, mlp: MLP) -> MLPPlan:
         if mlp.activation not in ACTIVATIONS:
@@ -163,7 +163,7 @@ class Executor:
             up = [self._linear(mlp.gate_up)]
         else:
             up = [self._linear(mlp.gate), self._linear(mlp.up)]
-        return MLPPlan(mlp.activation, mlp.gated, up, self._linear(mlp.down))
+        return MLPPlan(mlp.activation, mlp.gated, up, self._linear(mlp.down), mlp.alpha, mlp.limit, mlp.up_offset)
 
     def _plan_layer(self, layer: DecoderLayer) -> LayerPlan:
         if isinstance(layer.ffn, MoE):
@@ -188,7 +188,8 @@ class Executor:
     def new_cache(self, max_seq_len: int) -> KVCache:
         """An empty KV cache for one sequence of up to `max_seq_len` tokens."""
         shapes = [(p.attention.num_kv_heads, p.attention.head_dim) for p in self.layers]
-        return KVCache(shapes, max_seq_len, self.dtype, self.device)
+        windows = [p.attention.sliding_window for p in self.layers]
+        return KVCache(shapes, max_seq_len, self.dtype, self.device, windows)
 
     @torch.inference_mode()
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
@@ -259,17 +260,30 @@ def attention(x: torch.Tensor, p: AttentionPlan, index: int, cache: KVCache | No
     group = p.num_heads // p.num_kv_heads
     # Query heads sharing a kv head are stacked along the query axis, so GQA needs no repeated k/v.
     q = q.transpose(0, 1).reshape(p.num_kv_heads, group * T, p.head_dim)
-    mask = masks.get(p.sliding_window, group)
-    if p.logit_softcap is None:
+    # A sliding layer's cache hands back only the keys still in reach: they start at key_start.
+    mask = masks.get(p.sliding_window, group, key_start=start + T - k.shape[1])
+    if p.logit_softcap is None and p.sinks is None:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=p.scale)
     else:
-        scores = torch.matmul(q, k.transpose(1, 2)).float() * p.scale
-        scores = torch.tanh(scores / p.logit_softcap) * p.logit_softcap
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf"))
-        out = torch.matmul(torch.softmax(scores, dim=-1).to(v.dtype), v)
+        out = _explicit_attention(q, k, v, mask, p, group, T)
     out = out.reshape(p.num_heads, T, p.head_dim).transpose(0, 1).reshape(T, q_size)
     return p.o(out)
+
+
+def _explicit_attention(q, k, v, mask, p: AttentionPlan, group: int, T: int) -> torch.Tensor:
+    """softmax(q k^T * scale) v written out, for what SDPA has no argument for: Gemma-2's softcap on the
+    logits, GPT-OSS's sinks (a per-head logit in the softmax's denominator, dropped from the weights)."""
+    scores = torch.matmul(q, k.transpose(1, 2)).float() * p.scale
+    if p.logit_softcap is not None:
+        scores = torch.tanh(scores / p.logit_softcap) * p.logit_softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    if p.sinks is None:
+        probs = torch.softmax(scores, dim=-1)
+    else:  # query rows are (head in group, position): sink of head kv * group + g on rows g * T ..
+        sink = p.sinks.reshape(p.num_kv_heads, group, 1, 1).expand(-1, -1, T, 1).reshape(p.num_kv_heads, -1, 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    return torch.matmul(probs.to(v.dtype), v)
 
 
 class _Masks:
@@ -279,15 +293,16 @@ class _Masks:
         self.T, self.start, self.device = T, start, device
         self._built: dict[tuple[int | None, int], torch.Tensor] = {}
 
-    def get(self, window: int | None, group: int) -> torch.Tensor | None:
-        """bool [group * T, start + T]: key j is visible to query i (at position start + i) iff
-        start + i - window < j <= start + i. None for one query, which sees every key it is given."""
+    def get(self, window: int | None, group: int, key_start: int = 0) -> torch.Tensor | None:
+        """bool [group * T, start + T - key_start] for keys at positions key_start..: key j is visible to
+        query i (at position start + i) iff start + i - window < j <= start + i. None for one query,
+        which sees every key it is given."""
         if self.T == 1:
             return None
-        key = (window, group)
+        key = (window, group, key_start)
         if key not in self._built:
             query_pos = torch.arange(self.start, self.start + self.T, device=self.device)[:, None]
-            key_pos = torch.arange(self.start + self.T, device=self.device)[None, :]
+            key_pos = torch.arange(key_start, self.start + self.T, device=self.device)[None, :]
             visible = key_pos <= query_pos
             if window is not None:
                 visible &= key_pos > query_pos - window

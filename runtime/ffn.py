@@ -16,6 +16,10 @@ class MLPPlan:
     gated: bool
     up: list[LinearOp]  # [gate_up] fused, [gate, up] separate, or [up] when not gated
     down: LinearOp
+    # GPT-OSS's clamped SwiGLU (see thin.ir.MLP): silu's gain, the clamp, the offset added to up.
+    alpha: float = 1.0
+    limit: float | None = None
+    up_offset: float = 0.0
 
 
 @dataclass
@@ -52,7 +56,12 @@ def run_mlp(x: torch.Tensor, p: MLPPlan) -> torch.Tensor:
         h = activate(p.activation, p.up[0](x))
     else:
         gate, up = p.up[0](x).chunk(2, dim=-1) if len(p.up) == 1 else (p.up[0](x), p.up[1](x))
-        h = activate(p.activation, gate) * up
+        if p.limit is not None:
+            gate, up = gate.clamp(max=p.limit), up.clamp(-p.limit, p.limit)
+        if p.alpha != 1.0:  # silu with a gain: x * sigmoid(alpha * x)
+            h = gate * torch.sigmoid(gate * p.alpha) * (up + p.up_offset)
+        else:
+            h = activate(p.activation, gate) * (up + p.up_offset if p.up_offset else up)
     return p.down(h)
 
 

@@ -180,6 +180,9 @@ class ConversationCache:
             if a != b:
                 break
             common += 1
+        keepable = getattr(self.cache, "keepable", None)  # a sliding-window ring can't roll back far
+        if keepable is not None:
+            common = keepable(common)
         self.cache.truncate(common)
         self.tokens = list(prompt[:common])
         return self.cache

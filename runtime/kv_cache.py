@@ -1,9 +1,11 @@
-"""A static key/value cache: one preallocated [kv_heads, max_seq_len, head_dim] buffer pair per layer.
+"""A static key/value cache: one preallocated [kv_heads, positions, head_dim] buffer pair per layer.
 
 The executor writes each layer's new keys and values at the current position and reads
-back the whole prefix; `advance` moves the position once every layer has been written.
-Sliding-window layers keep the full history too (the mask hides the old keys), which
-keeps positions and indexing identical across layers.
+back what its queries can see; `advance` moves the position once every layer has been
+written. A full-attention layer keeps the whole prefix. A sliding-window layer keeps only
+its last `window` positions, in a ring (position p in slot p % window), so its memory is
+bounded by the window whatever the sequence length; it hands back the keys from the first
+position the new queries can see, and the executor masks relative to that position.
 """
 
 from __future__ import annotations
@@ -19,13 +21,18 @@ class KVCache:
     """Keys and values for every layer of one sequence, up to `max_seq_len` tokens."""
 
     def __init__(self, shapes: list[tuple[int, int]], max_seq_len: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu"):
-        """`shapes` is (num_kv_heads, head_dim) per layer."""
+                 device: torch.device | str = "cpu", windows: list[int | None] | None = None):
+        """`shapes` is (num_kv_heads, head_dim) per layer; `windows` the sliding window of each layer
+        (None, or a None entry: full attention)."""
         if max_seq_len <= 0:
             raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
         self.max_seq_len = max_seq_len
-        self.keys = [torch.zeros(h, max_seq_len, d, dtype=dtype, device=device) for h, d in shapes]
-        self.values = [torch.zeros(h, max_seq_len, d, dtype=dtype, device=device) for h, d in shapes]
+        self.windows = list(windows) if windows is not None else [None] * len(shapes)
+        if len(self.windows) != len(shapes) or any(w is not None and w <= 0 for w in self.windows):
+            raise ValueError(f"windows must give a positive window or None for each of {len(shapes)} layers")
+        sizes = [max_seq_len if w is None else min(w, max_seq_len) for w in self.windows]
+        self.keys = [torch.zeros(h, n, d, dtype=dtype, device=device) for (h, d), n in zip(shapes, sizes)]
+        self.values = [torch.zeros(h, n, d, dtype=dtype, device=device) for (h, d), n in zip(shapes, sizes)]
         self.length = 0  # tokens already stored (the position of the next token)
 
     def check_room(self, n: int) -> None:
@@ -36,20 +43,44 @@ class KVCache:
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Store k, v [kv_heads, T, head_dim] at the current position; return the layer's keys and values
-        for positions 0 .. length + T - 1."""
+        for positions first .. length + T - 1, where first is 0, or for a sliding layer the oldest
+        position the first new query sees (length - window + 1, at least 0)."""
         start, end = self.length, self.length + k.shape[1]
-        self.keys[layer][:, start:end] = k
-        self.values[layer][:, start:end] = v
-        return self.keys[layer][:, :end], self.values[layer][:, :end]
+        window = self.windows[layer]
+        if window is None:
+            self.keys[layer][:, start:end] = k
+            self.values[layer][:, start:end] = v
+            return self.keys[layer][:, :end], self.values[layer][:, :end]
+        size = self.keys[layer].shape[1]
+        # Read the held positions the new queries still see before any slot is overwritten.
+        held = torch.arange(max(0, start - window + 1), start, device=k.device) % size
+        keys = torch.cat((self.keys[layer][:, held], k), dim=1)
+        values = torch.cat((self.values[layer][:, held], v), dim=1)
+        kept = min(k.shape[1], size)  # of a long prefill only the last `size` positions stay
+        slots = torch.arange(end - kept, end, device=k.device) % size
+        self.keys[layer][:, slots] = k[:, -kept:]
+        self.values[layer][:, slots] = v[:, -kept:]
+        return keys, values
 
     def advance(self, n: int) -> None:
         """Move the position past `n` tokens, once every layer has stored them."""
         self.length += n
 
+    def keepable(self, n: int) -> int:
+        """The most tokens, at most `n`, that `truncate` can keep: `n`, unless a sliding layer's ring has
+        overwritten positions the token after them would see; then 0 (start over)."""
+        for window, keys in zip(self.windows, self.keys):
+            if window is not None and self.length > keys.shape[1] and n - window + 1 < self.length - keys.shape[1]:
+                return 0
+        return n
+
     def truncate(self, n: int) -> None:
         """Keep only the first `n` stored tokens (later positions are overwritten as new tokens come)."""
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot keep {n} tokens of a cache holding {self.length}")
+        if self.keepable(n) != n:
+            raise ValueError(f"cannot keep {n} of {self.length} tokens: a sliding-window layer holds only its "
+                             "last window of positions (see keepable)")
         self.length = n
 
     def reset(self) -> None:

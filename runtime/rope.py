@@ -1,7 +1,7 @@
 """Rotary position embeddings (rotate-half convention) for the IR's RoPE kinds.
 
 Frequencies are computed in float32 exactly as transformers does (default, linear,
-llama3), and cos/sin tables are cached per RoPE and grown on demand.
+llama3, yarn), and cos/sin tables are cached per RoPE and grown on demand.
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ def inverse_frequencies(rope: RoPE) -> torch.Tensor:
         return inv_freq / rope.factor
     if rope.kind == "llama3":
         return _llama3(inv_freq, rope)
+    if rope.kind == "yarn":
+        return _yarn(rope)
     raise NotImplementedError(f"RoPE kind {rope.kind!r} is not implemented")
 
 
@@ -37,6 +39,29 @@ def _llama3(inv_freq: torch.Tensor, rope: RoPE) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / rope.factor + smooth * scaled
     medium = ~(wavelen < high_wavelen) * ~(wavelen > low_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def _yarn(rope: RoPE) -> torch.Tensor:
+    # YaRN (transformers' _compute_yarn_parameters): dims that turn fewer than beta_slow times over the
+    # original context are interpolated (/ factor), those turning more than beta_fast times kept, a
+    # linear ramp between. Same float32 operations in the same order, so the tables agree to the bit.
+    dim, base = rope.rotary_dim, rope.theta
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(rope.original_max_position_embeddings / (rotations * 2 * math.pi))) / (
+            2 * math.log(base))
+
+    low, high = correction_dim(rope.beta_fast), correction_dim(rope.beta_slow)
+    if rope.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # transformers' guard against a zero-width ramp
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (rope.factor * pos_freqs)
+    keep = 1 - ramp
+    return interpolation * (1 - keep) + extrapolation * keep
 
 
 class RotaryTables:
@@ -59,7 +84,10 @@ class RotaryTables:
         positions = torch.arange(size, device=self.inv_freq.device, dtype=torch.float32)
         freqs = positions[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.rope.attention_factor != 1.0:  # YaRN's mscale, applied in float32 as transformers does
+            cos, sin = cos * self.rope.attention_factor, sin * self.rope.attention_factor
+        self.cos, self.sin = cos.to(self.dtype), sin.to(self.dtype)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "gemma2", "gemma3", "qwen3_moe"]
+FAMILIES = ["llama", "qwen2", "qwen3", "mistral", "phi3", "olmo2", "gemma2", "gemma3", "qwen3_moe", "mixtral",
+            "gpt_oss"]
 
 _COMMON = dict(
     vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -42,6 +43,15 @@ _SPECS: dict[str, tuple[str, str, dict]] = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(
         num_hidden_layers=3, head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
         norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1], tie_word_embeddings=False)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(
+        head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32, sliding_window=8)),
+    # YaRN stretching a 64-position original context 4x, so interpolation and the cos/sin scale both
+    # matter within 48 positions; swiglu_limit low enough that the clamps bite at these weight scales.
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM", dict(
+        num_hidden_layers=3, head_dim=16, num_local_experts=4, num_experts_per_tok=2, intermediate_size=32,
+        sliding_window=8, swiglu_limit=3.0, rope_parameters={
+            "rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "beta_fast": 8.0, "beta_slow": 1.0,
+            "truncate": False, "original_max_position_embeddings": 64})),
 }
 
 # Families whose stored norm weight w is applied as (1 + w): re-draw those around 0.

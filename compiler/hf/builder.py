@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from thin.ir import Encoding, Linear, Norm, Tensor
 
-from .checkpoint import TensorStore
+from .checkpoint import RAW_BYTES, TensorStore
 from .errors import CheckpointError, LedgerError
 
 
@@ -51,10 +51,25 @@ class Builder:
              index: tuple | None = None) -> str:
         """Map source tensor `src` (or `src[index]`, read lazily) to IR tensor `name`; return `name`."""
         info = self._source(src)
+        if info.dtype == RAW_BYTES:
+            raise CheckpointError(f"{self.architecture}: {src!r} holds packed bytes (U8) that only a "
+                                  "pre-quantized layout explains; this adapter does not read it")
         shape = info.shape if index is None else _sliced_shape(info.shape, index)
         self.tensors.append(Tensor(name, role, layer, shape, Encoding(info.dtype), info.dtype, expert))
         self.loaders[name] = self.store.loader(src, index)
         self._consumed.add(src)
+        return name
+
+    def derive(self, sources: list[str], name: str, role: str, layer: int | None, shape: tuple[int, ...],
+               encoding: Encoding, load, *, expert: int | None = None) -> str:
+        """Record IR tensor `name` whose bytes `load()` computes from the source tensors `sources`
+        (which count as consumed): for layouts `take` can't slice, e.g. a transposed expert tensor or
+        mxfp4 blocks and scales re-packed into thin's mxfp4. `load` returns `encoding`'s bytes."""
+        for src in sources:
+            self._source(src)
+        self.tensors.append(Tensor(name, role, layer, tuple(shape), encoding, encoding.format, expert))
+        self.loaders[name] = load
+        self._consumed.update(sources)
         return name
 
     def declare_unused(self, src: str, reason: str) -> None:

@@ -71,11 +71,15 @@ class SourceTensor:
     name: str
     file: Path
     shape: tuple[int, ...]
-    dtype: str  # thin's dense format name for the safetensors dtype ("bf16")
+    # thin's dense format name for the safetensors dtype ("bf16"), or RAW_BYTES for U8 tensors: the
+    # packed bytes of a pre-quantized checkpoint, which no format describes alone (GPT-OSS's mxfp4
+    # blocks and scales); an adapter that reads them says what they are.
+    dtype: str
     offset: int = 0  # absolute byte offset of the data in `file`
     nbytes: int = 0
 
 
+RAW_BYTES = "u8"
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 
 
@@ -159,7 +163,7 @@ class TensorStore:
             raw = torch.frombuffer(buf, dtype=torch.uint8)
             if not index:
                 return raw
-            dtype = getattr(torch, formats.get(src.dtype).torch_dtype)
+            dtype = torch.uint8 if src.dtype == RAW_BYTES else getattr(torch, formats.get(src.dtype).torch_dtype)
             return raw.view(dtype).reshape(shape)[index].contiguous().view(torch.uint8).reshape(-1)
 
         return load
@@ -198,11 +202,15 @@ def _source_tensor(shard: Path, name: str, info, data_start: int, size: int) -> 
     if not valid:
         raise CheckpointError(f"{shard.name}: tensor {name!r} has a malformed header entry")
     fmt = formats.from_safetensors_dtype(st_dtype) if type(st_dtype) is str else None
-    if fmt is None:
+    if st_dtype == "U8":
+        dtype, itemsize = RAW_BYTES, 1
+    elif fmt is None:
         known = ", ".join(f.safetensors_dtype for f in formats.dense_formats())
-        raise CheckpointError(f"tensor {name!r} has dtype {st_dtype!r}; only {known} checkpoints are supported")
-    dtype = fmt.name
-    need = prod(shape) * fmt.nbytes((1,))  # a scalar's shape () holds one element
+        raise CheckpointError(f"tensor {name!r} has dtype {st_dtype!r}; only {known} checkpoints "
+                              "(and U8 for pre-quantized mxfp4 experts) are supported")
+    else:
+        dtype, itemsize = fmt.name, fmt.nbytes((1,))
+    need = prod(shape) * itemsize  # a scalar's shape () holds one element
     if end - begin != need or begin > end:
         raise CheckpointError(f"{shard.name}: tensor {name!r} spans {end - begin} bytes, its shape {shape} "
                               f"needs {need}")

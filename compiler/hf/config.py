@@ -22,6 +22,8 @@ _ROPE_KEYS = {
     "default": set(),
     "linear": {"factor"},
     "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+    "yarn": {"factor", "beta_fast", "beta_slow", "original_max_position_embeddings", "truncate",
+             "attention_factor", "mscale", "mscale_all_dim"},
 }
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
@@ -29,10 +31,12 @@ LAYER_TYPES = ("full_attention", "sliding_attention")
 class Config:
     """A config.json dict with typed accessors whose errors name the key."""
 
-    def __init__(self, raw: dict, architecture: str):
+    def __init__(self, raw: dict, architecture: str, quant_methods: tuple[str, ...] = ()):
+        """`quant_methods`: the quantization_config methods the adapter reads natively (GPT-OSS: mxfp4)."""
         self.raw = raw
         self.architecture = architecture
-        if raw.get("quantization_config"):
+        quant = raw.get("quantization_config")
+        if quant and not (isinstance(quant, dict) and quant.get("quant_method") in quant_methods):
             raise UnsupportedConfigError(
                 f"{architecture}: pre-quantized checkpoints (config.json quantization_config, method "
                 f"{raw['quantization_config'].get('quant_method', '?')!r}) are not supported; "
@@ -120,7 +124,34 @@ class Config:
         if kind == "linear":
             return RoPE("linear", theta, rotary_dim, factor=float(params["factor"]))
         original = params.get("original_max_position_embeddings", self.int("max_position_embeddings"))
+        if kind == "yarn":
+            return _yarn(params, theta, rotary_dim, int(original), self.int("max_position_embeddings"))
         return RoPE("llama3", theta, rotary_dim, factor=float(params["factor"]),
                     low_freq_factor=float(params["low_freq_factor"]),
                     high_freq_factor=float(params["high_freq_factor"]),
                     original_max_position_embeddings=int(original))
+
+
+def _yarn(params: dict, theta: float, rotary_dim: int, original: int, max_positions: int) -> RoPE:
+    """YaRN as transformers' _compute_yarn_parameters reads it: factor defaults to the context ratio,
+    beta_fast/beta_slow to 32/1 (a 0 also means the default there), truncate to true, and the
+    attention factor (scale on cos/sin) to 0.1 ln(factor) + 1, or the ratio of two such terms when
+    mscale and mscale_all_dim are both given."""
+    import math
+
+    factor = params.get("factor")
+    factor = float(max_positions / original if factor is None else factor)
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = params.get("attention_factor")
+    if attention is None:
+        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    truncate = params.get("truncate", True)
+    if not isinstance(truncate, bool):
+        raise CheckpointError(f"rope_parameters truncate must be true or false, got {truncate!r}")
+    return RoPE("yarn", theta, rotary_dim, factor=factor, original_max_position_embeddings=original,
+                beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
+                truncate=truncate, attention_factor=float(attention))

@@ -46,7 +46,7 @@ def load_checkpoint(model_dir) -> Source:
 
     store = TensorStore(model_dir)
     builder = Builder(store, adapter.architecture)
-    model = adapter.build(Config(config, adapter.architecture), builder)
+    model = adapter.build(Config(config, adapter.architecture, adapter.quant_methods), builder)
     builder.finish()
     verify(model)
 

@@ -17,17 +17,20 @@ class Adapter:
     architecture: str  # config.json `architectures` entry, e.g. "Qwen3ForCausalLM"
     family: str  # IR family name, e.g. "qwen3"
     build: Callable  # (Config, Builder) -> thin.ir.Model
+    # config.json quantization_config methods whose tensors the adapter reads as they are (GPT-OSS:
+    # "mxfp4" experts); any other pre-quantized checkpoint is refused.
+    quant_methods: tuple[str, ...] = ()
 
 
 ADAPTERS: dict[str, Adapter] = {}
 
 
-def register(architecture: str, family: str):
+def register(architecture: str, family: str, quant_methods: tuple[str, ...] = ()):
     """Decorator registering `build` for `architecture`; registering a name twice is an error."""
     def wrap(build: Callable) -> Callable:
         if architecture in ADAPTERS:
             raise ValueError(f"architecture {architecture!r} is registered twice")
-        ADAPTERS[architecture] = Adapter(architecture, family, build)
+        ADAPTERS[architecture] = Adapter(architecture, family, build, quant_methods)
         return build
     return wrap
 
@@ -42,4 +45,4 @@ def get_adapter(architecture: str) -> Adapter:
 
 
 # Importing each family module registers it.
-from . import gemma2, gemma3, llama, mistral, olmo2, phi3, qwen2, qwen3, qwen3_moe  # noqa: E402, F401
+from . import gemma2, gemma3, gpt_oss, llama, mistral, mixtral, olmo2, phi3, qwen2, qwen3, qwen3_moe  # noqa: E402, F401
