@@ -1,9 +1,10 @@
 """`thin-exec MODEL.thin`: chat with, or generate from, a compiled model.
+`thin-exec bench MODEL.thin`: prefill and decode speed against the bandwidth limit (CUDA).
 
 Interactive chat when stdin is a terminal; otherwise one completion for --prompt, or for
 the text read from stdin. Generated text streams to stdout; throughput and errors go to
-stderr. Expected failures (missing or damaged file, absent GPU, prompt too long) print
-one line and exit 1, never a traceback.
+stderr. Expected failures (missing or damaged file, absent GPU, prompt too long, a model
+over its --vram budget) print one line and exit 1, never a traceback.
 """
 
 from __future__ import annotations
@@ -32,9 +33,35 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
 
     from thin.artifacts import ArtifactError
     from thin.runtime import ContextTooLongError, DeviceUnavailableError, NoChatTemplateError, TokenizerError
+    from thin.runtime.bench import BenchCheckError
+    from thin.runtime.memory import VramBudgetError
 
     return (_UserError, ArtifactError, OSError, TemplateError, ContextTooLongError, DeviceUnavailableError,
-            NoChatTemplateError, TokenizerError)
+            NoChatTemplateError, TokenizerError, VramBudgetError, BenchCheckError)
+
+
+def _out_of_memory(e: BaseException, vram: str | None) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    budget = f" under --vram {vram}" if vram else ""
+    return f"out of GPU memory{budget}: {first}"
+
+
+def _vram_bytes(vram: str | None) -> int | None:
+    if vram is None:
+        return None
+    from thin.runtime.memory import parse_size
+
+    try:
+        return parse_size(vram)
+    except ValueError as e:
+        raise _UserError(str(e)) from None
+
+
+def _check_file(model_path: Path) -> None:
+    if not model_path.exists():
+        raise _UserError(f"no such file: {model_path}")
+    if not model_path.is_file():
+        raise _UserError(f"not a file: {model_path}")
 
 
 def _stream(model, prompt_ids: list[int], options: dict, conversation=None) -> tuple[str, object]:
@@ -141,17 +168,20 @@ def run(
     verify: bool = typer.Option(False, "--verify", help="Check every tensor's checksum before running."),
     verbose: bool = typer.Option(False, "--verbose", "-v",
                                  help="Say which implementation runs each weight format on this device."),
+    vram: str | None = typer.Option(
+        None, "--vram", metavar="SIZE", help="GPU memory budget (8G, 7.5GiB, 12000M): the model must fit, and "
+        "the runtime allocates no more."),
+    no_graph: bool = typer.Option(False, "--no-graph", help="Decode without capturing the step in a CUDA graph."),
 ):
+    import torch
+
     from thin.runtime import load
 
     options = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
                    "min_p": min_p, "repetition_penalty": repetition_penalty, "seed": seed}
     try:
-        if not model_path.exists():
-            raise _UserError(f"no such file: {model_path}")
-        if not model_path.is_file():
-            raise _UserError(f"not a file: {model_path}")
-        model = load(model_path, device=device, verify=verify)
+        _check_file(model_path)
+        model = load(model_path, device=device, verify=verify, vram=_vram_bytes(vram), graphs=not no_graph)
         if verbose:
             typer.echo(f"thin-exec: {model.describe_implementations()}", err=True)
         try:
@@ -167,15 +197,64 @@ def run(
             _one_shot(model, sys.stdin.read().removesuffix("\n"), raw, options)
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
+    except torch.OutOfMemoryError as e:
+        _fail(_out_of_memory(e, vram))
     except _expected_errors() as e:
         _fail(str(e) or type(e).__name__)
 
 
+bench_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,
+                        context_settings={"help_option_names": ["-h", "--help"]})
+
+
+@bench_app.command(help="Prefill and decode tokens/s on the GPU against the memory-bandwidth limit: bytes "
+                        "of weights read per token (from the tensor table), the device's measured copy bandwidth, "
+                        "the fraction of that roofline reached, and peak VRAM. Checks that every decode step "
+                        "attends to exactly the positions there are and that greedy tokens are the same with "
+                        "and without the CUDA graph.")
+def bench(
+    model_path: Path = typer.Argument(..., metavar="MODEL.thin", help="Compiled model artifact."),
+    prompt_len: int = typer.Option(512, "--prompt-len", help="Prompt tokens (random ids, seeded)."),
+    gen: int = typer.Option(128, "--gen", help="Tokens to decode per run (greedy, no stop token)."),
+    runs: int = typer.Option(5, "--runs", help="Timed runs after one warm-up run."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of the table."),
+    profile: bool = typer.Option(False, "--profile", help="Add the GPU time of one decode step by kernel."),
+    vram: str | None = typer.Option(None, "--vram", metavar="SIZE", help="GPU memory budget (see thin-exec -h)."),
+    no_graph: bool = typer.Option(False, "--no-graph", help="Decode without the CUDA graph."),
+    device: str = typer.Option("cuda", help="A CUDA device."),
+):
+    import json
+
+    import torch
+
+    from thin.runtime import bench as measure
+    from thin.runtime import load
+
+    try:
+        _check_file(model_path)
+        if prompt_len < 1 or gen < 2 or runs < 1:
+            raise _UserError("--prompt-len must be >= 1, --gen >= 2 and --runs >= 1")
+        model = load(model_path, device=device, vram=_vram_bytes(vram), context=prompt_len + gen,
+                     graphs=not no_graph)
+        if model.device.type != "cuda":
+            raise _UserError("bench measures the CUDA decode path: use --device cuda")
+        result = measure.run(model, prompt_len=prompt_len, new_tokens=gen, runs=runs, profile=profile)
+    except KeyboardInterrupt:
+        raise typer.Exit(130) from None
+    except torch.OutOfMemoryError as e:
+        _fail(_out_of_memory(e, vram))
+    except _expected_errors() as e:
+        _fail(str(e) or type(e).__name__)
+    typer.echo(json.dumps(result.to_dict()) if as_json else result.render())
+
+
 def main(argv: list[str] | None = None):
-    """Entry point of the `thin-exec` console script: `thin-exec serve ...` (runtime/serve/)
+    """Entry point of the `thin-exec` console script: `thin-exec bench ...`, `thin-exec serve ...` (runtime/serve/)
     or `thin-exec MODEL.thin ...`."""
     args = list(sys.argv[1:] if argv is None else argv)
-    if args[:1] == ["serve"]:
+    if args[:1] == ["bench"]:
+        bench_app(args=args[1:], prog_name="thin-exec bench")
+    elif args[:1] == ["serve"]:
         from thin.runtime.serve.cli import main as serve
 
         serve(args[1:])

@@ -58,9 +58,12 @@ class ThinModel:
     """A loaded artifact: forward, generate, tokenizer, chat template, perplexity."""
 
     def __init__(self, artifact, executor, tokenizer: Tokenizer | None, chat_template: ChatTemplate | None,
-                 device: torch.device):
+                 device: torch.device, engine=None):
         self.artifact = artifact
         self.executor = executor
+        # The CUDA decode engine (runtime/engine.py) when it takes this model; else None and
+        # generation runs through the executor.
+        self.engine = engine
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.device = device
@@ -120,16 +123,20 @@ class ThinModel:
 
     def new_conversation(self, min_tokens: int = 1024) -> ConversationCache:
         """A KV cache to pass to successive `generate` calls of one chat (first sized for `min_tokens`)."""
-        return ConversationCache(self.executor, self.ir.max_position_embeddings, min_tokens)
+        return ConversationCache(self.engine or self.executor, self.ir.max_position_embeddings, min_tokens)
 
     def _generate(self, ids, opts, stats, conversation) -> Iterator[int]:
         # A generator function of its own so option errors above raise at the call, not on first next().
         cache = conversation.prepare(ids, opts.max_new_tokens) if conversation is not None else None
         generated: list[int] = []
+        if self.engine is not None:
+            from .engine import generate as run
+        else:
+            run = generate
         try:
             with torch.no_grad():
-                for token in generate(self.executor, ids, opts, stats=stats, cache=cache,
-                                      max_position_embeddings=self.ir.max_position_embeddings):
+                for token in run(self.engine or self.executor, ids, opts, stats=stats, cache=cache,
+                                 max_position_embeddings=self.ir.max_position_embeddings):
                     generated.append(token)
                     yield token
         finally:
@@ -149,12 +156,18 @@ class ThinModel:
         return evaluate_perplexity(self, ids, context=context, stride=stride)
 
 
-def load(path, device: str | torch.device = "cpu", verify: bool = False) -> ThinModel:
+def load(path, device: str | torch.device = "cpu", verify: bool = False, *, vram: int | None = None,
+         context: int | None = None, graphs: bool = True) -> ThinModel:
     """Open the artifact at `path` and make it runnable on `device`.
 
     With `verify`, every tensor's checksum is checked first and the artifacts' error names
-    the first bad one. Raises ArtifactError (from thin.artifacts) for a bad file,
-    DeviceUnavailableError for a device this machine lacks.
+    the first bad one. On CUDA, generation runs on the decode engine (fused kernels, paged KV
+    cache, the decode step in a CUDA graph unless `graphs` is false; each matvec's launch
+    configuration is chosen here) when it takes the model. `vram` (bytes, CUDA only) is a budget:
+    the model, a KV cache of `context` tokens (default: the model's positions, at most 4096) and
+    the workspace must fit, and allocations beyond it fail. Raises ArtifactError (from
+    thin.artifacts) for a bad file, DeviceUnavailableError for a device this machine lacks,
+    VramBudgetError (thin.runtime.memory) for a budget the model does not fit.
     """
     device = resolve_device(device)
     from thin.artifacts import ChecksumMismatchError, open_artifact
@@ -168,10 +181,34 @@ def load(path, device: str | torch.device = "cpu", verify: bool = False) -> Thin
             raise ChecksumMismatchError(f"{path}: checksum mismatch in {len(bad)} tensor(s), first {bad[0]!r}; "
                                 f"the file is damaged, re-download or recompile it")
     model_ir = artifact.model
+    if vram is not None:
+        from .memory import VramBudgetError, check
+
+        if device.type != "cuda":
+            raise VramBudgetError("--vram is a GPU memory budget: it needs --device cuda")
+        check(artifact, context or min(model_ir.max_position_embeddings, 4096), vram, device)
     executor = Executor(model_ir, _raw_getter(artifact), device=str(device))
+    engine = _engine(executor, graphs) if device.type == "cuda" else None
     files = artifact.tokenizer_files()
     # A model compiled without tokenizer files still runs on token ids.
     tokenizer = Tokenizer.from_files(files) if "tokenizer.json" in files else None
     template = artifact.chat_template
     chat = ChatTemplate(template, tokenizer.special_tokens_map if tokenizer else {}) if template else None
-    return ThinModel(artifact, executor, tokenizer, chat, device)
+    return ThinModel(artifact, executor, tokenizer, chat, device, engine)
+
+
+def _engine(executor, graphs: bool):
+    """The decode engine for `executor`, launch configurations chosen; None when Triton is missing
+    or the engine does not take the model (the executor then generates)."""
+    from .kernels import triton_available
+
+    if not triton_available():
+        return None
+    from .engine import DecodeEngine, EngineUnsupported
+
+    try:
+        engine = DecodeEngine(executor, graphs=graphs)
+    except EngineUnsupported:
+        return None
+    engine.warm_up()
+    return engine

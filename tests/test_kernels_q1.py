@@ -5,9 +5,9 @@ import torch
 from linear_kernel_cases import check_all, check_matvec, make_op
 
 
-@pytest.mark.parametrize("group_size", [16, 64, 128])
+@pytest.mark.parametrize("group_size", [32, 64, 128])
 def test_matches_decode(group_size):
-    check_all("q1", (96, 256), {"group_size": group_size}, torch.float32, bias=group_size == 16)
+    check_all("q1", (96, 256), {"group_size": group_size}, torch.float32, bias=group_size == 32)
 
 
 def test_matches_decode_bfloat16():

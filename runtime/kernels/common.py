@@ -60,8 +60,10 @@ class KernelLinear(LinearOp):
 
     # ---- what families define ------------------------------------------------------------------
 
-    def candidates(self, glu: bool) -> list[MatvecConfig]:
-        """Configurations worth timing for this weight (first = the untimed default)."""
+    def candidates(self, mode: str) -> list[MatvecConfig]:
+        """Configurations worth timing for this weight in `mode` (first = the untimed default):
+        "direct" (the output itself), "partial" (split-K partial sums, for a consumer that adds
+        them) or "glu" (act(gate) * up of a [gate; up] weight)."""
         raise NotImplementedError
 
     def _matvec(self, x: torch.Tensor, out: torch.Tensor, config: MatvecConfig, act: int, partial: bool) -> None:
@@ -81,17 +83,16 @@ class KernelLinear(LinearOp):
         y = self.matvec(x2[0]).unsqueeze(0) if x2.shape[0] == 1 else self._matmul(x2.contiguous())
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def config(self, glu: bool = False) -> MatvecConfig:
-        """The matvec configuration of one mode, chosen on first use (see `choose`)."""
-        mode = "glu" if glu else "plain"
+    def config(self, mode: str = "direct") -> MatvecConfig:
+        """The matvec configuration of one mode (see `candidates`), chosen on first use (`choose`)."""
         if mode not in self._configs:
-            self._configs[mode] = choose(self, glu)
+            self._configs[mode] = choose(self, mode)
         return self._configs[mode]
 
     @property
     def split(self) -> int:
-        """Partial sums the plain matvec writes when asked for partials (split-K programs)."""
-        return self.config(False).split
+        """Partial sums the matvec writes when asked for partials (split-K programs)."""
+        return self.config("partial").split
 
     def matvec(self, x: torch.Tensor, *, out: torch.Tensor | None = None, partials: torch.Tensor | None = None,
                activation: str | None = None) -> torch.Tensor:
@@ -103,25 +104,16 @@ class KernelLinear(LinearOp):
         [gate; up] weight."""
         x = x.reshape(self.in_features)
         if activation is not None:
-            config = self.config(True)
             out = out if out is not None else torch.empty(self.out_features // 2, dtype=self.dtype, device=x.device)
-            self._matvec(x, out, config, ACTIVATION_CODES[activation], False)
+            self._matvec(x, out, self.config("glu"), ACTIVATION_CODES[activation], False)
             return out
-        config = self.config(False)
         if partials is not None:
+            config = self.config("partial")
             view = partials[:config.split]
             self._matvec(x, view, config, -1, True)
             return view
-        if config.split > 1:
-            sums = torch.empty(config.split, self.out_features, dtype=torch.float32, device=x.device)
-            self._matvec(x, sums, config, -1, True)
-            y = sums.sum(0) if self.bias is None else sums.sum(0) + self.bias.float()
-            if out is None:
-                return y.to(self.dtype)
-            out.copy_(y)
-            return out
         out = out if out is not None else torch.empty(self.out_features, dtype=self.dtype, device=x.device)
-        self._matvec(x, out, config, -1, False)
+        self._matvec(x, out, self.config("direct"), -1, False)
         return out
 
     def dense_weight(self) -> torch.Tensor:
@@ -130,34 +122,36 @@ class KernelLinear(LinearOp):
 
 # ---- choosing configurations ------------------------------------------------------------------------
 
-def choose(op: KernelLinear, glu: bool) -> MatvecConfig:
-    """The configuration `op` runs with in one mode: the first candidate under the interpreter
+def choose(op: KernelLinear, mode: str) -> MatvecConfig:
+    """The configuration `op` runs with in `mode`: the first candidate under the interpreter
     (nothing to time), else the cached choice for this device and shape, else the fastest
     candidate timed on the real weight (then cached)."""
-    candidates = op.candidates(glu)
+    candidates = op.candidates(mode)
     if interpreting() or len(candidates) == 1 or op.device.type != "cuda":
         return candidates[0]
-    key = _cache_key(op, glu)
+    key = _cache_key(op, mode)
     cache = _TuneCache.get()
     hit = cache.lookup(key)
     if hit is not None and hit in candidates:
         return hit
-    best = min(candidates, key=lambda c: _time(op, c, glu))
+    best = min(candidates, key=lambda c: _time(op, c, mode))
     cache.store(key, best)
     return best
 
 
-def _time(op: KernelLinear, config: MatvecConfig, glu: bool) -> float:
+def _time(op: KernelLinear, config: MatvecConfig, mode: str) -> float:
     """Median milliseconds of one launch with `config` (compile excluded)."""
     x = torch.randn(op.in_features, device=op.device).to(op.dtype)
-    if glu:
+    if mode == "glu":
         out = torch.empty(op.out_features // 2, dtype=op.dtype, device=x.device)
-    else:
+    elif mode == "partial":
         out = torch.empty(config.split, op.out_features, dtype=torch.float32, device=x.device)
-    act = ACTIVATION_CODES["silu"] if glu else -1
+    else:
+        out = torch.empty(op.out_features, dtype=op.dtype, device=x.device)
+    act = ACTIVATION_CODES["silu"] if mode == "glu" else -1
 
     def launch():
-        op._matvec(x, out, config, act, not glu)
+        op._matvec(x, out, config, act, mode == "partial")
 
     launch()  # compile
     torch.cuda.synchronize()
@@ -173,13 +167,13 @@ def _time(op: KernelLinear, config: MatvecConfig, glu: bool) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _cache_key(op: KernelLinear, glu: bool) -> str:
+def _cache_key(op: KernelLinear, mode: str) -> str:
     import triton
 
     params = ",".join(f"{k}={v}" for k, v in sorted(op.p.items()))
     device = torch.cuda.get_device_name(op.device)
     return (f"{type(op).__name__}|{op.format}|{params}|{op.out_features}x{op.in_features}|"
-            f"{str(op.dtype).removeprefix('torch.')}|{'glu' if glu else 'plain'}|{device}|triton {triton.__version__}")
+            f"{str(op.dtype).removeprefix('torch.')}|{mode}|{device}|triton {triton.__version__}")
 
 
 class _TuneCache:

@@ -75,8 +75,8 @@ class DenseKernelLinear(KernelLinear):
         self.weight = load_weight(record, raw, device, dtype).contiguous()
         self.raw = None  # the decoded weight is the only copy kept
 
-    def candidates(self, glu: bool) -> list[MatvecConfig]:
-        n = self.out_features // 2 if glu else self.out_features
+    def candidates(self, mode: str) -> list[MatvecConfig]:
+        n = self.out_features // 2 if mode == "glu" else self.out_features
         K = self.in_features
         if interpreting():
             return [MatvecConfig(interpreter_block(n, 256), min(next_power_of_2(K), 512), 1, 4)]
@@ -84,7 +84,7 @@ class DenseKernelLinear(KernelLinear):
         for block_n, block_k, warps in ((8, 512, 4), (16, 256, 4), (4, 1024, 4), (16, 512, 8)):
             if K % block_k:
                 continue
-            splits = [1] if glu else split_candidates(n, block_n, K // block_k, _sms())
+            splits = [1] if mode != "partial" else split_candidates(n, block_n, K // block_k, _sms())
             out += [MatvecConfig(block_n, block_k, s, warps) for s in splits[-2:]]
         return out or [MatvecConfig(16, 128, 1, 4)]
 

@@ -122,8 +122,8 @@ class GroupedIntLinear(KernelLinear):
         self.offsets = self.parts["offsets"] if self.asym else self.scales
         self.low16, self.high16 = self.low.view(torch.int16), self.high.view(torch.int16)
 
-    def candidates(self, glu: bool) -> list[MatvecConfig]:
-        n = self.out_features // 2 if glu else self.out_features
+    def candidates(self, mode: str) -> list[MatvecConfig]:
+        n = self.out_features // 2 if mode == "glu" else self.out_features
         groups = self.in_features // self.group
         if interpreting():
             return [MatvecConfig(interpreter_block(n, 256), 1, 1, 4)]
@@ -131,7 +131,7 @@ class GroupedIntLinear(KernelLinear):
         for block_n, gpi, warps in ((32, 1, 4), (64, 1, 4), (16, 2, 4), (32, 2, 8)):
             if groups % gpi:
                 continue
-            splits = [1] if glu else split_candidates(n, block_n, groups // gpi, _sms())
+            splits = [1] if mode != "partial" else split_candidates(n, block_n, groups // gpi, _sms())
             out += [MatvecConfig(block_n, gpi, s, warps) for s in splits[-2:]]
         return out
 

@@ -108,8 +108,8 @@ class MxFp4Linear(KernelLinear):
         self.values16 = self.values.view(torch.int16)
         self.scales = self.parts["scales"]
 
-    def candidates(self, glu: bool) -> list[MatvecConfig]:
-        n = self.out_features // 2 if glu else self.out_features
+    def candidates(self, mode: str) -> list[MatvecConfig]:
+        n = self.out_features // 2 if mode == "glu" else self.out_features
         blocks = self.in_features // BLOCK
         if interpreting():
             return [MatvecConfig(interpreter_block(n, 256), groups_per_step(blocks, 8), 1, 4)]
@@ -117,7 +117,7 @@ class MxFp4Linear(KernelLinear):
         for block_n, gpi, warps in ((32, 4, 4), (64, 2, 4), (16, 8, 4), (32, 8, 8)):
             if blocks % gpi:
                 continue
-            splits = [1] if glu else split_candidates(n, block_n, blocks // gpi, sm_count())
+            splits = [1] if mode != "partial" else split_candidates(n, block_n, blocks // gpi, sm_count())
             out += [MatvecConfig(block_n, gpi, s, warps) for s in splits[-2:]]
         return out or [MatvecConfig(32, 1, 1, 4)]
 

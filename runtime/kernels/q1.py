@@ -86,15 +86,15 @@ class Q1Linear(KernelLinear):
         self.scales = self.parts["scales"].view(torch.uint8)
         self.row_scale = self.parts["row_scale"]
 
-    def candidates(self, glu: bool) -> list[MatvecConfig]:
-        n = self.out_features // 2 if glu else self.out_features
+    def candidates(self, mode: str) -> list[MatvecConfig]:
+        n = self.out_features // 2 if mode == "glu" else self.out_features
         groups = self.in_features // self.group
         if interpreting():
             return [MatvecConfig(interpreter_block(n, 256), groups_per_step(groups, 256 // self.group), 1, 4)]
         out = []
         for block_n, cols, warps in ((32, 512, 4), (64, 256, 4), (16, 1024, 4), (64, 512, 8)):
             gpi = groups_per_step(groups, max(1, cols // self.group))
-            splits = [1] if glu else split_candidates(n, block_n, groups // gpi, sm_count())
+            splits = [1] if mode != "partial" else split_candidates(n, block_n, groups // gpi, sm_count())
             out += [MatvecConfig(block_n, gpi, s, warps) for s in splits[-2:]]
         return list(dict.fromkeys(out))
 

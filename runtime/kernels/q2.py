@@ -99,15 +99,15 @@ class Q2Linear(KernelLinear):
         self.offsets = self.parts["offsets"].view(torch.uint8)
         self.row_scale, self.row_offset = self.parts["row_scale"], self.parts["row_offset"]
 
-    def candidates(self, glu: bool) -> list[MatvecConfig]:
-        n = self.out_features // 2 if glu else self.out_features
+    def candidates(self, mode: str) -> list[MatvecConfig]:
+        n = self.out_features // 2 if mode == "glu" else self.out_features
         groups = self.in_features // self.group
         if interpreting():
             return [MatvecConfig(interpreter_block(n, 256), groups_per_step(groups, 256 // self.group), 1, 4)]
         out = []
         for block_n, cols, warps in ((32, 256, 4), (64, 128, 4), (16, 512, 4), (32, 512, 8)):
             gpi = groups_per_step(groups, cols // self.group)
-            splits = [1] if glu else split_candidates(n, block_n, groups // gpi, sm_count())
+            splits = [1] if mode != "partial" else split_candidates(n, block_n, groups // gpi, sm_count())
             out += [MatvecConfig(block_n, gpi, s, warps) for s in splits[-2:]]
         return list(dict.fromkeys(out))
 

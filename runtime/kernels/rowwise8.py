@@ -98,8 +98,8 @@ class Rowwise8Linear(KernelLinear):
         K = self.in_features
         self.group = next(g for g in (GROUP, 64, 32, 16) if K % g == 0)
 
-    def candidates(self, glu: bool) -> list[MatvecConfig]:
-        n = self.out_features // 2 if glu else self.out_features
+    def candidates(self, mode: str) -> list[MatvecConfig]:
+        n = self.out_features // 2 if mode == "glu" else self.out_features
         K = self.in_features
         if interpreting():
             if self.fp8:
@@ -116,7 +116,7 @@ class Rowwise8Linear(KernelLinear):
         for block_n, chunk, warps in ((16, 512, 4), (32, 256, 4), (8, 1024, 4), (32, 512, 8)):
             if K % chunk or chunk % self.group:
                 continue
-            splits = [1] if glu else split_candidates(n, block_n, K // chunk, _sms())
+            splits = [1] if mode != "partial" else split_candidates(n, block_n, K // chunk, _sms())
             out += [MatvecConfig(block_n, chunk, s, warps) for s in splits[-2:]]
         return out or [MatvecConfig(16, self.group, 1, 4)]
 

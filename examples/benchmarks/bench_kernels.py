@@ -1,0 +1,264 @@
+"""Each decode kernel at llama-8b's shapes on one GPU: time per call and GB/s against copy bandwidth.
+
+    python examples/benchmarks/bench_kernels.py [--formats bf16,int4,...] [--sweep] [--json OUT]
+
+For every weight format and projection shape of a llama-8b decode step (qkv 6144x4096,
+o 4096x4096 and down 4096x14336 as split-K partial sums, gate/up 28672x4096 with the fused
+SiLU epilogue, LM head 32000x4096) it times the matvec with each candidate launch configuration
+(`--sweep`: a wider grid than the engine tunes over) and keeps the best. Timing captures 20
+launches in a CUDA graph over enough copies of the weight that they do not fit in L2, and takes
+the median of 7 replays. cuBLAS (F.linear on bf16) is timed the same way for reference, and the
+non-linear kernels of a step (norm, RoPE + append, attention at 640 positions, greedy pick) too.
+Compilation of all candidates runs first, in parallel processes; timing then runs in one process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor
+
+import torch
+
+SHAPES = {"qkv": (6144, 4096, "plain"), "o": (4096, 4096, "partial"), "gate_up": (28672, 4096, "glu"),
+          "down": (4096, 14336, "partial"), "lm_head": (32000, 4096, "plain")}
+FORMATS = ["bf16", "fp8_e4m3", "int8", "int4", "mxfp4", "q2", "q1", "int3", "int5", "int6"]
+L2_BYTES = 256 * 2**20  # weights cycled per timing: several times the 50 MB L2
+
+
+def build(fmt: str, n: int, k: int, copies: int = 1):
+    """`copies` ops of one random weight [n, k] in `fmt` (encoded on the GPU), bf16 activations."""
+    from thin.ir import Encoding, Tensor, formats
+    from thin.runtime.linear import make_linear
+
+    params = formats.get(fmt).normalize({})
+    w = 0.02 * torch.randn(n, k, device="cuda")
+    raw = formats.encode(fmt, w, params).cpu()
+    record = Tensor("w", "ffn.down", 0, (n, k), Encoding(fmt, params), "bf16")
+    return [make_linear(record, raw, None, torch.device("cuda"), torch.bfloat16) for _ in range(copies)], raw.numel()
+
+
+def sweep_grid(op, mode: str):
+    """A wide grid of configurations for `op`'s family (for --sweep)."""
+    from thin.runtime.kernels.common import MatvecConfig
+    from thin.runtime.kernels.tiles import split_candidates
+
+    family = type(op).__name__
+    n = op.out_features // 2 if mode == "glu" else op.out_features
+    if family == "DenseKernelLinear":
+        grid = [(bn, bk, w) for bn in (2, 4, 8, 16, 32) for bk in (256, 512, 1024, 2048) for w in (4, 8)
+                if bn * bk <= 16384 and bn * bk >= 1024]
+        units = lambda bk: op.in_features // bk  # noqa: E731
+    elif family == "Rowwise8Linear":
+        grid = [(bn, c, w) for bn in (4, 8, 16, 32, 64) for c in (256, 512, 1024, 2048) for w in (4, 8)
+                if bn * c <= 32768 and bn * c >= 2048]
+        units = lambda c: op.in_features // c  # noqa: E731
+    else:  # grouped int, mxfp4, q2, q1: chunk = groups per step
+        group = getattr(op, "group", 32)
+        grid = [(bn, g, w) for bn in (8, 16, 32, 64, 128) for g in (1, 2, 4, 8, 16) for w in (4, 8)
+                if 1024 <= bn * g * group <= 32768]
+        units = lambda g: op.in_features // group // g  # noqa: E731
+    out = []
+    for bn, chunk, warps in grid:
+        if units(chunk) < 1 or units(chunk) * chunk * (1 if family in ("DenseKernelLinear", "Rowwise8Linear")
+                                                       else getattr(op, "group", 32)) != op.in_features:
+            continue
+        splits = [1] if mode != "partial" else split_candidates(n, bn, units(chunk), 132)
+        out += [MatvecConfig(bn, chunk, s, warps) for s in splits]
+    return out
+
+
+def configs(op, mode: str, sweep: bool):
+    return sweep_grid(op, mode) if sweep else op.candidates("direct" if mode == "plain" else mode)
+
+
+def launch(op, x, config, mode, out):
+    act = 0 if mode == "glu" else -1
+    op._matvec(x, out, config, act, mode == "partial")
+
+
+def out_buffer(op, config, mode):
+    if mode == "glu":
+        return torch.empty(op.out_features // 2, dtype=torch.bfloat16, device="cuda")
+    if mode == "partial":
+        return torch.empty(config.split, op.out_features, dtype=torch.float32, device="cuda")
+    return torch.empty(op.out_features, dtype=torch.bfloat16, device="cuda")
+
+
+def compile_all(job) -> str:
+    """Worker: launch every configuration of one (format, shape) once, so Triton compiles and caches it."""
+    fmt, name, sweep = job
+    n, k, mode = SHAPES[name]
+    try:
+        (op,), _ = build(fmt, n, k)
+        x = torch.randn(k, device="cuda").bfloat16()
+        bad = 0
+        for config in configs(op, mode, sweep):
+            if mode != "plain" or config.split == 1:
+                try:
+                    launch(op, x, config, mode, out_buffer(op, config, mode))
+                except Exception:  # noqa: BLE001  (a configuration that does not compile is skipped)
+                    bad += 1
+        torch.cuda.synchronize()
+        return f"{fmt} {name}: compiled ({bad} failed)"
+    except Exception as e:  # noqa: BLE001
+        return f"{fmt} {name}: {type(e).__name__}: {e}"
+
+
+def time_graph(fn_list, reps: int = 7) -> float:
+    """Median seconds per call of the callables in `fn_list`, captured once in a CUDA graph."""
+    for fn in fn_list:
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for fn in fn_list:
+            fn()
+    g.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / 1e3 / len(fn_list))
+    return statistics.median(times)
+
+
+def bench_linear(fmt: str, name: str, sweep: bool, bandwidth: float) -> dict:
+    n, k, mode = SHAPES[name]
+    ops, nbytes = build(fmt, n, k)
+    copies = max(1, min(24, L2_BYTES // nbytes))
+    ops = [ops[0]] + build(fmt, n, k, copies - 1)[0] if copies > 1 else ops
+    x = torch.randn(k, device="cuda").bfloat16()
+    results = []
+    for config in configs(ops[0], mode, sweep):
+        if mode == "plain" and config.split > 1:
+            continue
+        outs = [out_buffer(op, config, mode) for op in ops]
+        try:
+            calls = [lambda op=op, o=o, c=config: launch(op, x, c, mode, o) for op, o in zip(ops, outs)]
+            seconds = time_graph(calls * max(1, 20 // len(ops)))
+        except Exception as e:  # noqa: BLE001
+            results.append({"config": str(config), "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            continue
+        results.append({"config": config.__dict__, "us": seconds * 1e6, "GBps": nbytes / seconds / 1e9})
+    good = [r for r in results if "us" in r]
+    best = min(good, key=lambda r: r["us"]) if good else None
+    chosen = ops[0].candidates("direct" if mode == "plain" else mode)
+    tuned = [r for r in good if r["config"] in [c.__dict__ for c in chosen]]
+    row = {"format": fmt, "shape": name, "n": n, "k": k, "mode": mode, "bytes": nbytes, "best": best,
+           "best_of_default_candidates": min(tuned, key=lambda r: r["us"]) if tuned else None, "all": results}
+    if best:
+        row["fraction_of_copy_bw"] = best["GBps"] * 1e9 / bandwidth
+    return row
+
+
+def bench_cublas(name: str, bandwidth: float) -> dict:
+    n, k, _ = SHAPES[name]
+    copies = max(1, min(24, L2_BYTES // (2 * n * k)))
+    ws = [(0.02 * torch.randn(n, k, device="cuda")).bfloat16() for _ in range(copies)]
+    x = torch.randn(1, k, device="cuda").bfloat16()
+    outs = [torch.empty(1, n, device="cuda", dtype=torch.bfloat16) for _ in ws]
+    calls = [lambda w=w, o=o: torch.matmul(x, w.T, out=o) for w, o in zip(ws, outs)]
+    seconds = time_graph(calls * max(1, 20 // len(ws)))
+    return {"format": "bf16 (cuBLAS)", "shape": name, "us": seconds * 1e6, "GBps": 2 * n * k / seconds / 1e9,
+            "fraction_of_copy_bw": 2 * n * k / seconds / bandwidth}
+
+
+def bench_others() -> list[dict]:
+    """The non-linear kernels of one llama-8b decode step."""
+    from thin.runtime.kernels.attention import DecodeAttention
+    from thin.runtime.kernels.norm import add_rmsnorm
+    from thin.runtime.kernels.rope import rope_append
+    from thin.runtime.kernels.sampling import Sampler
+    from thin.runtime.paged_kv import PagedKVCache
+    from thin.runtime.sampling import GenerationOptions
+
+    dt, dev = torch.bfloat16, "cuda"
+    res, out, w = torch.randn(4096, device=dev).to(dt), torch.empty(4096, device=dev, dtype=dt), torch.ones(4096,
+                                                                                                          device=dev)
+    parts = torch.randn(4, 4096, device=dev)
+    cache = PagedKVCache(1, 8, 128, 1024, dt, dev)
+    cache.reserve(1024)
+    k_cache, v_cache = cache.layer(0)
+    k_cache.normal_()
+    v_cache.normal_()
+    pos = torch.tensor([639], dtype=torch.int32, device=dev)
+    qkv, q = torch.randn(6144, device=dev).to(dt), torch.empty(32, 128, device=dev, dtype=dt)
+    cos = torch.randn(2048, 128, device=dev).to(dt)
+    attention = DecodeAttention(32, 8, 128, 1024, dev)
+    attn_out = torch.empty(4096, device=dev, dtype=dt)
+    logits = torch.randn(32000, device=dev).to(dt)
+    state = [torch.zeros(1, dtype=torch.long, device=dev), torch.zeros(64, dtype=torch.long, device=dev),
+             torch.zeros(32000, dtype=torch.int8, device=dev), torch.zeros(1, dtype=torch.int32, device=dev),
+             torch.zeros(1, dtype=torch.int32, device=dev), torch.zeros(1, dtype=torch.long, device=dev)]
+    greedy = Sampler(GenerationOptions(), 32000, None)
+    rows = []
+    for name, fn in [
+        ("residual + rmsnorm (4 partials)", lambda: add_rmsnorm(res, out, partials=parts, norm=(w, 1e-5))),
+        ("rope + kv append", lambda: rope_append(qkv, q, k_cache, v_cache, cache.block_table, pos, 32, 8, 128,
+                                                 rope=(cos, cos))),
+        ("attention, 640 positions", lambda: attention(q, k_cache, v_cache, cache.block_table, pos, attn_out,
+                                                       scale=0.088)),
+        ("greedy pick, 32000", lambda: (state[4].zero_(), greedy(logits, *state, advance_pos=False))),
+    ]:
+        rows.append({"kernel": name, "us": time_graph([fn] * 20) * 1e6})
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--formats", default=",".join(FORMATS))
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--sweep", action="store_true", help="time a wide grid of configurations, not the tuner's")
+    ap.add_argument("--json", default=None, help="write every timing here")
+    ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 4))
+    args = ap.parse_args()
+    from thin.runtime.bench import copy_bandwidth
+
+    formats, shapes = args.formats.split(","), args.shapes.split(",")
+    started = time.perf_counter()
+    jobs = [(f, s, args.sweep) for f in formats for s in shapes]
+    ctx = torch.multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(args.workers, mp_context=ctx) as pool:
+        for line in pool.map(compile_all, jobs):
+            print(line, file=sys.stderr)
+    print(f"compiled in {time.perf_counter() - started:.0f} s", file=sys.stderr)
+    bandwidth = copy_bandwidth(torch.device("cuda"))
+    rows = [bench_cublas(s, bandwidth) for s in shapes]
+    for f in formats:
+        for s in shapes:
+            rows.append(bench_linear(f, s, args.sweep, bandwidth))
+    others = bench_others()
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"copy_bandwidth": bandwidth, "linear": rows, "others": others}, fh, indent=1)
+    print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s ({torch.cuda.get_device_name()})")
+    print("| format | shape | best config | us | GB/s | % of copy bw | tuner's best us |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        if "best" not in r:
+            print(f"| {r['format']} | {r['shape']} | - | {r['us']:.1f} | {r['GBps']:.0f} | "
+                  f"{100 * r['fraction_of_copy_bw']:.0f}% | |")
+        elif r["best"]:
+            b, d = r["best"], r["best_of_default_candidates"]
+            c = b["config"]
+            print(f"| {r['format']} | {r['shape']} | {c['block_n']}/{c['chunk']}/s{c['split']}/w{c['num_warps']} | "
+                  f"{b['us']:.1f} | {b['GBps']:.0f} | {100 * r['fraction_of_copy_bw']:.0f}% | "
+                  f"{d['us'] if d else float('nan'):.1f} |")
+        else:
+            print(f"| {r['format']} | {r['shape']} | failed | | | | |")
+    for o in others:
+        print(f"| {o['kernel']} | | | {o['us']:.1f} | | | |")
+    print(f"total {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

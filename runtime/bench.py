@@ -1,0 +1,212 @@
+"""`thin-exec bench`: prefill and decode speed against the memory-bandwidth limit.
+
+Batch-1 decode reads every weight once per token, so tokens/s can't exceed bandwidth / bytes read
+per token. This measures both sides on the device at hand: the bytes from the artifact's tensor
+table (the embedding counted as one row: a token reads one), the bandwidth from a large
+device-to-device copy (bytes read plus bytes written), and decode tokens/s over a random prompt.
+It also checks what a captured decode step can get wrong: the positions attended at every step
+must equal the position (a graph that attends to a fixed length is the classic bug), and greedy
+tokens with and without the CUDA graph must be the same.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from .sampling import GenerationOptions
+
+
+class BenchCheckError(RuntimeError):
+    """A correctness check of the benchmark failed."""
+
+
+@dataclass
+class BenchResult:
+    model: str
+    device: str
+    formats: dict[str, int]
+    prompt_tokens: int
+    new_tokens: int
+    runs: int
+    prefill_tokens_per_second: float
+    decode_tokens_per_second: float  # median over the runs
+    decode_min: float
+    decode_max: float
+    bytes_per_token: int
+    bandwidth_bytes_per_second: float
+    roofline_tokens_per_second: float
+    roofline_fraction: float
+    peak_vram_bytes: int
+    graph: bool
+    checks: dict[str, str] = field(default_factory=dict)
+    kernels: list[dict] = field(default_factory=list)  # --profile: time per decode step by kernel
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def render(self) -> str:
+        gb = 1e9
+        lines = [
+            f"model          {self.model} ({', '.join(f'{k} x{v}' for k, v in sorted(self.formats.items()))})",
+            f"device         {self.device}, copy bandwidth {self.bandwidth_bytes_per_second / gb:.0f} GB/s",
+            f"weights read   {self.bytes_per_token / gb:.3f} GB per token",
+            f"prefill        {self.prompt_tokens} tokens: {self.prefill_tokens_per_second:.0f} tok/s",
+            f"decode         {self.new_tokens} tokens x {self.runs} runs: {self.decode_tokens_per_second:.1f} tok/s "
+            f"median ({self.decode_min:.1f}-{self.decode_max:.1f}){'' if self.graph else ', no CUDA graph'}",
+            f"roofline       {self.roofline_tokens_per_second:.0f} tok/s: {100 * self.roofline_fraction:.1f}% of it",
+            f"peak VRAM      {self.peak_vram_bytes / 2**30:.2f} GiB",
+        ]
+        lines += [f"check          {name}: {result}" for name, result in self.checks.items()]
+        if self.kernels:
+            lines.append("decode step by kernel (eager, one step):")
+            lines.append(f"  {'kernel':<22} {'calls':>5} {'us/step':>9} {'share':>6}")
+            for k in self.kernels:
+                lines.append(f"  {k['kernel']:<22} {k['calls']:>5} {k['us']:>9.1f} {100 * k['share']:>5.1f}%")
+        return "\n".join(lines)
+
+
+def copy_bandwidth(device: torch.device, nbytes: int = 2**31) -> float:
+    """Bytes per second of a device-to-device copy (read + write), median of 20 copies."""
+    free = torch.cuda.mem_get_info(device)[0]
+    nbytes = max(2**26, min(nbytes, free // 3)) // 4 * 4
+    src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    times = []
+    for _ in range(20):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop) / 1e3)
+    del src, dst
+    return 2 * nbytes / statistics.median(times)
+
+
+def bytes_per_token(artifact) -> int:
+    """Bytes of weights one decoded token reads: every tensor once, the embedding one row (a tied
+    LM head reads the whole table once more)."""
+    model = artifact.model
+    embedding = model.embedding.weight
+    total = 0
+    for t in model.tensors:
+        size = artifact.tensor_entry(t.name)["size"]
+        if t.name == embedding:
+            total += size // t.shape[0] + (size if model.lm_head.tied else 0)
+        else:
+            total += size
+    return total
+
+
+def run(model, *, prompt_len: int = 512, new_tokens: int = 128, runs: int = 5, profile: bool = False,
+        seed: int = 0) -> BenchResult:
+    """Benchmark a loaded ThinModel on CUDA (its decode engine must have taken the model)."""
+    engine = model.engine
+    if engine is None:
+        raise BenchCheckError("bench needs the CUDA decode engine (a CUDA device, Triton, and a model it runs)")
+    if new_tokens < 2:
+        raise ValueError("bench needs --gen of at least 2 tokens")
+    device = engine.device
+    prompt = torch.randint(0, model.ir.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(seed))
+    options = GenerationOptions(max_new_tokens=new_tokens, stop_token_ids=())
+    sampler = engine.sampler(options)
+    cache = engine.new_cache(prompt_len + new_tokens)
+
+    def once(graph: bool) -> tuple[float, float, list[int]]:
+        cache.reset()
+        cache.reserve(prompt_len + new_tokens)
+        engine.start(cache, prompt.tolist(), options)
+        torch.cuda.synchronize(device)
+        begin = time.perf_counter()
+        engine.prefill(cache, prompt, sampler)
+        first = int(engine.token)  # synchronises
+        middle = time.perf_counter()
+        tokens = [first, *engine.decode_n_tokens(cache, new_tokens - 1, sampler, graph=graph)]
+        end = time.perf_counter()
+        return middle - begin, end - middle, tokens
+
+    torch.cuda.reset_peak_memory_stats(device)
+    once(engine.use_graphs)  # compile, tune, capture
+    prefill_times, decode_times, tokens = [], [], None
+    for _ in range(runs):
+        p, d, tokens = once(engine.use_graphs)
+        prefill_times.append(p)
+        decode_times.append(d)
+    checks = {}
+    attended = cache.attended[1:new_tokens].tolist()
+    window = model.executor.layers[0].attention.sliding_window
+    expected = [min(prompt_len + i, window or prompt_len + i) for i in range(1, new_tokens)]
+    if attended != expected:
+        bad = next(i for i, (a, b) in enumerate(zip(attended, expected)) if a != b)
+        raise BenchCheckError(f"decode step {bad + 1} attended {attended[bad]} positions, expected {expected[bad]}")
+    checks["positions attended == position, every step"] = "ok"
+    if engine.use_graphs:
+        eager = once(False)[2]
+        if eager != tokens:
+            bad = next(i for i, (a, b) in enumerate(zip(eager, tokens)) if a != b)
+            raise BenchCheckError(f"greedy tokens with and without the CUDA graph differ from token {bad}")
+        checks["greedy tokens with CUDA graph == without"] = "ok"
+    peak = torch.cuda.max_memory_allocated(device)
+    kernels = profile_step(engine, cache, sampler) if profile else []
+    bandwidth = copy_bandwidth(device)
+    steps = new_tokens - 1
+    rates = sorted(steps / d for d in decode_times)
+    weight_bytes = bytes_per_token(model.artifact)
+    counts: dict[str, int] = {}
+    for t in model.ir.tensors:
+        counts[t.encoding.format] = counts.get(t.encoding.format, 0) + 1
+    roofline = bandwidth / weight_bytes
+    median = statistics.median(rates)
+    return BenchResult(
+        model=str(model.artifact.path.name), device=torch.cuda.get_device_name(device), formats=counts,
+        prompt_tokens=prompt_len, new_tokens=new_tokens, runs=runs,
+        prefill_tokens_per_second=prompt_len / statistics.median(prefill_times), decode_tokens_per_second=median,
+        decode_min=rates[0], decode_max=rates[-1], bytes_per_token=weight_bytes, bandwidth_bytes_per_second=bandwidth,
+        roofline_tokens_per_second=roofline, roofline_fraction=median / roofline, peak_vram_bytes=peak,
+        graph=engine.use_graphs, checks=checks, kernels=kernels)
+
+
+def profile_step(engine, cache, sampler, steps: int = 3) -> list[dict]:
+    """GPU time of one eager decode step by section (qkv, attention, ...), from torch.profiler's
+    GPU-side ranges of the engine's marked sections, over `steps` steps."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    engine.decode_one_token(cache, sampler)  # warm
+    torch.cuda.synchronize(engine.device)
+    names: set[str] = set()
+
+    def mark(name):
+        names.add(name)
+        return record_function(name)
+
+    engine._mark = mark
+    try:
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.decode_one_token(cache, sampler)
+            torch.cuda.synchronize(engine.device)
+    finally:
+        engine._mark = lambda name: contextlib.nullcontext()
+    rows = {}
+    for event in prof.key_averages():
+        if event.key not in names:
+            continue
+        gpu_side = getattr(event, "device_type", None) == DeviceType.CUDA
+        us = getattr(event, "device_time_total", None)
+        if us is None:
+            us = getattr(event, "cuda_time_total", 0)
+        # Prefer the GPU-side range (first kernel's start to last one's end) when the profiler
+        # records one; else the kernels it attributes to the CPU-side range.
+        if gpu_side or event.key not in rows:
+            rows[event.key] = {"kernel": event.key, "calls": event.count // steps, "us": us / steps}
+    total = sum(r["us"] for r in rows.values()) or 1.0
+    for r in rows.values():
+        r["share"] = r["us"] / total
+    return sorted(rows.values(), key=lambda r: -r["us"])

@@ -1,0 +1,436 @@
+"""The CUDA decode engine: batched prefill, and a decode step captured once in a CUDA graph.
+
+It runs the executor's plans (the same LinearOps, norm weights and rotary tables: no second copy
+of any weight) through the fused kernels of runtime/kernels/ over a paged KV cache:
+
+    prefill(cache, ids)         the whole prompt in one pass per layer; picks the first token
+    decode_one_token(cache, s)  one token: embed, per layer [qkv matvec, q/k norm + RoPE + KV
+                                append, split-KV attention, o matvec, residual + norm, gate/up
+                                matvec + activation, down matvec, residual + norm], LM head, pick
+    decode_n_tokens(...)        replays the captured step, streaming tokens as they land
+
+Everything a step needs from one token to the next lives on the device: the token, the position
+(the KV length is position + 1), the step counter that keys the random draw, the output slot.
+So the captured step runs with no host synchronisation inside the loop, and the host reads token
+n back (pinned buffer + event) only after launching step n + 1. Greedy tokens do not depend on
+whether the graph is used: the same kernels run either way.
+
+Models it does not take (mixtures of experts, layer norms, norms with a bias) raise
+EngineUnsupported; ThinModel then generates through the executor as before.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from .ffn import ACTIVATIONS, MLPPlan, activate
+from .generate import GenerationStats, check_context
+from .linear import LinearOp
+from .paged_kv import PagedKVCache
+from .sampling import GenerationOptions
+
+
+class EngineUnsupported(NotImplementedError):
+    """The model has a feature the decode engine has no kernel path for."""
+
+
+class DecodeEngine:
+    """Prefill and graph-captured decode for `executor`'s model on its device (CUDA; also the CPU
+    under Triton's interpreter, without graphs, which is how the test suite runs it)."""
+
+    def __init__(self, executor, *, graphs: bool = True):
+        _check_supported(executor)
+        from .kernels import attention, norm, rope, sampling  # noqa: F401  (imports triton)
+
+        self.ex = executor
+        self.model = executor.model
+        self.device, self.dtype = executor.device, executor.dtype
+        self.use_graphs = graphs and self.device.type == "cuda"
+        first = executor.layers[0].attention
+        self.num_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
+        self.hidden, self.vocab = self.model.hidden_size, self.model.vocab_size
+        self.max_positions = self.model.max_position_embeddings
+        for layer in executor.layers:
+            if layer.attention.rope is not None:  # grown once: captured steps hold the tables' addresses
+                layer.attention.rope.get(0, self.max_positions)
+        intermediate = max(_mlp_width(layer.ffn) for layer in executor.layers)
+        qkv_width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
+        # Split-K partial sums come from the projections back into the residual (o and down).
+        summed = [op for layer in executor.layers for op in (layer.attention.o, layer.ffn.down)]
+        splits = max([op.split for op in summed if hasattr(op, "split")] + [1])
+
+        def new(*shape, dtype=self.dtype):
+            return torch.zeros(*shape, dtype=dtype, device=self.device)
+
+        # The decode step's state: everything it reads or writes has a fixed address.
+        self.token, self.pos, self.step = new(1, dtype=torch.long), new(1, dtype=torch.int32), new(1, dtype=torch.int32)
+        self.seed = new(1, dtype=torch.long)
+        self.seen = new(self.vocab, dtype=torch.int8)
+        self.residual, self.normed = new(self.hidden), new(self.hidden)
+        self.qkv, self.q = new(qkv_width), new(self.num_heads, self.head_dim)
+        self.attn = new(self.num_heads * self.head_dim)
+        self.mlp = new(intermediate)
+        self.partials = new(splits, self.hidden, dtype=torch.float32)
+        self.logits = new(self.vocab)
+        self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self._samplers: dict = {}
+        # Names the sections of a step for the profiler (bench --profile); a no-op otherwise.
+        self._mark = lambda name: contextlib.nullcontext()
+
+    # ---- caches ----------------------------------------------------------------------------------
+
+    def new_cache(self, max_seq_len: int) -> PagedKVCache:
+        """An empty paged cache for one sequence of up to `max_seq_len` tokens (plus the scratch its
+        decode step uses, sized for that length)."""
+        from .kernels.attention import DecodeAttention
+
+        cache = PagedKVCache(len(self.ex.layers), self.num_kv_heads, self.head_dim, max_seq_len, self.dtype,
+                             self.device)
+        sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 4
+        cache.attention = DecodeAttention(self.num_heads, self.num_kv_heads, self.head_dim, cache.max_seq_len,
+                                          self.device, sms)
+        cache.out_tokens = torch.zeros(cache.max_seq_len + 1, dtype=torch.long, device=self.device)
+        cache.attended = torch.zeros(cache.max_seq_len + 1, dtype=torch.int32, device=self.device)
+        return cache
+
+    def cache_bytes(self, tokens: int) -> int:
+        """Device bytes a cache of `tokens` positions takes (keys and values of every layer)."""
+        per_token = 2 * len(self.ex.layers) * self.num_kv_heads * self.head_dim * self.residual.element_size()
+        return per_token * tokens
+
+    # ---- the three steps -------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def prefill(self, cache: PagedKVCache, ids: torch.Tensor, sampler) -> None:
+        """Append `ids` [T] to `cache` in one pass per layer and pick the next token into self.token."""
+        from .kernels.activation import glu
+        from .kernels.attention import prefill as attend
+        from .kernels.norm import add_rmsnorm
+        from .kernels.rope import rope_append
+
+        ids = ids.to(device=self.device, dtype=torch.long)
+        T, start = ids.numel(), cache.length
+        cache.check_room(T)
+        cache.reserve(start + T)
+        self.pos.fill_(start)
+        residual = self._embed(ids)
+        normed = torch.empty_like(residual)
+        layers = self.ex.layers
+        add_rmsnorm(residual, normed, norm=_norm(layers[0].attn_norm))
+        for index, layer in enumerate(layers):
+            a = layer.attention
+            qkv = self._project_rows(a.qkv, normed)
+            self._whole_qk_norm(a, qkv)
+            q = torch.empty(T, self.num_heads, self.head_dim, dtype=self.dtype, device=self.device)
+            k_cache, v_cache = cache.layer(index)
+            rope_append(qkv, q, k_cache, v_cache, cache.block_table, self.pos, self.num_heads, self.num_kv_heads,
+                        self.head_dim, rope=_tables(a), **_qk_norms(a))
+            out = attend(q, k_cache, v_cache, cache.block_table, start, scale=a.scale, window=a.sliding_window,
+                         softcap=a.logit_softcap, sinks=getattr(a, "sinks", None))
+            add_rmsnorm(residual, normed, dense=a.o(out), post=_norm(layer.attn_post_norm),
+                        norm=_norm(layer.ffn_norm))
+            mlp = layer.ffn
+            if mlp.gated and len(mlp.up) == 1:
+                h = glu(mlp.up[0](normed), mlp.activation)
+            elif mlp.gated:
+                h = activate(mlp.activation, mlp.up[0](normed)) * mlp.up[1](normed)
+            else:
+                h = activate(mlp.activation, mlp.up[0](normed))
+            following = layers[index + 1].attn_norm if index + 1 < len(layers) else self.ex.final_norm
+            add_rmsnorm(residual, normed, dense=mlp.down(h), post=_norm(layer.ffn_post_norm), norm=_norm(following))
+        self._project([self.ex.lm_head], normed[-1], self.logits)
+        self.pos.add_(T)
+        cache.advance(T)
+        sampler(self.logits, self.token, cache.out_tokens, self.seen, self.pos, self.step, self.seed,
+                advance_pos=False)
+
+    @torch.inference_mode()
+    def decode_one_token(self, cache: PagedKVCache, sampler) -> None:
+        """Feed self.token at position self.pos; leave the next token in self.token (and in
+        cache.out_tokens[step]), then advance pos and step. Reads nothing from the host."""
+        from .kernels.norm import add_rmsnorm
+        from .kernels.rope import rope_append
+
+        mark = self._mark
+        layers = self.ex.layers
+        with mark("embed + norm"):
+            self.residual.copy_(self._embed(self.token)[0])
+            add_rmsnorm(self.residual, self.normed, norm=_norm(layers[0].attn_norm))
+        for index, layer in enumerate(layers):
+            a = layer.attention
+            k_cache, v_cache = cache.layer(index)
+            with mark("qkv"):
+                self._project(a.qkv, self.normed, self.qkv)
+                self._whole_qk_norm(a, self.qkv[None])
+            with mark("qk norm + rope + append"):
+                rope_append(self.qkv, self.q, k_cache, v_cache, cache.block_table, self.pos, self.num_heads,
+                            self.num_kv_heads, self.head_dim, rope=_tables(a), **_qk_norms(a))
+            with mark("attention"):
+                cache.attention(self.q, k_cache, v_cache, cache.block_table, self.pos, self.attn, scale=a.scale,
+                                window=a.sliding_window, softcap=a.logit_softcap, sinks=getattr(a, "sinks", None),
+                                log=cache.attended if index == 0 else None, step=self.step)
+            with mark("o"):
+                parts, bias = self._partial_sums(a.o, self.attn)
+            with mark("residual + norm"):
+                add_rmsnorm(self.residual, self.normed, partials=parts, bias=bias,
+                            post=_norm(layer.attn_post_norm), norm=_norm(layer.ffn_norm))
+            with mark("gate/up + act"):
+                width = self._mlp(layer.ffn, self.normed)
+            with mark("down"):
+                parts, bias = self._partial_sums(layer.ffn.down, self.mlp[:width])
+            following = layers[index + 1].attn_norm if index + 1 < len(layers) else self.ex.final_norm
+            with mark("residual + norm"):
+                add_rmsnorm(self.residual, self.normed, partials=parts, bias=bias,
+                            post=_norm(layer.ffn_post_norm), norm=_norm(following))
+        with mark("lm head"):
+            self._project([self.ex.lm_head], self.normed, self.logits)
+        with mark("sample"):
+            sampler(self.logits, self.token, cache.out_tokens, self.seen, self.pos, self.step, self.seed,
+                    advance_pos=True)
+
+    def decode_n_tokens(self, cache: PagedKVCache, n: int, sampler, stop_ids: frozenset[int] = frozenset(),
+                        graph: bool | None = None) -> Iterator[int]:
+        """Run up to `n` decode steps, yielding each new token; stops after yielding a stop token.
+
+        Token i is read back only once step i + 1 has been launched, so the device never waits for
+        the host; after a stop token one more step has run (its key/value lies past the length the
+        caller keeps)."""
+        graph = self.use_graphs if graph is None else graph and self.use_graphs
+        if self.device.type != "cuda":
+            for _ in range(n):
+                self.decode_one_token(cache, sampler)
+                token = int(self.token)
+                yield token
+                if token in stop_ids:
+                    return
+            return
+        host = torch.empty(max(n, 1), dtype=torch.long, pin_memory=True)
+        done = [torch.cuda.Event() for _ in range(max(n, 1))]
+        for i in range(n + 1):
+            if i < n:
+                self._launch_step(cache, sampler, graph)
+                host[i:i + 1].copy_(self.token, non_blocking=True)
+                done[i].record()
+            if i > 0:
+                done[i - 1].synchronize()
+                token = int(host[i - 1])
+                yield token
+                if token in stop_ids:
+                    return
+
+    def _launch_step(self, cache: PagedKVCache, sampler, graph: bool) -> None:
+        if not graph:
+            self.decode_one_token(cache, sampler)
+            return
+        captured = cache.graphs.get(sampler.key)
+        if captured is not None:
+            captured.replay()
+            return
+        # First step with this cache and sampler: run it for real (compiling and tuning anything
+        # not yet), then capture it; capturing records the launches without running them.
+        self.decode_one_token(cache, sampler)
+        torch.cuda.synchronize(self.device)
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured, pool=self._pool):
+            self.decode_one_token(cache, sampler)
+        cache.graphs[sampler.key] = captured
+
+    # ---- generation ------------------------------------------------------------------------------
+
+    def sampler(self, options: GenerationOptions):
+        """The device sampler for `options` (one per distinct set of filters)."""
+        from .kernels.sampling import Sampler
+
+        key = (options.temperature, options.top_k, options.top_p, options.min_p, options.repetition_penalty)
+        if key not in self._samplers:
+            self._samplers[key] = Sampler(options, self.vocab, self.ex.final_softcap, key=key)
+        return self._samplers[key]
+
+    def start(self, cache: PagedKVCache, prompt: Sequence[int], options: GenerationOptions) -> None:
+        """Reset the per-call device state: position, step, seed, tokens seen."""
+        self.pos.fill_(cache.length)
+        self.step.zero_()
+        seed = options.seed if options.seed is not None else int.from_bytes(os.urandom(7), "little")
+        self.seed.fill_(int(seed))
+        if options.repetition_penalty != 1.0:
+            self.seen.zero_()
+            self.seen[torch.tensor(list(prompt), dtype=torch.long, device=self.device)] = 1
+
+    def warm_up(self) -> None:
+        """Choose every matvec's launch configuration now (timed on this device, or read from the
+        cache of choices) rather than in the first generate call: the modes the decode step uses."""
+        for layer in self.ex.layers:
+            uses = [(op, "direct") for op in layer.attention.qkv] + [(layer.attention.o, "partial")]
+            mlp = layer.ffn
+            fused = mlp.gated and len(mlp.up) == 1
+            uses += [(op, "glu" if fused else "direct") for op in mlp.up] + [(mlp.down, "partial")]
+            for op, mode in uses:
+                if hasattr(op, "config"):
+                    op.config(mode if mode != "partial" or op.out_features == self.hidden else "direct")
+        if hasattr(self.ex.lm_head, "config"):
+            self.ex.lm_head.config("direct")
+
+    # ---- pieces ----------------------------------------------------------------------------------
+
+    def _linear_ops(self) -> list[LinearOp]:
+        return self.ex.linear_ops()
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        embed = self.ex.embed
+        if embed.table is not None:
+            x = torch.nn.functional.embedding(ids, embed.table).to(self.dtype)
+        else:  # rows decoded by index: no data-dependent shapes, so a graph can hold it
+            x = embed.fmt.decode_rows(embed.raw, embed.shape, embed.params, ids, embed.dtype)
+        if self.ex.embed_scale is not None:
+            x = x * self.ex.embed_scale
+        return x.contiguous()
+
+    def _project(self, ops: list[LinearOp], x: torch.Tensor, out: torch.Tensor) -> None:
+        """out = x @ [W1; W2; ...].T for one row x, each op writing its slice of `out`."""
+        start = 0
+        for op in ops:
+            view = out[start:start + op.out_features]
+            if hasattr(op, "matvec"):
+                op.matvec(x, out=view)
+            else:
+                view.copy_(op(x[None])[0])
+            start += op.out_features
+
+    def _project_rows(self, ops: list[LinearOp], x: torch.Tensor) -> torch.Tensor:
+        return ops[0](x) if len(ops) == 1 else torch.cat([op(x) for op in ops], dim=-1)
+
+    def _partial_sums(self, op: LinearOp, x: torch.Tensor):
+        """(partial sums [n, hidden] float32, bias) of x @ W.T: split-K from a kernel, else one row."""
+        if hasattr(op, "matvec") and op.out_features == self.hidden:
+            return op.matvec(x, partials=self.partials), op.bias
+        self.partials[0].copy_(op(x[None])[0])
+        return self.partials[:1], None
+
+    def _mlp(self, mlp: MLPPlan, x: torch.Tensor) -> int:
+        """act(gate(x)) * up(x) (or act(up(x))) into self.mlp; returns its width."""
+        width = mlp.down.in_features
+        out = self.mlp[:width]
+        if mlp.gated and len(mlp.up) == 1 and hasattr(mlp.up[0], "matvec"):
+            mlp.up[0].matvec(x, out=out, activation=mlp.activation)
+        elif mlp.gated:
+            gate_up = [op(x[None])[0] for op in mlp.up]
+            gate, up = gate_up[0].chunk(2) if len(gate_up) == 1 else gate_up
+            out.copy_(activate(mlp.activation, gate) * up)
+        else:
+            out.copy_(activate(mlp.activation, mlp.up[0](x[None])[0]))
+        return width
+
+    def _whole_qk_norm(self, a, qkv: torch.Tensor) -> None:
+        """OLMo-2: RMSNorm over the whole q and k projections (before the head split), in place."""
+        if a.q_norm is None or a.qk_norm_per_head:
+            return
+        q_size, kv_size = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
+        qkv[..., :q_size] = a.q_norm(qkv[..., :q_size])
+        qkv[..., q_size:q_size + kv_size] = a.k_norm(qkv[..., q_size:q_size + kv_size])
+
+
+def generate(engine: DecodeEngine, prompt_ids: Sequence[int], options: GenerationOptions, *,
+             max_position_embeddings: int | None = None, stats: GenerationStats | None = None,
+             cache: PagedKVCache | None = None) -> Iterator[int]:
+    """generate.generate's contract on the engine: stream new token ids, stop after a stop token (not
+    yielded) or max_new_tokens; with `cache` holding a prefix of the prompt, prefill only the rest."""
+    stats = stats if stats is not None else GenerationStats()
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise ValueError("generate needs at least one prompt token")
+    check_context(len(prompt), options.max_new_tokens, max_position_embeddings)
+    cached = 0 if cache is None else cache.length
+    if cached >= len(prompt):
+        raise ValueError(f"the cache holds {cached} tokens; at least one of the {len(prompt)} prompt tokens "
+                         "must be left to prefill")
+    stats.prompt_tokens, stats.cached_tokens, stats.stop_reason = len(prompt) - cached, cached, ""
+    if options.max_new_tokens == 0:
+        stats.stop_reason = "length"
+        return
+    if cache is None:
+        cache = engine.new_cache(len(prompt) + options.max_new_tokens)
+    else:
+        cache.check_room(len(prompt) - cached + options.max_new_tokens)
+    cache.reserve(len(prompt) + options.max_new_tokens)
+    stop_ids = frozenset(options.stop_token_ids)
+    sampler = engine.sampler(options)
+    engine.start(cache, prompt, options)
+    begin = time.perf_counter()
+    engine.prefill(cache, torch.tensor(prompt[cached:], dtype=torch.long), sampler)
+    token = int(engine.token)  # the first token: one read-back after prefill
+    stats.prefill_seconds = time.perf_counter() - begin
+    stats.new_tokens = 1
+    if token in stop_ids:
+        stats.stop_reason = "eos"
+        return
+    yield token
+    length, fed = cache.length, 0
+    try:
+        begin = time.perf_counter()
+        for token in engine.decode_n_tokens(cache, options.max_new_tokens - 1, sampler, stop_ids):
+            fed += 1
+            stats.decode_seconds += time.perf_counter() - begin
+            stats.new_tokens += 1
+            if token in stop_ids:
+                stats.stop_reason = "eos"
+                return
+            yield token
+            begin = time.perf_counter()
+        stats.stop_reason = "length"
+    finally:
+        # The keys and values kept: the prompt and every generated token fed back (a step launched
+        # past a stop token wrote one more, beyond this length).
+        cache.length = length + fed
+
+
+def _check_supported(executor) -> None:
+    from .ffn import MoEPlan
+
+    problems = []
+    if any(isinstance(layer.ffn, MoEPlan) for layer in executor.layers):
+        problems.append("mixture-of-experts layers")
+    norms = [executor.final_norm] + [n for layer in executor.layers for n in
+                                     (layer.attn_norm, layer.attn_post_norm, layer.ffn_norm, layer.ffn_post_norm)]
+    if any(n is not None and (n.kind != "rms" or n.bias is not None) for n in norms):
+        problems.append("layer norms or norm biases")
+    shapes = {(layer.attention.num_heads, layer.attention.num_kv_heads, layer.attention.head_dim)
+              for layer in executor.layers}
+    if len(shapes) > 1:
+        problems.append("attention shapes that differ between layers")
+    mlps = [layer.ffn for layer in executor.layers if isinstance(layer.ffn, MLPPlan)]
+    if any(m.activation not in ACTIVATIONS for m in mlps):
+        problems.append("an unknown activation")
+    if any(getattr(m, "limit", None) is not None or getattr(m, "alpha", 1.0) != 1.0 or getattr(m, "up_offset", 0.0)
+           for m in mlps):
+        problems.append("clamped SwiGLU (GPT-OSS)")
+    if problems:
+        raise EngineUnsupported(f"the decode engine does not run {', '.join(problems)} yet")
+
+
+def _mlp_width(ffn) -> int:
+    return ffn.down.in_features
+
+
+def _norm(plan):
+    """(float32 weight, eps) of an RMSNorm plan, or None."""
+    if plan is None:
+        return None
+    weight = plan.weight if plan.weight is not None else None
+    if weight is None:
+        raise EngineUnsupported("norms without a weight are not supported by the decode engine")
+    return weight, plan.eps
+
+
+def _tables(a):
+    return None if a.rope is None else (a.rope.cos, a.rope.sin)
+
+
+def _qk_norms(a) -> dict:
+    if a.q_norm is None or not a.qk_norm_per_head:
+        return {}
+    return {"q_norm": _norm(a.q_norm), "k_norm": _norm(a.k_norm)}

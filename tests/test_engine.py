@@ -1,0 +1,138 @@
+"""The decode engine (prefill + fused decode step over a paged cache) against the executor.
+
+On a CPU machine the engine's kernels run through Triton's interpreter (registered for the CPU for
+these tests only), without CUDA graphs; with a GPU the same tests run on it, graphs on and off.
+"""
+
+import pytest
+import torch
+from kernel_support import DEVICE, HAS_CUDA
+
+from thin.compiler import compile_model
+from thin.runtime import ConversationCache, generate, load
+from thin.runtime.sampling import GenerationOptions
+
+from hf_tiny import make_checkpoint
+
+KERNEL_FAMILIES = {"dense": ("f32", "f16", "bf16"), "rowwise8": ("int8", "fp8_e4m3"),
+                   "grouped_int": ("int3", "int4", "int5", "int6"), "mxfp4": ("mxfp4",), "q2": ("q2",), "q1": ("q1",)}
+
+
+@pytest.fixture(scope="module")
+def kernels_here():
+    """Serve every format with the Triton kernels on this test's device (the interpreter on a CPU)."""
+    from thin.runtime import linear
+
+    if HAS_CUDA:
+        yield
+        return
+    added = []
+    for family, names in KERNEL_FAMILIES.items():
+        for name in names:
+            linear.register(name, "cpu", linear.Implementation("triton", f"thin.runtime.kernels.{family}:make"))
+            added.append(name)
+    yield
+    for name in added:
+        linear.unregister(name, "cpu", "triton")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory, kernels_here):
+    """family/format -> loaded model (kernels serving its linears)."""
+    tmp = tmp_path_factory.mktemp("engine")
+    out = {}
+
+    def get(family, quant=None, **overrides):
+        key = (family, quant, tuple(sorted(overrides.items())))
+        if key not in out:
+            src = tmp / f"{family}-{len(out)}"
+            make_checkpoint(family, src, **overrides)
+            # Groups that divide the tiny models' 64 columns.
+            options = {"quant": quant, **({"group_size": 32} if quant in ("int4", "int3") else {})} if quant else {}
+            out[key] = load(compile_model(src, tmp / f"{family}-{len(out)}.thin", **options), device=DEVICE.type)
+        return out[key]
+
+    return get
+
+
+def _engine(model, graphs=True):
+    from thin.runtime.engine import DecodeEngine
+
+    return DecodeEngine(model.executor, graphs=graphs)
+
+
+def _prompt(n=9, seed=0):
+    return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _executor_tokens(model, prompt, n):
+    opts = GenerationOptions(max_new_tokens=n, stop_token_ids=())
+    return list(generate(model.executor, prompt, opts))
+
+
+def _engine_tokens(engine, prompt, n, cache=None, **options):
+    from thin.runtime.engine import generate as engine_generate
+
+    opts = GenerationOptions(max_new_tokens=n, stop_token_ids=options.pop("stop_token_ids", ()), **options)
+    return list(engine_generate(engine, prompt, opts, cache=cache))
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "phi3", "olmo2"])
+def test_greedy_tokens_match_the_executor(models, family):
+    model = models(family)
+    prompt = _prompt()
+    assert _engine_tokens(_engine(model), prompt, 8) == _executor_tokens(model, prompt, 8)
+
+
+@pytest.mark.parametrize("quant", ["int4", "fp8_e4m3", "mxfp4", "q2"])
+def test_quantized_greedy_tokens_match_the_executor(models, quant):
+    model = models("llama", quant)
+    prompt = _prompt(seed=1)
+    assert _engine_tokens(_engine(model), prompt, 6) == _executor_tokens(model, prompt, 6)
+
+
+def test_conversation_cache_prefills_only_the_new_turn(models):
+    model = models("qwen3")
+    engine = _engine(model)
+    conversation = ConversationCache(engine, model.ir.max_position_embeddings, min_tokens=40)
+    first = _prompt(7, seed=2)
+    cache = conversation.prepare(first, 5)
+    reply = _engine_tokens(engine, first, 5, cache=cache)
+    conversation.record(first, reply)
+    second = first + reply + _prompt(4, seed=3)
+    cache = conversation.prepare(second, 5)
+    assert cache.length == len(first) + len(reply) - 1  # the last reply token was never fed back
+    assert _engine_tokens(engine, second, 5, cache=cache) == _executor_tokens(model, second, 5)
+
+
+def test_stop_token_ends_generation_and_sets_the_kept_length(models):
+    model = models("llama")
+    engine = _engine(model)
+    prompt = _prompt(seed=4)
+    full = _engine_tokens(engine, prompt, 8)
+    stop = full[3]
+    cache = engine.new_cache(32)
+    got = _engine_tokens(engine, prompt, 8, cache=cache, stop_token_ids=(stop,))
+    assert got == full[:full.index(stop)]
+    assert cache.length == len(prompt) + len(got)
+
+
+def test_sampling_same_seed_same_tokens(models):
+    engine = _engine(models("llama"))
+    prompt = _prompt(seed=5)
+    options = dict(temperature=0.9, top_k=20, top_p=0.95, seed=7)
+    first = _engine_tokens(engine, prompt, 6, **options)
+    assert first == _engine_tokens(engine, prompt, 6, **options)
+    assert first != _engine_tokens(engine, prompt, 6, **{**options, "seed": 8})
+
+
+@pytest.mark.gpu
+def test_graph_and_eager_steps_give_the_same_tokens_and_attend_every_position(models):
+    model = models("llama")
+    prompt = _prompt(seed=6)
+    graphed, eager = _engine(model, graphs=True), _engine(model, graphs=False)
+    cache = graphed.new_cache(64)
+    tokens = _engine_tokens(graphed, prompt, 20, cache=cache)
+    assert tokens == _engine_tokens(eager, prompt, 20)
+    attended = cache.attended[1:20].tolist()
+    assert attended == [len(prompt) + i for i in range(1, 20)]
