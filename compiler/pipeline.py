@@ -8,6 +8,7 @@ from thin.passes import (
     certify_model,
     check_budget,
     fuse_projections,
+    layout_experts,
     order_tensors,
     plan_precision,
     quantize_weights,
@@ -32,4 +33,6 @@ def build_pipeline(config: CompileConfig) -> list[Pass]:
         # -- structure: fusion (after precision, so q/k/v fuse when their formats agree), execution order
         *([fuse_projections] if config.fuse_projections else []),
         order_tensors,
+        # -- layout: each routed expert one 4 KiB-aligned contiguous page (no-op without experts)
+        layout_experts,
     ]

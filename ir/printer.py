@@ -26,8 +26,9 @@ def format_ir(model: m.Model) -> str:
         layer = "-" if t.layer is None else t.layer
         expert = "" if t.expert is None else f" expert={t.expert}"
         shape = "x".join(map(str, t.shape))
+        align = "" if t.align == 64 else f" align={t.align}"
         lines.append(f"  {t.name} role={t.role} layer={layer}{expert} shape={shape} "
-                     f"format={t.encoding.format}{params} source={t.source_dtype}")
+                     f"format={t.encoding.format}{params} source={t.source_dtype}{align}")
     return "\n".join(lines) + "\n"
 
 

@@ -4,6 +4,7 @@ from .calibrate_inputs import CalibrateOptions, CalibrationError, calibrate_inpu
 from .certify_model import DEFAULT_MAX_KLD, CertificationError, CertifyOptions, certify_model
 from .check_budget import check_budget
 from .fuse_projections import fuse_projections
+from .layout_experts import layout_experts
 from .memory_ledger import RUNTIME_OVERHEAD, ledger, parse_size
 from .order_tensors import order_tensors
 from .plan_precision import BudgetError, PlanOptions, plan_precision, solve
@@ -16,6 +17,6 @@ __all__ = [
     "BudgetError", "CalibrateOptions", "CalibrationError", "CertificationError", "CertifyOptions", "DEFAULT_MAX_KLD",
     "Evaluator", "Pass", "PassContext", "PassError", "PlanOptions", "QuantizeOptionError", "QuantizeOptions",
     "RUNTIME_OVERHEAD", "ScoreOptions", "Scratch", "calibrate_inputs", "certify_model", "check_budget",
-    "fuse_projections", "input_groups", "ledger", "linear_weights", "order_tensors", "parse_size",
+    "fuse_projections", "input_groups", "layout_experts", "ledger", "linear_weights", "order_tensors", "parse_size",
     "plan_precision", "plannable", "quantize_weights", "run_passes", "score_formats", "solve",
 ]

@@ -121,7 +121,7 @@ def test_dump_ir_and_no_fuse(checkpoint, tmp_path):
     dump = tmp_path / "ir"
     run = _cli("thinc", "compile", checkpoint, "-o", tmp_path / "m.thin", "--dump-ir", dump, "--no-fuse", "-q")
     assert run.returncode == 0, run.stderr
-    assert sorted(p.name for p in dump.iterdir()) == ["00-input.txt", "01-order_tensors.txt"]
+    assert sorted(p.name for p in dump.iterdir()) == ["00-input.txt", "01-order_tensors.txt", "02-layout_experts.txt"]
     assert "attn.qkv" not in (dump / "01-order_tensors.txt").read_text()
 
 
