@@ -6,7 +6,12 @@
 Shapes: `llama-8b` (LlamaForCausalLM: hidden 4096, FFN 14336, 32 layers, 32/8 heads, vocab 32000,
 rope_theta 500000 with Llama-3.1's rope scaling, untied head) and `qwen3-8b` (Qwen3ForCausalLM
 with Qwen3-8B's published dimensions: hidden 4096, FFN 12288, 36 layers, 32/8 heads, head_dim 128,
-vocab 151936, q/k norms, rope_theta 1e6, untied head). `--layers N` keeps the shape but N layers.
+vocab 151936, q/k norms, rope_theta 1e6, untied head). Mixtures of experts: `moe-a3b`
+(MixtralForCausalLM: hidden 2048, 16 layers, 32/4 heads, head_dim 128, 128 experts of FFN 768, top-8,
+vocab 32000, rope_theta 1e6) and `gpt-oss-20b` (GptOssForCausalLM with gpt-oss-20b's published
+dimensions: hidden 2880, 24 layers, 64/8 heads, head_dim 64, 32 experts of FFN 2880, top-4, 128-token
+sliding window on every other layer, sinks, YaRN, vocab 201088; experts stored as MXFP4 blocks and
+scales like the published checkpoint). `--layers N` keeps the shape but N layers.
 
 Weights are bf16 safetensors in shards of about 4 GB: linear weights N(0, 0.02^2) like the
 models' own initialisation, norms around 1. Each tensor is drawn from a generator seeded by
@@ -46,6 +51,78 @@ SHAPES = {
     },
 }
 SHARD_BYTES = 4 * 10**9
+# ---- mixture-of-experts shapes ------------------------------------------------------------------------
+SHAPES["moe-a3b"] = {
+    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 2048,
+    "intermediate_size": 768, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "num_local_experts": 128, "num_experts_per_tok": 8, "vocab_size": 32000,
+    "max_position_embeddings": 32768, "rms_norm_eps": 1e-5, "rope_theta": 1000000.0, "sliding_window": None,
+    "tie_word_embeddings": False, "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+}
+SHAPES["gpt-oss-20b"] = {  # layer_types left out: GptOssConfig's default alternates from a sliding layer 0
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880,
+    "intermediate_size": 2880, "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8,
+    "head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4, "vocab_size": 201088,
+    "max_position_embeddings": 131072, "rms_norm_eps": 1e-5, "rope_theta": 150000.0,
+    "rope_scaling": {"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                     "original_max_position_embeddings": 4096},
+    "sliding_window": 128, "attention_bias": True, "swiglu_limit": 7.0, "tie_word_embeddings": False,
+    "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2, "torch_dtype": "bfloat16",
+    "quantization_config": {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]},
+}
+
+
+def moe_tensors(cfg: dict, seed: int, device: torch.device):
+    """(name, tensor) of a Mixtral or GPT-OSS checkpoint, drawn like `draw`; biases and sinks small. GPT-OSS
+    experts are drawn in bf16 then stored as published: MXFP4 blocks uint8 [E, rows, cols / 32, 16] and
+    scales [E, rows, cols / 32] (thin's mxfp4 reference encoding, the same bytes), gate and up interleaved."""
+    from thin.ir import formats
+
+    h, i, v, d, experts = (cfg[k] for k in ("hidden_size", "intermediate_size", "vocab_size", "head_dim",
+                                            "num_local_experts"))
+    heads, q, kv = cfg["num_attention_heads"], cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    gpt = cfg["model_type"] == "gpt_oss"
+
+    def w(name, shape):
+        return name, draw(name, shape, seed, device)
+
+    def small(name, shape):  # 0.02-scale like a weight, whatever the rank
+        return name, draw(name, (1, *shape), seed, device).reshape(shape)
+
+    def mxfp4(name, rows, cols):
+        fmt, blocks, scales = formats.get("mxfp4"), [], []
+        for e in range(experts):
+            parts = fmt.split(fmt.encode(draw(f"{name}[{e}]", (rows, cols), seed, device).to(device).float()),
+                              (rows, cols))
+            blocks.append(parts["values"].reshape(rows, cols // 32, 16).cpu())
+            scales.append(parts["scales"].cpu())
+        return [(name + "_blocks", torch.stack(blocks)), (name + "_scales", torch.stack(scales))]
+
+    yield w("model.embed_tokens.weight", (v, h))
+    for n in range(cfg["num_hidden_layers"]):
+        p = f"model.layers.{n}."
+        yield w(p + "input_layernorm.weight", (h,))
+        for name, shape in (("q_proj", (q, h)), ("k_proj", (kv, h)), ("v_proj", (kv, h)), ("o_proj", (h, q))):
+            yield w(p + f"self_attn.{name}.weight", shape)
+            if gpt:
+                yield small(p + f"self_attn.{name}.bias", shape[:1])
+        yield w(p + "post_attention_layernorm.weight", (h,))
+        if gpt:
+            yield small(p + "self_attn.sinks", (heads,))
+            yield w(p + "mlp.router.weight", (experts, h))
+            yield small(p + "mlp.router.bias", (experts,))
+            yield from mxfp4(p + "mlp.experts.gate_up_proj", 2 * i, h)
+            yield small(p + "mlp.experts.gate_up_proj_bias", (experts, 2 * i))
+            yield from mxfp4(p + "mlp.experts.down_proj", h, i)
+            yield small(p + "mlp.experts.down_proj_bias", (experts, h))
+            continue
+        yield w(p + "block_sparse_moe.gate.weight", (experts, h))
+        for e in range(experts):
+            for name, shape in (("w1", (i, h)), ("w3", (i, h)), ("w2", (h, i))):
+                yield w(p + f"block_sparse_moe.experts.{e}.{name}.weight", shape)
+    yield w("model.norm.weight", (h,))
+    yield w("lm_head.weight", (v, h))
 
 
 def tensor_shapes(cfg: dict):
@@ -120,11 +197,12 @@ def main() -> None:
         index.update(dict.fromkeys(shard, name))
         shard, shard_bytes, n = {}, 0, n + 1
 
-    for name, shape in tensor_shapes(cfg):
-        t = draw(name, shape, args.seed, device)
+    tensors = moe_tensors(cfg, args.seed, device) if "num_local_experts" in cfg else \
+        ((name, draw(name, shape, args.seed, device)) for name, shape in tensor_shapes(cfg))
+    for name, t in tensors:
         shard[name] = t
-        shard_bytes += t.numel() * 2
-        total += t.numel() * 2
+        shard_bytes += t.numel() * t.element_size()
+        total += t.numel() * t.element_size()
         if shard_bytes >= SHARD_BYTES:
             flush()
     if shard:

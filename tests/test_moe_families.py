@@ -271,3 +271,37 @@ def test_quant_reencodes_mxfp4_experts_from_their_decoded_values(mxfp4_gpt_oss, 
                     "scales": tensors["model.layers.0.mlp.experts.down_proj_scales"][1]}, (64, 32))
     want = formats.get("int4").encode(mx.decode(blob, (64, 32)), record.encoding.params)
     assert torch.equal(torch.from_numpy(model.artifact.numpy(record.name).copy()), want)
+
+
+@pytest.mark.parametrize("shape", ["moe-a3b", "gpt-oss-20b"])
+def test_synth_moe_shapes_write_what_thin_and_transformers_read(shape, tmp_path):
+    """examples/synth_checkpoint.py's MoE shapes at toy dimensions (same code path): thin reads the
+    checkpoint (GPT-OSS's experts as mxfp4) and computes what transformers does."""
+    import importlib.util
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    script = Path(__file__).resolve().parent.parent / "examples" / "synth_checkpoint.py"
+    spec = importlib.util.spec_from_file_location("synth_checkpoint", script)
+    synth = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(synth)
+    config = {**synth.SHAPES[shape], "hidden_size": 64, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "num_local_experts": 4,
+              "num_experts_per_tok": 2, "vocab_size": 256, "max_position_embeddings": 256}
+    if config.get("sliding_window"):
+        config["sliding_window"] = 8
+    save_file(dict(synth.moe_tensors(config, 0, torch.device("cpu"))), str(tmp_path / "model.safetensors"),
+              metadata={"format": "pt"})
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    source = load_checkpoint(tmp_path)
+    mxfp4 = {t.encoding.format for t in source.program.model.tensors if t.role == "moe.expert.down"}
+    assert mxfp4 == ({"mxfp4"} if shape == "gpt-oss-20b" else {"bf16"})
+    extra = {"quantization_config": transformers.Mxfp4Config(dequantize=True)} if shape == "gpt-oss-20b" else {}
+    reference = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.float32, attn_implementation="eager", **extra).eval()
+    ids = _ids(40)
+    with torch.no_grad():
+        want = reference(ids[None]).logits[0].float()
+    got = Executor(source.program.model, source.program.load).forward(ids)
+    assert F.cosine_similarity(got, want, dim=-1).min() > 0.9999 and torch.equal(got.argmax(-1), want.argmax(-1))
