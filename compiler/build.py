@@ -154,7 +154,11 @@ def _calibration_summary(note: dict | None) -> dict | None:
     """The calibration facts worth keeping in the artifact (not the per-weight input table)."""
     if note is None:
         return None
-    return {k: note[k] for k in ("source", "text_sha256", "tokens", "windows")}
+    summary = {k: note[k] for k in ("source", "text_sha256", "tokens", "windows")}
+    if note.get("expert_tokens"):  # routing counts per expert, and how many experts fell short
+        summary.update(expert_tokens=note["expert_tokens"], min_expert_tokens=note["min_expert_tokens"],
+                       starved_experts=len(note["starved_experts"]))
+    return summary
 
 
 def _provenance(source, model_dir: Path) -> dict:

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 from thin.ir import MLP, Model, MoE, Program
 
+from .expert_statistics import MIN_EXPERT_TOKENS, fill_starved_experts, routed_counts
 from .runner import PassContext
 
 DEFAULT_TOKENS = 16384
@@ -70,7 +71,9 @@ def calibrate_inputs(program: Program, ctx: PassContext) -> Program:
     GPTQ and the scores use), `mean` and `absmax` per input channel, and `count`, the tokens that
     reached it (an expert sees only those routed to it; N counts every calibration token, so a
     rarely used expert weighs less); also the token ids used and each token's frequency (for the
-    embedding). annotations['calibration'] records the text's hash and the counts."""
+    embedding). An expert routed fewer than MIN_EXPERT_TOKENS tokens gets estimated statistics
+    (expert_statistics.py) instead of none. annotations['calibration'] records the text's hash and
+    the counts, tokens routed to each expert among them, and which experts were starved."""
     import torch
 
     options: CalibrateOptions = ctx.config.calibrate
@@ -115,6 +118,9 @@ def calibrate_inputs(program: Program, ctx: PassContext) -> Program:
             session.forward(w)
     ctx.report("calibrate", len(windows), len(windows))
     del session
+    unreached = sorted(k for k in leaders if k not in sums)
+    routed = routed_counts(program.model, sums)
+    starved = fill_starved_experts(program, sums)
     total = sum(len(w) for w in windows)
     used = torch.tensor([t for w in windows for t in w], dtype=torch.long)
     ctx.scratch.save("calibration/ids", {"ids": used})
@@ -132,7 +138,8 @@ def calibrate_inputs(program: Program, ctx: PassContext) -> Program:
     note = {"source": options.source, "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
             "tokens": total, "windows": len(windows), "window": window,
             "inputs": dict(sorted(groups.items())),
-            "unreached": sorted(k for k in leaders if k not in sums)}
+            "unreached": unreached, "expert_tokens": routed, "min_expert_tokens": MIN_EXPERT_TOKENS,
+            "starved_experts": starved}
     return program.replace(annotations={**program.annotations, "calibration": note})
 
 
