@@ -178,6 +178,11 @@ def profile_step(engine, cache, sampler, steps: int = 3) -> list[dict]:
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile, record_function
 
+    # Decode right after the prompt again (cache.length is the prompt: decode steps move only the
+    # device position), within the positions the runs reserved.
+    cache.reserve(cache.length + steps + 1)
+    engine.pos.fill_(cache.length)
+    engine.step.fill_(1)
     engine.decode_one_token(cache, sampler)  # warm
     torch.cuda.synchronize(engine.device)
     names: set[str] = set()

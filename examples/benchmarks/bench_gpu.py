@@ -183,7 +183,15 @@ def main() -> None:
             dst.unlink(missing_ok=True)
         stage(f"bench {fmt}", t)
 
-    baselines = {}
+    baselines: dict = {}
+
+    def report() -> None:  # after every stage: a run cut short still leaves its table
+        (args.out / "bench_gpu.json").write_text(json.dumps(
+            {"shape": name, "stages": stages, "thin": results, "transformers": baselines}, indent=1))
+        print_table(name, results, baselines, args)
+        sys.stdout.flush()
+
+    report()
     for mode in [m for m in args.transformers.split(",") if m and m != "none"]:
         if mode == "compile" and time.perf_counter() - started > args.deadline:
             print(f"skipping transformers {mode}: past the deadline", file=sys.stderr)
@@ -195,10 +203,7 @@ def main() -> None:
         lines = [ln for ln in run.stdout.splitlines() if ln.startswith("{")]
         baselines[mode] = json.loads(lines[-1]) if run.returncode == 0 and lines else {"error": run.returncode}
         stage(f"transformers {mode}", t)
-
-    (args.out / "bench_gpu.json").write_text(json.dumps(
-        {"shape": name, "stages": stages, "thin": results, "transformers": baselines}, indent=1))
-    print_table(name, results, baselines, args)
+        report()
 
 
 def print_table(name, results, baselines, args) -> None:

@@ -1,6 +1,6 @@
 """Each decode kernel at llama-8b's shapes on one GPU: time per call and GB/s against copy bandwidth.
 
-    python examples/benchmarks/bench_kernels.py [--formats bf16,int4,...] [--sweep] [--json OUT]
+    python examples/benchmarks/bench_kernels.py [--formats bf16,int4,...] [--sweep] [--tune] [--json OUT]
 
 For every weight format and projection shape of a llama-8b decode step (qkv 6144x4096,
 o 4096x4096 and down 4096x14336 as split-K partial sums, gate/up 28672x4096 with the fused
@@ -10,6 +10,8 @@ launches in a CUDA graph over enough copies of the weight that they do not fit i
 the median of 7 replays. cuBLAS (F.linear on bf16) is timed the same way for reference, and the
 non-linear kernels of a step (norm, RoPE + append, attention at 640 positions, greedy pick) too.
 Compilation of all candidates runs first, in parallel processes; timing then runs in one process.
+With --tune the best of the engine's own candidates for each weight is stored in the cache of
+launch configurations (runtime/kernels/common.py), so `thin-exec` on this device skips its timing.
 """
 
 from __future__ import annotations
@@ -131,7 +133,7 @@ def time_graph(fn_list, reps: int = 7) -> float:
     return statistics.median(times)
 
 
-def bench_linear(fmt: str, name: str, sweep: bool, bandwidth: float) -> dict:
+def bench_linear(fmt: str, name: str, sweep: bool, bandwidth: float, tune: bool = False) -> dict:
     n, k, mode = SHAPES[name]
     ops, nbytes = build(fmt, n, k)
     copies = max(1, min(24, L2_BYTES // nbytes))
@@ -153,6 +155,12 @@ def bench_linear(fmt: str, name: str, sweep: bool, bandwidth: float) -> dict:
     best = min(good, key=lambda r: r["us"]) if good else None
     chosen = ops[0].candidates("direct" if mode == "plain" else mode)
     tuned = [r for r in good if r["config"] in [c.__dict__ for c in chosen]]
+    if tune and tuned:
+        from thin.runtime.kernels.common import MatvecConfig, _cache_key, _TuneCache
+
+        mode_name = "direct" if mode == "plain" else mode
+        fastest = min(tuned, key=lambda r: r["us"])
+        _TuneCache.get().store(_cache_key(ops[0], mode_name), MatvecConfig(**fastest["config"]))
     row = {"format": fmt, "shape": name, "n": n, "k": k, "mode": mode, "bytes": nbytes, "best": best,
            "best_of_default_candidates": min(tuned, key=lambda r: r["us"]) if tuned else None, "all": results}
     if best:
@@ -219,6 +227,7 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--sweep", action="store_true", help="time a wide grid of configurations, not the tuner's")
     ap.add_argument("--json", default=None, help="write every timing here")
+    ap.add_argument("--tune", action="store_true", help="store the best candidate per weight in the config cache")
     ap.add_argument("--workers", type=int, default=min(12, os.cpu_count() or 4))
     args = ap.parse_args()
     from thin.runtime.bench import copy_bandwidth
@@ -235,7 +244,7 @@ def main() -> None:
     rows = [bench_cublas(s, bandwidth) for s in shapes]
     for f in formats:
         for s in shapes:
-            rows.append(bench_linear(f, s, args.sweep, bandwidth))
+            rows.append(bench_linear(f, s, args.sweep, bandwidth, args.tune))
     others = bench_others()
     if args.json:
         with open(args.json, "w") as fh:

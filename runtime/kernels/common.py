@@ -127,7 +127,7 @@ def choose(op: KernelLinear, mode: str) -> MatvecConfig:
     (nothing to time), else the cached choice for this device and shape, else the fastest
     candidate timed on the real weight (then cached)."""
     candidates = op.candidates(mode)
-    if interpreting() or len(candidates) == 1 or op.device.type != "cuda":
+    if interpreting() or len(candidates) == 1 or op.device.type != "cuda" or _small(op):
         return candidates[0]
     key = _cache_key(op, mode)
     cache = _TuneCache.get()
@@ -137,6 +137,11 @@ def choose(op: KernelLinear, mode: str) -> MatvecConfig:
     best = min(candidates, key=lambda c: _time(op, c, mode))
     cache.store(key, best)
     return best
+
+
+def _small(op: KernelLinear) -> bool:
+    """Weights under 4 MiB take microseconds whatever the tiles: not worth compiling candidates for."""
+    return op.in_features * op.out_features < 4 * 2**20 // 2
 
 
 def _time(op: KernelLinear, config: MatvecConfig, mode: str) -> float:
@@ -222,6 +227,29 @@ def next_power_of_2(n: int) -> int:
 def interpreter_block(n: int, cap: int = 1024) -> int:
     """Under the interpreter every program is a Python call: cover the rows in as few as possible."""
     return min(next_power_of_2(n), cap)
+
+
+# (rows per program, packed half-words per row and loop step) of the bit-plane matvecs, from wide
+# tiles (few rows, long runs: each thread keeps several rows of one column run, so the activations
+# it loads serve them all) to tall ones (many rows, short runs: more programs).
+PLANE_TILES = ((2, 1024), (4, 512), (4, 1024), (8, 256), (8, 512), (16, 128), (16, 256), (32, 64), (64, 32))
+
+
+def plane_candidates(n: int, groups: int, halves_per_group: int, mode: str, sms: int) -> list[MatvecConfig]:
+    """Configurations of a bit-plane matvec over `n` output rows and `groups` groups of
+    `halves_per_group` half-words a row: chunk = groups per loop step (a power of two dividing the
+    groups), split-K only for partial sums."""
+    from .tiles import split_candidates
+
+    out: list[MatvecConfig] = []
+    for block_n, halves in PLANE_TILES:
+        gpi = groups_per_step(groups, max(1, halves // halves_per_group))
+        splits = split_candidates(n, block_n, groups // gpi, sms) if mode == "partial" else [1]
+        for split in splits[-2:]:
+            config = MatvecConfig(block_n, gpi, split, 4)
+            if config not in out:
+                out.append(config)
+    return out
 
 
 def groups_per_step(groups: int, most: int) -> int:

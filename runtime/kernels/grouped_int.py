@@ -18,12 +18,13 @@ import triton.language as tl
 from thin.ir.formats.grouped_int import PLANES
 
 from . import interpreting
-from .common import KernelLinear, MatvecConfig, interpreter_block, next_power_of_2
-from .tiles import dot_tile, plane_codes, plane_dot, split_candidates, store_glu, store_rows
+from .common import KernelLinear, MatvecConfig, interpreter_block, next_power_of_2, plane_candidates, sm_count
+from .tiles import dot_tile, plane_codes, plane_dot, store_glu, store_rows
 
 
 @triton.jit
-def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, rows, row_mask, K, split_index,
+def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, rows, row_mask, K, low_stride, high_stride,
+              split_index,
               WL: tl.constexpr, WH: tl.constexpr, MID: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr,
               GPI: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr):
     """sum_k W[rows, k] * x[k] over this program's share (1 / SPLIT) of the columns, float32 [BN]."""
@@ -39,7 +40,7 @@ def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, rows, row_mask, K
         # Group scales (and offsets): [BN, GPI], applied per half-word of codes.
         side = rows[:, None] * groups + (g0 + gi)[None, :]
         scale = tl.load(scale_ptr + side, mask=row_mask[:, None], other=0.0).to(tl.float32)[:, :, None]
-        dot, xsum = plane_dot(low_ptr, rows, row_mask, K * WL // 16, g0, x_ptr, WL, G, GPI, False, 1.0)
+        dot, xsum = plane_dot(low_ptr, rows, row_mask, low_stride, g0, x_ptr, WL, G, GPI, False, 1.0)
         if ASYM:
             offset = tl.load(offset_ptr + side, mask=row_mask[:, None], other=0.0).to(tl.float32)[:, :, None]
             acc_low += scale * dot + offset * xsum[None, :, :]
@@ -47,7 +48,7 @@ def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, rows, row_mask, K
             acc_low += scale * (dot - MID * xsum[None, :, :])
         if WH > 0:
             # The high plane's codes weigh 2^WL: fold that into its x scaling.
-            high, _ = plane_dot(high_ptr, rows, row_mask, K * WH // 16, g0, x_ptr, WH, G, GPI, False, 1 << WL)
+            high, _ = plane_dot(high_ptr, rows, row_mask, high_stride, g0, x_ptr, WH, G, GPI, False, 1 << WL)
             acc_high += scale * high
     total = tl.sum(tl.sum(acc_low, axis=2), axis=1)
     if WH > 0:
@@ -56,7 +57,7 @@ def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, rows, row_mask, K
 
 
 @triton.jit
-def _matvec_kernel(low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, x_ptr, out_ptr, n, K,
+def _matvec_kernel(low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, x_ptr, out_ptr, n, K, low_stride, high_stride,
                    WL: tl.constexpr, WH: tl.constexpr, MID: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr,
                    GPI: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, ACT: tl.constexpr,
                    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
@@ -65,11 +66,11 @@ def _matvec_kernel(low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, x_ptr, ou
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     row_mask = rows < n
     split_index = tl.program_id(1)
-    acc = _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, rows, row_mask, K, split_index,
-                    WL, WH, MID, ASYM, G, GPI, BN, SPLIT)
+    acc = _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, rows, row_mask, K, low_stride, high_stride,
+                    split_index, WL, WH, MID, ASYM, G, GPI, BN, SPLIT)
     if ACT >= 0:
-        up = _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, rows + n, row_mask, K, split_index,
-                       WL, WH, MID, ASYM, G, GPI, BN, SPLIT)
+        up = _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, rows + n, row_mask, K, low_stride,
+                       high_stride, split_index, WL, WH, MID, ASYM, G, GPI, BN, SPLIT)
         store_glu(out_ptr, bias_ptr, rows, row_mask, acc, up, n, HAS_BIAS, ACT)
     else:
         store_rows(out_ptr, bias_ptr, rows, row_mask, acc, split_index, n, HAS_BIAS, PARTIAL)
@@ -127,22 +128,17 @@ class GroupedIntLinear(KernelLinear):
         groups = self.in_features // self.group
         if interpreting():
             return [MatvecConfig(interpreter_block(n, 256), 1, 1, 4)]
-        out = []
-        for block_n, gpi, warps in ((32, 1, 4), (64, 1, 4), (16, 2, 4), (32, 2, 8)):
-            if groups % gpi:
-                continue
-            splits = [1] if mode != "partial" else split_candidates(n, block_n, groups // gpi, _sms())
-            out += [MatvecConfig(block_n, gpi, s, warps) for s in splits[-2:]]
-        return out
+        return plane_candidates(n, groups, self.group * self.wl // 16, mode, sm_count())
 
     def _matvec(self, x, out, config, act, partial):
         n = self.out_features // 2 if act >= 0 else self.out_features
         grid = (-(-n // config.block_n), config.split)
         bias = self.bias if self.bias is not None else x
-        _matvec_kernel[grid](self.low16, self.high16, self.scales, self.offsets, bias, x, out, n, self.in_features,
-                             WL=self.wl, WH=self.wh, MID=self.mid, ASYM=self.asym, G=self.group, GPI=config.chunk,
-                             BN=config.block_n, SPLIT=config.split, ACT=act, HAS_BIAS=self.bias is not None,
-                             PARTIAL=partial, num_warps=config.num_warps)
+        K = self.in_features
+        _matvec_kernel[grid](self.low16, self.high16, self.scales, self.offsets, bias, x, out, n, K, K * self.wl // 16,
+                             K * self.wh // 16, WL=self.wl, WH=self.wh, MID=self.mid, ASYM=self.asym, G=self.group,
+                             GPI=config.chunk, BN=config.block_n, SPLIT=config.split, ACT=act,
+                             HAS_BIAS=self.bias is not None, PARTIAL=partial, num_warps=config.num_warps)
 
     def _matmul(self, x):
         T, (N, K) = x.shape[0], self.shape
@@ -162,10 +158,6 @@ def matmul_blocks(T: int, N: int, K: int) -> tuple[int, int, int]:
     if interpreting():
         return max(16, next_power_of_2(T)), interpreter_block(N, 256), bk
     return (64 if T > 32 else 16 if T <= 16 else 32), 64, bk
-
-
-def _sms() -> int:
-    return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
 
 
 def make(record, raw, bias, device, dtype):

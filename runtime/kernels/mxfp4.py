@@ -16,9 +16,9 @@ import triton.language as tl
 from thin.ir.formats.mxfp4 import BLOCK
 
 from . import interpreting
-from .common import KernelLinear, MatvecConfig, groups_per_step, interpreter_block, sm_count
+from .common import KernelLinear, MatvecConfig, groups_per_step, interpreter_block, plane_candidates, sm_count
 from .grouped_int import matmul_blocks
-from .tiles import dot_tile, plane_codes, split_candidates, store_glu, store_rows
+from .tiles import dot_tile, plane_codes, store_glu, store_rows
 
 TWO_126 = 2.0**126
 
@@ -37,42 +37,43 @@ def _code_values(codes):
 
 
 @triton.jit
-def _rows_dot(v_ptr, e_ptr, x_ptr, rows, row_mask, K, split_index, GPI: tl.constexpr, BN: tl.constexpr,
+def _rows_dot(v_ptr, e_ptr, x_ptr, rows, row_mask, K, stride, split_index, GPI: tl.constexpr, BN: tl.constexpr,
               SPLIT: tl.constexpr):
-    """sum_k W[rows, k] x[k] over this program's share of the columns, float32 [BN]."""
-    HPB: tl.constexpr = 8  # half-words per block of 32 codes
+    """sum_k W[rows, k] x[k] over this program's share of the columns, float32 [BN]. `stride` is a
+    row's length in half-words (four codes each; eight half-words a block)."""
+    HPB: tl.constexpr = 8
     blocks = K // 32
     per_split = blocks // SPLIT
     begin = split_index * per_split
     gi = tl.arange(0, GPI)
     hi = tl.arange(0, HPB)
-    ci = tl.arange(0, 4)
     acc = tl.zeros([BN, GPI, HPB], dtype=tl.float32)
     for b0 in range(begin, begin + per_split, GPI):
-        offs = rows[:, None, None] * (K // 4) + (b0 + gi)[None, :, None] * HPB + hi[None, None, :]
-        half = tl.load(v_ptr + offs, mask=row_mask[:, None, None], other=0).to(tl.int32)[:, :, :, None]
-        # Nibble j of the half-word: magnitude to bits 22-24, sign to bit 31.
-        bits = ((half << (22 - 4 * ci)[None, None, None, :]) & 0x01C00000) | \
-               ((half << (28 - 4 * ci)[None, None, None, :]) & -0x80000000)
-        w = bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # * 2^126, exact
-        cols = (b0 + gi)[:, None, None] * 32 + hi[None, :, None] * 4 + ci[None, None, :]
-        x = tl.load(x_ptr + cols).to(tl.float32)
-        dot = tl.sum(w * x[None, :, :, :], axis=3)
+        offs = rows[:, None, None] * stride + ((b0 + gi) * HPB)[None, :, None] + hi[None, None, :]
+        half = tl.load(v_ptr + offs, mask=row_mask[:, None, None], other=0).to(tl.int32)
+        first = (b0 + gi)[:, None] * 32 + hi[None, :] * 4
+        dot = tl.zeros([BN, GPI, HPB], dtype=tl.float32)
+        for j in tl.static_range(4):
+            # Nibble j: magnitude bits to 22-24, sign to 31: the E2M1 value times 2^-126.
+            bits = ((half << (22 - 4 * j)) & 0x01C00000) | ((half << (28 - 4 * j)) & -0x80000000)
+            w = bits.to(tl.float32, bitcast=True) * 8.507059173023462e37  # * 2^126, exact
+            x = tl.load(x_ptr + first + j).to(tl.float32)
+            dot += w * x[None, :, :]
         e = tl.load(e_ptr + rows[:, None] * blocks + (b0 + gi)[None, :], mask=row_mask[:, None], other=127)
         acc += _block_scale(e.to(tl.int32))[:, :, None] * dot
     return tl.sum(tl.sum(acc, axis=2), axis=1)
 
 
 @triton.jit
-def _matvec_kernel(v_ptr, e_ptr, bias_ptr, x_ptr, out_ptr, n, K, GPI: tl.constexpr, BN: tl.constexpr,
+def _matvec_kernel(v_ptr, e_ptr, bias_ptr, x_ptr, out_ptr, n, K, stride, GPI: tl.constexpr, BN: tl.constexpr,
                    SPLIT: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
     """Program (i, s): output rows i*BN.., columns of split s; ACT >= 0: [gate; up] rows r and n + r."""
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     row_mask = rows < n
     split_index = tl.program_id(1)
-    acc = _rows_dot(v_ptr, e_ptr, x_ptr, rows, row_mask, K, split_index, GPI, BN, SPLIT)
+    acc = _rows_dot(v_ptr, e_ptr, x_ptr, rows, row_mask, K, stride, split_index, GPI, BN, SPLIT)
     if ACT >= 0:
-        up = _rows_dot(v_ptr, e_ptr, x_ptr, rows + n, row_mask, K, split_index, GPI, BN, SPLIT)
+        up = _rows_dot(v_ptr, e_ptr, x_ptr, rows + n, row_mask, K, stride, split_index, GPI, BN, SPLIT)
         store_glu(out_ptr, bias_ptr, rows, row_mask, acc, up, n, HAS_BIAS, ACT)
     else:
         store_rows(out_ptr, bias_ptr, rows, row_mask, acc, split_index, n, HAS_BIAS, PARTIAL)
@@ -113,20 +114,15 @@ class MxFp4Linear(KernelLinear):
         blocks = self.in_features // BLOCK
         if interpreting():
             return [MatvecConfig(interpreter_block(n, 256), groups_per_step(blocks, 8), 1, 4)]
-        out = []
-        for block_n, gpi, warps in ((32, 4, 4), (64, 2, 4), (16, 8, 4), (32, 8, 8)):
-            if blocks % gpi:
-                continue
-            splits = [1] if mode != "partial" else split_candidates(n, block_n, blocks // gpi, sm_count())
-            out += [MatvecConfig(block_n, gpi, s, warps) for s in splits[-2:]]
-        return out or [MatvecConfig(32, 1, 1, 4)]
+        return plane_candidates(n, blocks, 8, mode, sm_count())
 
     def _matvec(self, x, out, config, act, partial):
         n = self.out_features // 2 if act >= 0 else self.out_features
         grid = (-(-n // config.block_n), config.split)
         _matvec_kernel[grid](self.values16, self.scales, self.bias if self.bias is not None else x, x, out, n,
-                             self.in_features, GPI=config.chunk, BN=config.block_n, SPLIT=config.split, ACT=act,
-                             HAS_BIAS=self.bias is not None, PARTIAL=partial, num_warps=config.num_warps)
+                             self.in_features, self.in_features // 4, GPI=config.chunk, BN=config.block_n,
+                             SPLIT=config.split, ACT=act, HAS_BIAS=self.bias is not None, PARTIAL=partial,
+                             num_warps=config.num_warps)
 
     def _matmul(self, x):
         T, (N, K) = x.shape[0], self.shape

@@ -13,9 +13,9 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .common import KernelLinear, MatvecConfig, groups_per_step, interpreter_block, sm_count
+from .common import KernelLinear, MatvecConfig, groups_per_step, interpreter_block, plane_candidates, sm_count
 from .grouped_int import matmul_blocks
-from .tiles import dot_tile, plane_codes, plane_dot, split_candidates, store_glu, store_rows
+from .tiles import dot_tile, plane_codes, plane_dot, store_glu, store_rows
 
 
 @triton.jit
@@ -24,7 +24,7 @@ def _e4m3(ptr, offs, mask):
 
 
 @triton.jit
-def _rows_dot(c_ptr, s_ptr, o_ptr, rs_ptr, ro_ptr, x_ptr, rows, row_mask, K, split_index, G: tl.constexpr,
+def _rows_dot(c_ptr, s_ptr, o_ptr, rs_ptr, ro_ptr, x_ptr, rows, row_mask, K, stride, split_index, G: tl.constexpr,
               GPI: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr):
     """sum_k W[rows, k] x[k] over this program's share of the columns, float32 [BN]."""
     HPG: tl.constexpr = G // 8
@@ -39,23 +39,24 @@ def _rows_dot(c_ptr, s_ptr, o_ptr, rs_ptr, ro_ptr, x_ptr, rows, row_mask, K, spl
         side = rows[:, None] * groups + (g0 + gi)[None, :]
         step = (row_scale * _e4m3(s_ptr, side, row_mask[:, None]))[:, :, None]
         zero = (row_offset * _e4m3(o_ptr, side, row_mask[:, None]))[:, :, None]
-        dot, xsum = plane_dot(c_ptr, rows, row_mask, K // 8, g0, x_ptr, 2, G, GPI, False, 1.0)
+        dot, xsum = plane_dot(c_ptr, rows, row_mask, stride, g0, x_ptr, 2, G, GPI, False, 1.0)
         acc += step * dot + zero * xsum[None, :, :]
     return tl.sum(tl.sum(acc, axis=2), axis=1)
 
 
 @triton.jit
-def _matvec_kernel(c_ptr, s_ptr, o_ptr, rs_ptr, ro_ptr, bias_ptr, x_ptr, out_ptr, n, K, G: tl.constexpr,
+def _matvec_kernel(c_ptr, s_ptr, o_ptr, rs_ptr, ro_ptr, bias_ptr, x_ptr, out_ptr, n, K, stride, G: tl.constexpr,
                    GPI: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, ACT: tl.constexpr,
                    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
     """Program (i, s): output rows i*BN.., columns of split s; ACT >= 0: [gate; up] rows r and n + r."""
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     row_mask = rows < n
     split_index = tl.program_id(1)
-    acc = _rows_dot(c_ptr, s_ptr, o_ptr, rs_ptr, ro_ptr, x_ptr, rows, row_mask, K, split_index, G, GPI, BN, SPLIT)
+    acc = _rows_dot(c_ptr, s_ptr, o_ptr, rs_ptr, ro_ptr, x_ptr, rows, row_mask, K, stride, split_index, G, GPI, BN,
+                    SPLIT)
     if ACT >= 0:
-        up = _rows_dot(c_ptr, s_ptr, o_ptr, rs_ptr, ro_ptr, x_ptr, rows + n, row_mask, K, split_index, G, GPI,
-                       BN, SPLIT)
+        up = _rows_dot(c_ptr, s_ptr, o_ptr, rs_ptr, ro_ptr, x_ptr, rows + n, row_mask, K, stride, split_index, G,
+                       GPI, BN, SPLIT)
         store_glu(out_ptr, bias_ptr, rows, row_mask, acc, up, n, HAS_BIAS, ACT)
     else:
         store_rows(out_ptr, bias_ptr, rows, row_mask, acc, split_index, n, HAS_BIAS, PARTIAL)
@@ -104,12 +105,7 @@ class Q2Linear(KernelLinear):
         groups = self.in_features // self.group
         if interpreting():
             return [MatvecConfig(interpreter_block(n, 256), groups_per_step(groups, 256 // self.group), 1, 4)]
-        out = []
-        for block_n, cols, warps in ((32, 256, 4), (64, 128, 4), (16, 512, 4), (32, 512, 8)):
-            gpi = groups_per_step(groups, cols // self.group)
-            splits = [1] if mode != "partial" else split_candidates(n, block_n, groups // gpi, sm_count())
-            out += [MatvecConfig(block_n, gpi, s, warps) for s in splits[-2:]]
-        return list(dict.fromkeys(out))
+        return plane_candidates(n, groups, self.group // 8, mode, sm_count())
 
     def _args(self):
         return self.codes16, self.scales, self.offsets, self.row_scale, self.row_offset
@@ -118,8 +114,9 @@ class Q2Linear(KernelLinear):
         n = self.out_features // 2 if act >= 0 else self.out_features
         grid = (-(-n // config.block_n), config.split)
         _matvec_kernel[grid](*self._args(), self.bias if self.bias is not None else x, x, out, n, self.in_features,
-                             G=self.group, GPI=config.chunk, BN=config.block_n, SPLIT=config.split, ACT=act,
-                             HAS_BIAS=self.bias is not None, PARTIAL=partial, num_warps=config.num_warps)
+                             self.in_features // 8, G=self.group, GPI=config.chunk, BN=config.block_n,
+                             SPLIT=config.split, ACT=act, HAS_BIAS=self.bias is not None, PARTIAL=partial,
+                             num_warps=config.num_warps)
 
     def _matmul(self, x):
         T, (N, K) = x.shape[0], self.shape

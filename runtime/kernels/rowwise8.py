@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .common import KernelLinear, MatvecConfig, interpreter_block, next_power_of_2
+from .common import KernelLinear, MatvecConfig, interpreter_block, next_power_of_2, plane_candidates
 from .grouped_int import matmul_blocks
 from .tiles import dot_tile, plane_dot, split_candidates, store_glu, store_rows
 
@@ -21,7 +21,7 @@ GROUP = 128  # int8: columns per xsum correction (any divisor of K works; there 
 
 
 @triton.jit
-def _rows_dot(v_ptr, scale_ptr, x_ptr, rows, row_mask, K, split_index, FP8: tl.constexpr, G: tl.constexpr,
+def _rows_dot(v_ptr, scale_ptr, x_ptr, rows, row_mask, K, stride, split_index, FP8: tl.constexpr, G: tl.constexpr,
               BN: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr):
     """scale[rows] * sum_k W[rows, k] x[k] over this program's share of the columns, float32 [BN]."""
     per_split = K // SPLIT
@@ -29,7 +29,7 @@ def _rows_dot(v_ptr, scale_ptr, x_ptr, rows, row_mask, K, split_index, FP8: tl.c
     if FP8:
         ks = tl.arange(0, CHUNK)
         acc = tl.zeros([BN, CHUNK], dtype=tl.float32)
-        ptrs = v_ptr + rows[:, None].to(tl.int64) * K + ks[None, :]
+        ptrs = v_ptr + rows[:, None].to(tl.int64) * stride + ks[None, :]
         for k0 in range(begin, begin + per_split, CHUNK):
             w = tl.load(ptrs + k0, mask=row_mask[:, None], other=0)
             x = tl.load(x_ptr + k0 + ks).to(tl.float32)
@@ -40,23 +40,23 @@ def _rows_dot(v_ptr, scale_ptr, x_ptr, rows, row_mask, K, split_index, FP8: tl.c
         HPG: tl.constexpr = G // 2
         acc = tl.zeros([BN, GPI, HPG], dtype=tl.float32)
         for g0 in range(begin // G, (begin + per_split) // G, GPI):
-            dot, xsum = plane_dot(v_ptr, rows, row_mask, K // 2, g0, x_ptr, 8, G, GPI, True, 1.0)
+            dot, xsum = plane_dot(v_ptr, rows, row_mask, stride, g0, x_ptr, 8, G, GPI, True, 1.0)
             acc += dot - 128.0 * xsum[None, :, :]
         total = tl.sum(tl.sum(acc, axis=2), axis=1)
     return total * tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
 
 
 @triton.jit
-def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, FP8: tl.constexpr, G: tl.constexpr,
+def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, stride, FP8: tl.constexpr, G: tl.constexpr,
                    BN: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr, ACT: tl.constexpr,
                    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
     """Program (i, s): output rows i*BN.., columns of split s; ACT >= 0: [gate; up] rows r and n + r."""
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     row_mask = rows < n
     split_index = tl.program_id(1)
-    acc = _rows_dot(v_ptr, scale_ptr, x_ptr, rows, row_mask, K, split_index, FP8, G, BN, CHUNK, SPLIT)
+    acc = _rows_dot(v_ptr, scale_ptr, x_ptr, rows, row_mask, K, stride, split_index, FP8, G, BN, CHUNK, SPLIT)
     if ACT >= 0:
-        up = _rows_dot(v_ptr, scale_ptr, x_ptr, rows + n, row_mask, K, split_index, FP8, G, BN, CHUNK, SPLIT)
+        up = _rows_dot(v_ptr, scale_ptr, x_ptr, rows + n, row_mask, K, stride, split_index, FP8, G, BN, CHUNK, SPLIT)
         store_glu(out_ptr, bias_ptr, rows, row_mask, acc, up, n, HAS_BIAS, ACT)
     else:
         store_rows(out_ptr, bias_ptr, rows, row_mask, acc, split_index, n, HAS_BIAS, PARTIAL)
@@ -112,22 +112,26 @@ class Rowwise8Linear(KernelLinear):
                     gpi *= 2
                 chunk = gpi * self.group
             return [MatvecConfig(interpreter_block(n, 256), chunk, 1, 4)]
+        if not self.fp8:  # the bit-plane tiles, chunk in columns
+            plane = plane_candidates(n, K // self.group, self.group // 2, mode, _sms())
+            return [MatvecConfig(c.block_n, c.chunk * self.group, c.split, c.num_warps) for c in plane]
         out = []
-        for block_n, chunk, warps in ((16, 512, 4), (32, 256, 4), (8, 1024, 4), (32, 512, 8)):
-            if K % chunk or chunk % self.group:
+        for block_n, chunk in ((4, 2048), (8, 1024), (16, 512), (8, 2048), (32, 256)):
+            if K % chunk:
                 continue
             splits = [1] if mode != "partial" else split_candidates(n, block_n, K // chunk, _sms())
-            out += [MatvecConfig(block_n, chunk, s, warps) for s in splits[-2:]]
+            out += [MatvecConfig(block_n, chunk, s, 4) for s in splits[-2:]]
         return out or [MatvecConfig(16, self.group, 1, 4)]
 
     def _matvec(self, x, out, config, act, partial):
         n = self.out_features // 2 if act >= 0 else self.out_features
         grid = (-(-n // config.block_n), config.split)
         values = self.values if self.fp8 else self.values16
-        _matvec_kernel[grid](values, self.scales, self.bias if self.bias is not None else x, x, out, n,
-                             self.in_features, FP8=self.fp8, G=self.group, BN=config.block_n, CHUNK=config.chunk,
-                             SPLIT=config.split, ACT=act, HAS_BIAS=self.bias is not None, PARTIAL=partial,
-                             num_warps=config.num_warps)
+        K = self.in_features
+        _matvec_kernel[grid](values, self.scales, self.bias if self.bias is not None else x, x, out, n, K,
+                             K if self.fp8 else K // 2, FP8=self.fp8, G=self.group, BN=config.block_n,
+                             CHUNK=config.chunk, SPLIT=config.split, ACT=act, HAS_BIAS=self.bias is not None,
+                             PARTIAL=partial, num_warps=config.num_warps)
 
     def _matmul(self, x):
         T, (N, K) = x.shape[0], self.shape

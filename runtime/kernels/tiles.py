@@ -29,27 +29,29 @@ def plane_dot(plane_ptr, rows, row_mask, halves_per_row, g0, x_ptr,
 
     Returns (dot [BN, GPI, HPG], xsum [GPI, HPG]): for every row, group and half-word, the sum of
     code * x over the half-word's 16 / W columns (times XSCALE), and the plain sum of those x.
-    FLIP: the codes are signed bytes (W = 8); they are read as u = v + 128."""
+    `halves_per_row` is the plane's row stride in half-words (an argument, so the compiler knows
+    its alignment and loads 16 bytes at a time). FLIP: the codes are signed bytes (W = 8); they are
+    read as u = v + 128. The codes of a half-word are taken one position at a time (unrolled), so
+    every tensor keeps the layout of the loaded tile and nothing crosses threads until the end."""
     HPG: tl.constexpr = G * W // 16
     CPH: tl.constexpr = 16 // W
     gi = tl.arange(0, GPI)
     hi = tl.arange(0, HPG)
-    ci = tl.arange(0, CPH)
-    # One contiguous run of GPI * HPG half-words per row: 16-byte vector loads.
-    offs = rows[:, None, None] * halves_per_row + (g0 + gi)[None, :, None] * HPG + hi[None, None, :]
+    # One contiguous run of GPI * HPG half-words per row.
+    offs = rows[:, None, None] * halves_per_row + ((g0 + gi) * HPG)[None, :, None] + hi[None, None, :]
     half = tl.load(plane_ptr + offs, mask=row_mask[:, None, None], other=0).to(tl.int32) & 0xFFFF
     if FLIP:
         half = half ^ 0x8080
-    masks = ((1 << W) - 1) << (W * ci)
-    bits = (half[:, :, :, None] & masks[None, None, None, :]) | MAGIC
-    codes = bits.to(tl.float32, bitcast=True) - 8388608.0  # u * 2^(W*j), exact
-    # x for the same columns, read once per program and shared by its rows.
-    cols = (g0 + gi)[:, None, None] * G + hi[None, :, None] * CPH + ci[None, None, :]
-    x = tl.load(x_ptr + cols).to(tl.float32)
-    unscale = ((127 - W * ci) << 23).to(tl.float32, bitcast=True) * XSCALE  # 2^-(W*j), exact
-    xs = x * unscale[None, None, :]
-    dot = tl.sum(codes * xs[None, :, :, :], axis=3)
-    return dot, tl.sum(x, axis=2)
+    first = (g0 + gi)[:, None] * G + hi[None, :] * CPH  # column of each half-word's code 0
+    dot = tl.zeros(half.shape, dtype=tl.float32)
+    xsum = tl.zeros(first.shape, dtype=tl.float32)
+    for j in tl.static_range(CPH):
+        bits = (half & (((1 << W) - 1) << (W * j))) | MAGIC
+        codes = bits.to(tl.float32, bitcast=True) - 8388608.0  # u * 2^(W*j), exact
+        x = tl.load(x_ptr + first + j).to(tl.float32)
+        dot += codes * (x * (XSCALE / (1 << (W * j))))[None, :, :]
+        xsum += x
+    return dot, xsum
 
 
 @triton.jit
