@@ -284,7 +284,7 @@ def test_64_requests_from_8_clients_give_what_each_gives_alone(server, client, m
 
 def _hostile_requests(rng: random.Random):
     """(method, path, body bytes) for 200 requests no server should take badly."""
-    values = [None, True, False, -1, 0, 2 ** 70, -(2 ** 70), 1e308, -0.0, 0.5, "", "x" * 5000, "\u2603", "\x00",
+    values = [None, True, False, -1, 0, 2 ** 70, -(2 ** 70), 1e308, 1e-300, -0.0, 0.5, "", "x" * 5000, "\u2603", "\x00",
               [], {}, [[[]]], [None], {"a": {"b": [1]}}, "{{ 7 * 7 }}", "{% for x in range(99999999) %}",
               [{"role": "user"}], [{"role": "user", "content": None}], [{"content": "x"}], "NaN", 3]
     fields = ["model", "messages", "prompt", "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop",

@@ -291,3 +291,26 @@ def test_frequency_and_presence_penalties_follow_openai(model):
         counts[token] += 1
     assert tokens == expected
     assert len(set(tokens)) > len(set(plain))  # the penalty does change the text
+
+
+def test_the_most_extreme_parameters_accepted_still_generate(model):
+    """Every value the schema lets through samples without overflow: tiny temperatures become greedy,
+    penalties are bounded so a penalised logit stays finite."""
+    extremes = [{"temperature": 1e-300, "seed": -(2 ** 63)}, {"temperature": 2.0, "top_p": 1e-9, "seed": 2 ** 64 - 1},
+                {"temperature": 1e-5, "repetition_penalty": 0.01, "seed": 1},
+                {"temperature": 2.0, "repetition_penalty": 100.0, "min_p": 1.0, "top_k": 1, "seed": 2},
+                {"temperature": 1.0, "frequency_penalty": -2.0, "presence_penalty": 2.0, "top_k": 10 ** 30, "seed": 3}]
+    backend = TorchBackend(model.executor)
+    for i, fields in enumerate(extremes):
+        request = protocol.parse(protocol.CompletionRequest, {"model": "m", "prompt": "def push", "max_tokens": 24,
+                                                              **fields})
+        prepared = protocol.prepare(model, request, protocol.completion_prompt(model, request))
+        if fields["temperature"] < protocol.MIN_TEMPERATURE:
+            assert prepared.options.greedy
+        spec = SequenceSpec(i, prepared.prompt, prepared.options, prepared.frequency_penalty, prepared.presence_penalty)
+        tokens = [backend.add(spec)] + [backend.step()[i] for _ in range(23)]
+        backend.remove(i)
+        assert all(0 <= t < model.ir.vocab_size for t in tokens)
+    for bad in ({"repetition_penalty": 0.001}, {"repetition_penalty": 1000.0}):
+        with pytest.raises(ApiError):
+            protocol.parse(protocol.CompletionRequest, {"model": "m", "prompt": "x", **bad})

@@ -22,6 +22,9 @@ from thin.runtime.sampling import GenerationOptions
 from .errors import ApiError
 from .limits import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
+# Below this a temperature means greedy (vLLM's threshold too).
+MIN_TEMPERATURE = 1e-5
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(strict=True, extra="forbid", allow_inf_nan=False)
@@ -38,7 +41,8 @@ class _Sampling(_Strict):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)  # extension (vLLM's name); -1 or 0: off
     min_p: float | None = Field(None, ge=0.0, le=1.0)  # extension
-    repetition_penalty: float | None = Field(None, gt=0.0)  # extension: transformers' multiplicative penalty
+    # Extension: transformers' multiplicative penalty; bounded so a penalised logit stays finite.
+    repetition_penalty: float | None = Field(None, ge=0.01, le=100.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=-(2 ** 63), lt=2 ** 64)
@@ -232,14 +236,19 @@ def prepare(model, request: _Sampling, prompt: list[int]) -> Prepared:
         raise ApiError(400, "the prompt is empty", param="prompt")
     if len(prompt) >= context:
         raise ApiError(400, f"the prompt is {len(prompt)} tokens; this model's context is {context}, and at "
-                            "least one must be left to generate", param="messages", code="context_length_exceeded")
+                            "least one must be left to generate",
+                       param="messages" if isinstance(request, ChatRequest) else "prompt",
+                       code="context_length_exceeded")
     asked = request.max_tokens
     if asked is None and isinstance(request, ChatRequest):
         asked = request.max_completion_tokens
     if asked is not None and len(prompt) + asked > context:
         raise ApiError(400, f"the prompt ({len(prompt)} tokens) plus max_tokens ({asked}) exceeds this model's "
                             f"context of {context} tokens", param="max_tokens", code="context_length_exceeded")
-    overrides = {"temperature": request.temperature, "top_p": request.top_p, "min_p": request.min_p,
+    temperature = request.temperature
+    if temperature is not None and temperature < MIN_TEMPERATURE:
+        temperature = 0.0  # the limit of sampling as the temperature falls; dividing by it would overflow
+    overrides = {"temperature": temperature, "top_p": request.top_p, "min_p": request.min_p,
                  "top_k": 0 if request.top_k == -1 else request.top_k,
                  "repetition_penalty": request.repetition_penalty, "seed": request.seed}
     try:
