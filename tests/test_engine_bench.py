@@ -1,0 +1,72 @@
+"""thin-exec bench and --vram on a machine without a GPU: sizes parse, budgets add up, errors are one line."""
+
+import subprocess
+import sys
+
+import pytest
+from test_runtime_loader import write_tiny_artifact
+
+from thin.runtime.memory import estimate, parse_size
+
+
+@pytest.mark.parametrize("text,size", [("8G", 8 * 2**30), ("7.5GiB", int(7.5 * 2**30)), ("12000M", 12000 * 2**20),
+                                       ("8GB", 8 * 2**30), ("512k", 512 * 2**10), ("4096", 4096)])
+def test_sizes_parse(text, size):
+    assert parse_size(text) == size
+
+
+@pytest.mark.parametrize("text", ["", "G", "8X", "-1G", "0", "8 GiBs", "iB"])
+def test_bad_sizes_are_refused(text):
+    with pytest.raises(ValueError):
+        parse_size(text)
+
+
+@pytest.fixture(scope="module")
+def artifact(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    write_tiny_artifact(tmp / "tiny.thin", tmp)
+    return tmp / "tiny.thin"
+
+
+def test_estimate_counts_weights_kv_and_workspace(artifact):
+    from thin.artifacts import open_artifact
+    from thin.runtime.bench import bytes_per_token
+
+    art = open_artifact(artifact)
+    short, long = estimate(art, 16), estimate(art, 1024)
+    assert short["weights"] == sum(art.tensor_entry(t.name)["size"] for t in art.model.tensors)
+    layers = art.model.layers
+    per_token = sum(2 * a.attention.num_kv_heads * a.attention.head_dim for a in layers) * 4  # float32 tiny model
+    assert long["kv"] - short["kv"] == per_token * (1024 - 16)
+    assert long["workspace"] > short["workspace"] > 0
+    embedding = art.tensor_entry(art.model.embedding.weight)["size"]
+    assert 0 < bytes_per_token(art) < short["weights"] + embedding
+
+
+def _exec(*args):
+    return subprocess.run([sys.executable, "-m", "thin.runtime.cli", *map(str, args)], capture_output=True, text=True,
+                          timeout=120, check=False)
+
+
+def _one_line_error(result) -> str:
+    assert result.returncode == 1 and "Traceback" not in result.stderr, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("thin-exec: error:"), result.stderr
+    return lines[0]
+
+
+def test_vram_needs_a_gpu_and_a_size(artifact):
+    assert "cuda" in _one_line_error(_exec(artifact, "--vram", "8G", "--prompt", "hi", "--device", "cpu"))
+    assert "not a size" in _one_line_error(_exec(artifact, "--vram", "eight", "--prompt", "hi"))
+
+
+def test_bench_without_a_gpu_is_one_line(artifact):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    assert "cuda" in _one_line_error(_exec("bench", artifact, "--gen", "4", "--runs", "1")).lower()
+    assert "--gen" in _one_line_error(_exec("bench", artifact, "--gen", "1"))
+    help_text = _exec("bench", "--help").stdout
+    for option in ("--prompt-len", "--gen", "--runs", "--json", "--vram", "--profile"):
+        assert option in help_text
