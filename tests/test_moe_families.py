@@ -90,15 +90,17 @@ def test_mixtral_reads_the_fused_in_memory_layout_too(tmp_path):
     {"factor": 8.0, "beta_fast": 16.0, "beta_slow": 2.0, "mscale": 1.0, "mscale_all_dim": 0.5,
      "original_max_position_embeddings": 512},
     {"factor": 2.0, "attention_factor": 0.75, "original_max_position_embeddings": 128},
+    {"factor": 4.0, "original_max_position_embeddings": 64, "top_level": 256},  # the top-level key wins
 ])
 def test_yarn_matches_transformers(params):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     params = {"rope_type": "yarn", "rope_theta": 150000.0, **params}
+    top = {"original_max_position_embeddings": params.pop("top_level")} if "top_level" in params else {}
     hf = transformers.GptOssConfig(hidden_size=128, head_dim=64, num_attention_heads=2, num_key_value_heads=1,
-                                   max_position_embeddings=2048, rope_parameters=dict(params))
+                                   max_position_embeddings=2048, rope_parameters=dict(params), **top)
     want_freq, want_scale = ROPE_INIT_FUNCTIONS["yarn"](hf, "cpu")
-    raw = {"head_dim": 64, "hidden_size": 128, "num_attention_heads": 2, "max_position_embeddings": 2048}
+    raw = {"head_dim": 64, "hidden_size": 128, "num_attention_heads": 2, "max_position_embeddings": 2048, **top}
     rope = Config(raw, "GptOssForCausalLM").rope(params)
     assert torch.equal(inverse_frequencies(rope), want_freq)
     assert rope.attention_factor == want_scale

@@ -123,7 +123,9 @@ class Config:
             return RoPE("default", theta, rotary_dim)
         if kind == "linear":
             return RoPE("linear", theta, rotary_dim, factor=float(params["factor"]))
-        original = params.get("original_max_position_embeddings", self.int("max_position_embeddings"))
+        # transformers lets a top-level original_max_position_embeddings override the rope dict's.
+        original = self.raw.get("original_max_position_embeddings",
+                                params.get("original_max_position_embeddings", self.int("max_position_embeddings")))
         if kind == "yarn":
             return _yarn(params, theta, rotary_dim, int(original), self.int("max_position_embeddings"))
         return RoPE("llama3", theta, rotary_dim, factor=float(params["factor"]),
