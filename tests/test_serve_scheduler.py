@@ -10,7 +10,7 @@ from test_runtime_loader import write_tiny_artifact
 from thin.runtime import GenerationOptions, load
 from thin.runtime.serve import protocol
 from thin.runtime.serve.errors import ApiError
-from thin.runtime.serve.scheduler import Delta, Done, Failed, Job, Scheduler, SequenceSpec, TorchBackend
+from thin.runtime.serve.scheduler import Delta, Done, Failed, Job, NoRoom, Scheduler, SequenceSpec, TorchBackend
 from thin.runtime.serve.text import TextStream
 from thin.runtime.tokenizer import StreamDecoder, Tokenizer
 
@@ -127,13 +127,19 @@ def test_accepted_requests_and_fields_that_do_not_change_text():
 class FakeBackend:
     """Sequence `id` produces tokens 10*id + 1, 10*id + 2, ...; token 0 (an EOS) when the prompt says so."""
 
-    def __init__(self, fail_step_at=None):
+    def __init__(self, fail_step_at=None, room=None):
         self.steps: list[set[int]] = []  # the active ids of each step
         self.removed: list[int] = []
         self.active: dict[int, list] = {}
         self.fail_step_at = fail_step_at
+        self.needs: dict[int, int] = {}
+        self.room = room  # sequences that fit at once (a KV pool); a 4-token prompt takes it all, 5 more
 
     def add(self, spec: SequenceSpec) -> int:
+        need = {4: self.room, 5: (self.room or 0) + 1}.get(len(spec.prompt), 1)
+        if self.room is not None and sum(self.needs.get(i, 1) for i in self.active) + need > self.room:
+            raise NoRoom
+        self.needs[spec.id] = need
         self.active[spec.id] = [spec, 0]
         return self._next(spec.id)
 
@@ -226,6 +232,31 @@ def test_a_cancelled_request_leaves_before_the_next_step_and_the_queue_is_bounde
     with pytest.raises(ApiError) as e:
         scheduler.submit(_job(max_new=3)[0])
     assert e.value.status == 503
+
+
+def test_requests_the_backend_has_no_room_for_wait_until_a_sequence_leaves():
+    backend = FakeBackend(room=2)
+    scheduler = Scheduler(backend, max_batch=4, max_queue=8)
+    scheduler.start()
+    try:
+        jobs = [_job(max_new=3 + i) for i in range(6)]
+        whole, whole_sink = _job(max_new=3)
+        whole.prompt.append(7)  # needs the whole pool: it waits until the batch is empty
+        never, never_sink = _job(max_new=3)
+        never.prompt.extend([7, 8])  # needs more than the pool
+        for job, _ in jobs[:3] + [(whole, whole_sink)] + jobs[3:] + [(never, never_sink)]:
+            scheduler.submit(job)
+        for _, sink in jobs + [(whole, whole_sink), (never, never_sink)]:
+            assert sink.done.wait(10)
+        assert all(isinstance(sink.events[-1], Done) for _, sink in jobs)
+        assert max(len(s) for s in backend.steps) == 2  # the backend's room, not max_batch
+        assert whole_sink.events[-1] == Done("length", 4, 3) and {whole.id} in backend.steps
+        assert isinstance(never_sink.events[-1], Failed) and "KV cache" in never_sink.events[-1].message
+        # Waiting kept the order: nothing submitted after the whole-pool request ran before it.
+        first_step = {j.id: next(i for i, s in enumerate(backend.steps) if j.id in s) for j, _ in jobs + [(whole, 0)]}
+        assert all(first_step[j.id] > first_step[whole.id] for j, _ in jobs[3:])
+    finally:
+        scheduler.close()
 
 
 def test_a_failing_step_fails_its_requests_and_the_scheduler_goes_on(caplog):

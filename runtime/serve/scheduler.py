@@ -54,8 +54,10 @@ class BatchBackend(Protocol):
     remove(id)                forget the sequence and free its cache; also mid-generation
 
     The scheduler calls these from one thread, never at once, and decides every stop itself.
-    A backend must give each sequence exactly the tokens `generate` would give it alone (greedy:
-    the same argmax; sampled: the same draws from the same seed), whatever else is in the batch.
+    A backend must give each sequence exactly the tokens its own single-sequence generate gives
+    it alone (greedy: the same argmax; sampled: the same draws from the same seed), whatever else
+    is in the batch. `add` raises NoRoom when the sequence does not fit now (a paged KV pool
+    shared by the batch is full): the request then waits until another sequence has left.
     """
 
     def add(self, spec: SequenceSpec) -> int: ...
@@ -63,6 +65,10 @@ class BatchBackend(Protocol):
     def step(self) -> dict[int, int]: ...
 
     def remove(self, seq_id: int) -> None: ...
+
+
+class NoRoom(Exception):
+    """BatchBackend.add: no room for this sequence until another one leaves (KV blocks, say)."""
 
 
 class _Sampler:
@@ -254,8 +260,11 @@ class Scheduler:
             while self._waiting and len(self._active) + len(admitted) < self.max_batch:
                 admitted.append(self._waiting.popleft())
         try:
-            for job in admitted:
-                self._admit(job)
+            for i, job in enumerate(admitted):
+                if not self._admit(job):
+                    with self._cv:  # back to the head of the queue, in order, until a sequence leaves
+                        self._waiting.extendleft(reversed(admitted[i:]))
+                    break
             for job in [j for j in self._active.values() if j.cancelled]:
                 self._leave(job)
                 log.info("%s: cancelled after %d tokens (client gone)", job.name, job.completion_tokens)
@@ -269,18 +278,26 @@ class Scheduler:
             self._fail_all("the server failed on this request; see its log", waiting=False)
         return True
 
-    def _admit(self, job: Job) -> None:
+    def _admit(self, job: Job) -> bool:
+        """Prefill `job` into the batch; False when the backend has no room for it yet."""
         if job.cancelled:
-            return
+            return True
         try:
             token = self.backend.add(job.spec)
+        except NoRoom:
+            if self._active:
+                return False
+            log.warning("%s: does not fit in the backend even alone", job.name)
+            job.emit(Failed("this request needs more KV cache than the server has; lower max_tokens"))
+            return True
         except Exception:
             log.exception("%s: prefill failed", job.name)
             self.backend.remove(job.id)
             job.emit(Failed("the model failed on this request; see the server log"))
-            return
+            return True
         self._active[job.id] = job
         self._deliver(job, token)
+        return True
 
     def _step(self) -> None:
         try:
