@@ -5,7 +5,7 @@ structure before mapping the file. No torch here: inspecting a file needs only n
 zstandard. FORMAT.md describes the bytes.
 """
 
-from .describe import describe, human_size, render_description
+from .describe import certificate_summary, describe, human_size, render_description
 from .errors import (
     ArtifactClosedError,
     ArtifactError,
@@ -47,6 +47,7 @@ __all__ = [
     "TensorNotFoundError",
     "TruncatedError",
     "UnsupportedVersionError",
+    "certificate_summary",
     "compute_key",
     "default_hash_cache",
     "describe",

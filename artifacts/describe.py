@@ -56,7 +56,23 @@ def describe(artifact: Artifact | str | os.PathLike) -> dict:
                     "by_format": dict(sorted(by_format.items())),
                     "by_role": dict(sorted(by_role.items()))},
         "precision_plan": artifact.section("precision_plan"),
+        "memory": artifact.section("memory"),
+        "certificate": artifact.section("certificate"),
     }
+
+
+def certificate_summary(cert: dict | None) -> str:
+    """One line for a certificate: its verdict and the measurements that matter."""
+    if cert is None:
+        return "not measured: no certificate (--quant without --max-kld, or compiled before certificates)"
+    if cert["status"] == "EXACT":
+        return "exact: every tensor as stored in the checkpoint"
+    m, gate = cert["measured"], cert["gate"]
+    return (f"{cert['status']}: mean KLD {m['mean_kld']:.5f} (gate {gate['max_kld']:g}), top-1 "
+            f"{100 * m['top1_agreement']:.1f}%, cosine {m['mean_cosine']:.4f} (min {m['min_cosine']:.3f}), ppl "
+            f"{m['perplexity_compiled']:.2f} vs {m['perplexity_source']:.2f}, greedy "
+            f"{100 * m['greedy_agreement']:.0f}% on {cert['prompts']['count']}x{cert['prompts']['positions']} "
+            "held-out positions")
 
 
 def _encoding_label(e) -> str:
@@ -126,5 +142,33 @@ def render_description(d: dict) -> str:
             what = "yes" if s["present"] else "-"
         rows.append((name, human_size(s["stored_bytes"]), what))
     lines += _table(rows, (1,))
+    lines += ["", "certificate", "  " + certificate_summary(d.get("certificate"))]
+    cert = d.get("certificate") or {}
+    if cert.get("status") in ("PASSED", "FAILED"):
+        m = cert["measured"]
+        rows = [("measure", "value")]
+        rows += [(k.replace("_", " "), f"{v:.6g}" if isinstance(v, float) else str(v)) for k, v in sorted(m.items())]
+        rows.append(("gate", f"mean KLD <= {cert['gate']['max_kld']:g}" + (" (default)" if cert["gate"].get(
+            "default") else "")))
+        rows.append(("prompts", f"{cert['prompts']['count']} x {cert['prompts']['positions']} positions, "
+                                f"sha256 {cert['prompts']['sha256'][:16]}"))
+        if cert.get("predicted_kld") is not None:
+            rows.append(("predicted KLD", f"{cert['predicted_kld']:.6g}"))
+        rows.append(("promotion rounds", str(len(cert.get("rounds", [])))))
+        lines += _table(rows, ())
+    memory = d.get("memory")
+    if memory is not None:
+        lines += ["", f"memory ledger (--ctx {memory['ctx']})"]
+        rows = [("item", "bytes", "")]
+        rows += [(k.replace("_", " "), str(v), human_size(v)) for k, v in memory["lines"].items()]
+        rows.append(("total", str(memory["total"]), human_size(memory["total"])))
+        if memory.get("budget"):
+            rows.append(("budget (--vram)", str(memory["budget"]), human_size(memory["budget"])))
+        lines += _table(rows, (1, 2))
+        lines.append(f"  {memory.get('overhead_source', '?')}")
+    plan = (d.get("precision_plan") or {}).get("plan")
+    if plan is not None:
+        lines += ["", f"precision plan: {plan['bits_per_weight']:.3f} bits per weight, predicted KLD "
+                      f"{plan['predicted_kld']:.5f}, {len(plan['choices'])} tensors planned ({plan['method']})"]
     lines.append(f"\nheader    {human_size(d['header_bytes'])}")
     return "\n".join(lines)

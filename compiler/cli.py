@@ -17,13 +17,34 @@ _QUANT_HELP = ("Store every linear weight in FORMAT, round-to-nearest: fp8_e4m3,
 _GROUP_HELP = "Group size along the input dimension for formats with groups (default: the format's)."
 _ASYM_HELP = "Grouped integer formats: store a per-group offset as well as a scale."
 _KEEP_HEAD_HELP = "Leave an untied LM head as stored when quantizing."
+_VRAM_HELP = ("Fit everything the runtime holds on the GPU (weights, KV cache for --ctx tokens, activations, "
+              "workspace, runtime overhead) in SIZE: 8G, 7.5GiB, 12000M. The planner picks each tensor's format.")
+_BPW_HELP = "Weights (every tensor, scales included) at most B bits per parameter; the planner picks the formats."
+_CTX_HELP = "Tokens of KV cache the --vram ledger reserves (default 4096)."
+_CALIB_HELP = "Calibration text: a text file, or JSON lines with a \"text\" field (default: the stdlib sample)."
+_CALIB_TOKENS_HELP = "Calibration tokens run through the model (default 16384)."
+_METHOD_HELP = "gptq (error-compensating, calibrated; the default with a budget) or rtn (round to nearest)."
+_MAX_KLD_HELP = ("Certificate gate: mean KL divergence on held-out prompts at most X; below it the most "
+                 "sensitive tensors are promoted and the plan re-solved. Default gate: 1.0 (broken compiles).")
+_UNCERTIFIED_HELP = "Write the artifact even when the gate fails; its certificate says FAILED."
+_DEVICE_HELP = "Where calibration and certification run: cuda or cpu (default: cuda when available)."
+_MAP_HELP = "Draw the format of every tensor, layer by layer, into FILE (.svg or .png)."
+_TIE_HELP = "Give q/k/v and gate/up one format each so they fuse into one matmul (speed over quality)."
 
 
-def _config(no_fuse: bool, quant: str | None, group_size: int | None, asymmetric: bool, keep_lm_head: bool):
+def _config(no_fuse: bool, quant: str | None, group_size: int | None, asymmetric: bool, keep_lm_head: bool,
+            **budget):
     from .config import CompileConfig
 
     return CompileConfig.from_options(fuse_projections=not no_fuse, quant=quant, group_size=group_size,
-                                      asymmetric=asymmetric, keep_lm_head=keep_lm_head)
+                                      asymmetric=asymmetric, keep_lm_head=keep_lm_head, **budget)
+
+
+def _budget(vram, bpw, ctx, calib, calib_tokens, method, max_kld, allow_uncertified, device, tie_fused) -> dict:
+    """The planner, calibration and certificate flags as CompileConfig's flat options."""
+    return {"vram": vram, "bpw": bpw, "ctx": ctx, "calib_source": "file" if calib is not None else None,
+            "calib_tokens": calib_tokens, "method": method, "max_kld": max_kld,
+            "allow_uncertified": allow_uncertified, "device": device, "tie_fused": tie_fused}
 
 
 def _fail(message: str, code: int = 1) -> None:
@@ -81,17 +102,29 @@ def compile(
     group_size: int | None = typer.Option(None, "--group-size", metavar="N", help=_GROUP_HELP),
     asymmetric: bool = typer.Option(False, "--asymmetric", help=_ASYM_HELP),
     keep_lm_head: bool = typer.Option(False, "--keep-lm-head", help=_KEEP_HEAD_HELP),
+    vram: str | None = typer.Option(None, "--vram", metavar="SIZE", help=_VRAM_HELP),
+    bpw: float | None = typer.Option(None, "--bpw", metavar="B", help=_BPW_HELP),
+    ctx: int | None = typer.Option(None, "--ctx", metavar="N", help=_CTX_HELP),
+    calib: Path | None = typer.Option(None, "--calib", metavar="FILE", help=_CALIB_HELP),
+    calib_tokens: int | None = typer.Option(None, "--calib-tokens", metavar="N", help=_CALIB_TOKENS_HELP),
+    method: str | None = typer.Option(None, "--method", metavar="gptq|rtn", help=_METHOD_HELP),
+    max_kld: float | None = typer.Option(None, "--max-kld", metavar="X", help=_MAX_KLD_HELP),
+    allow_uncertified: bool = typer.Option(False, "--allow-uncertified", help=_UNCERTIFIED_HELP),
+    device: str | None = typer.Option(None, "--device", metavar="cuda|cpu", help=_DEVICE_HELP),
+    tie_fused: bool = typer.Option(False, "--tie-fused", help=_TIE_HELP),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="Print only the summary."),
 ):
-    """Compile MODEL_DIR into one .thin file. Without --quant every tensor keeps its stored precision."""
+    """Compile MODEL_DIR into one .thin file. Without --vram, --bpw or --quant every tensor keeps its stored
+    precision; with a budget the planner picks each tensor's format and a certificate measures the result."""
     from thin.artifacts import human_size
 
     from .build import build
 
     def run():
-        config = _config(no_fuse, quant, group_size, asymmetric, keep_lm_head)
+        config = _config(no_fuse, quant, group_size, asymmetric, keep_lm_head, **_budget(
+            vram, bpw, ctx, calib, calib_tokens, method, max_kld, allow_uncertified, device, tie_fused))
         return build(model_dir, output, config, cache_dir=cache_dir, dump_ir=dump_ir,
-                     progress=_StageProgress(quiet))
+                     progress=_StageProgress(quiet), calib=calib)
 
     report = _guard(run)
     if report.cache_hit:
@@ -104,6 +137,7 @@ def compile(
         ("tensor bytes", f"{human_size(report.tensor_bytes)} ({8 * report.tensor_bytes / report.parameters:.2f} "
                          "bits per weight)"),
         ("file bytes", human_size(report.file_bytes)),
+        *_quality_rows(report),
         ("key", report.key[:16]),
         ("time", " ".join(f"{k} {v:.2f}s" for k, v in report.seconds.items())
          + f" | total {sum(report.seconds.values()):.2f}s"),
@@ -118,13 +152,21 @@ def inspect(
     file: Path = typer.Argument(..., help="A .thin file."),
     as_json: bool = typer.Option(False, "--json", help="Print the description as JSON."),
     ir: bool = typer.Option(False, "--ir", help="Print the model's IR as text."),
+    precision_map: Path | None = typer.Option(None, "--precision-map", metavar="FILE", help=_MAP_HELP),
 ):
-    """Describe an artifact: sections and sizes, tensors by format, key, provenance."""
+    """Describe an artifact: sections and sizes, tensors by format, key, provenance, certificate, memory ledger."""
     from thin.artifacts import describe, open_artifact, render_description
     from thin.ir import format_ir
 
+    from .precision_map import write_precision_map
+
     def run():
         with open_artifact(file) as art:
+            if precision_map is not None:
+                try:
+                    write_precision_map(art, precision_map)
+                except ValueError as e:
+                    raise OSError(str(e)) from None
             return describe(art), format_ir(art.model)
 
     desc, ir_text = _guard(run)
@@ -156,17 +198,65 @@ def key(
     group_size: int | None = typer.Option(None, "--group-size", metavar="N", help=_GROUP_HELP),
     asymmetric: bool = typer.Option(False, "--asymmetric", help=_ASYM_HELP),
     keep_lm_head: bool = typer.Option(False, "--keep-lm-head", help=_KEEP_HEAD_HELP),
+    vram: str | None = typer.Option(None, "--vram", metavar="SIZE", help=_VRAM_HELP),
+    bpw: float | None = typer.Option(None, "--bpw", metavar="B", help=_BPW_HELP),
+    ctx: int | None = typer.Option(None, "--ctx", metavar="N", help=_CTX_HELP),
+    calib: Path | None = typer.Option(None, "--calib", metavar="FILE", help=_CALIB_HELP),
+    calib_tokens: int | None = typer.Option(None, "--calib-tokens", metavar="N", help=_CALIB_TOKENS_HELP),
+    method: str | None = typer.Option(None, "--method", metavar="gptq|rtn", help=_METHOD_HELP),
+    max_kld: float | None = typer.Option(None, "--max-kld", metavar="X", help=_MAX_KLD_HELP),
+    allow_uncertified: bool = typer.Option(False, "--allow-uncertified", help=_UNCERTIFIED_HELP),
+    device: str | None = typer.Option(None, "--device", metavar="cuda|cpu", help=_DEVICE_HELP),
+    tie_fused: bool = typer.Option(False, "--tie-fused", help=_TIE_HELP),
 ):
-    """Print the cache key `thinc compile` would give MODEL_DIR with these options."""
+    """Print the cache key `thinc compile` would give MODEL_DIR with these options (calibration text,
+    planner options and certificate thresholds included)."""
     from thin.artifacts import compute_key
+
+    from .inputs import evaluation_identity, evaluation_texts
 
     def run():
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"{model_dir} has no config.json; give a Hugging Face model folder")
-        config = _config(no_fuse, quant, group_size, asymmetric, keep_lm_head)
-        return compute_key(model_dir, config.to_plain(), calibration=None, target=config.target)
+        config = _config(no_fuse, quant, group_size, asymmetric, keep_lm_head, **_budget(
+            vram, bpw, ctx, calib, calib_tokens, method, max_kld, allow_uncertified, device, tie_fused))
+        identity = evaluation_identity(*evaluation_texts(config, calib))
+        return compute_key(model_dir, config.to_plain(), calibration=identity, target=config.target)
 
     typer.echo(_guard(run))
+
+
+def _budget_list(values: str | None, parse) -> list:
+    return [parse(v.strip()) for v in values.split(",") if v.strip()] if values else []
+
+
+@app.command()
+def plan(
+    model_dir: Path = typer.Argument(..., help="Hugging Face model folder."),
+    vram: str | None = typer.Option(None, "--vram", metavar="SIZE[,SIZE...]", help="Budgets such as 4G,6G,8G."),
+    bpw: str | None = typer.Option(None, "--bpw", metavar="B[,B...]", help="Bits-per-weight budgets such as 3.6,5."),
+    ctx: int | None = typer.Option(None, "--ctx", metavar="N", help=_CTX_HELP),
+    calib: Path | None = typer.Option(None, "--calib", metavar="FILE", help=_CALIB_HELP),
+    calib_tokens: int | None = typer.Option(None, "--calib-tokens", metavar="N", help=_CALIB_TOKENS_HELP),
+    method: str | None = typer.Option(None, "--method", metavar="gptq|rtn", help=_METHOD_HELP),
+    device: str | None = typer.Option(None, "--device", metavar="cuda|cpu", help=_DEVICE_HELP),
+    tie_fused: bool = typer.Option(False, "--tie-fused", help=_TIE_HELP),
+    no_fuse: bool = typer.Option(False, "--no-fuse", help=_FUSE_HELP),
+    as_json: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
+    quiet: bool = typer.Option(False, "-q", "--quiet", help="Print only the table."),
+):
+    """Print, per budget, the memory ledger and the predicted quality of the plan; writes nothing."""
+    from .plan import plan_budgets, render_plan
+
+    def run():
+        budgets = [{"vram": v} for v in _budget_list(vram, str)]
+        budgets += [{"bpw": b} for b in _budget_list(bpw, float)]
+        return plan_budgets(model_dir, budgets, progress=_StageProgress(quiet), calib=calib, ctx=ctx,
+                            calib_tokens=calib_tokens, method=method, device=device, tie_fused=tie_fused,
+                            fuse_projections=not no_fuse)
+
+    result = _guard(run)
+    typer.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else render_plan(result))
 
 
 @app.command("formats")
@@ -182,6 +272,28 @@ def formats_command():
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     for r in rows:
         typer.echo("  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3])
+
+
+def _quality_rows(report) -> list[tuple[str, str]]:
+    """Summary rows for the plan, the memory ledger and the certificate, when the compile made them."""
+    from thin.artifacts import certificate_summary, human_size
+
+    rows = []
+    plan = (report.precision_plan or {}).get("plan")
+    if plan is not None:
+        budget = plan["budget"]
+        asked = " and ".join(x for x in (f"--bpw {budget['bpw']}" if budget["bpw"] is not None else "",
+                                         f"--vram {human_size(budget['vram'])}" if budget["vram"] else "") if x)
+        rows.append(("plan", f"{asked}: {plan['bits_per_weight']:.3f} bits per weight, predicted KLD "
+                             f"{plan['predicted_kld']:.5f} ({plan['method']})"))
+    if report.memory is not None:
+        lines = ", ".join(f"{k.replace('_', ' ')} {human_size(v)}" for k, v in report.memory["lines"].items())
+        budget = f" of {human_size(report.memory['budget'])}" if report.memory.get("budget") else ""
+        rows.append(("memory", f"{human_size(report.memory['total'])}{budget} at --ctx {report.memory['ctx']} "
+                               f"({lines})"))
+    if report.certificate is not None:
+        rows.append(("certificate", certificate_summary(report.certificate)))
+    return rows
 
 
 def main() -> None:

@@ -137,9 +137,14 @@ class ExecutorEvaluator:
 def make_evaluator(device: str, tokenizer_files: dict[str, bytes]) -> ExecutorEvaluator:
     """The evaluator for a checkpoint: on `device` (checked here), with its tokenizer when
     `tokenizer_files` hold a tokenizer.json."""
-    from thin.runtime.loader import resolve_device
+    from thin.runtime.loader import DeviceUnavailableError, resolve_device
     from thin.runtime.tokenizer import Tokenizer
 
-    resolve_device(device)
+    from .config import CompileOptionError
+
+    try:
+        resolve_device(device)
+    except DeviceUnavailableError as e:
+        raise CompileOptionError(f"--device {device}: {e}") from None
     tokenizer = Tokenizer.from_files(tokenizer_files) if "tokenizer.json" in tokenizer_files else None
     return ExecutorEvaluator(device, tokenizer)

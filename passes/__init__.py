@@ -5,7 +5,7 @@ from .certify_model import DEFAULT_MAX_KLD, CertificationError, CertifyOptions, 
 from .check_budget import check_budget
 from .fuse_projections import fuse_projections
 from .layout_experts import layout_experts
-from .memory_ledger import RUNTIME_OVERHEAD, ledger, parse_size
+from .memory_ledger import CUDA_CONTEXT, ledger, parse_size
 from .order_tensors import order_tensors
 from .plan_precision import BudgetError, PlanOptions, plan_precision, solve
 from .quantize_weights import QuantizeOptionError, QuantizeOptions, linear_weights, quantize_weights
@@ -16,7 +16,7 @@ from .scratch import Scratch
 __all__ = [
     "BudgetError", "CalibrateOptions", "CalibrationError", "CertificationError", "CertifyOptions", "DEFAULT_MAX_KLD",
     "Evaluator", "Pass", "PassContext", "PassError", "PlanOptions", "QuantizeOptionError", "QuantizeOptions",
-    "RUNTIME_OVERHEAD", "ScoreOptions", "Scratch", "calibrate_inputs", "certify_model", "check_budget",
+    "CUDA_CONTEXT", "ScoreOptions", "Scratch", "calibrate_inputs", "certify_model", "check_budget",
     "fuse_projections", "input_groups", "layout_experts", "ledger", "linear_weights", "order_tensors", "parse_size",
     "plan_precision", "plannable", "quantize_weights", "run_passes", "score_formats", "solve",
 ]

@@ -7,10 +7,13 @@ held-out standard-library modules, never calibration text), and greedy agreement
 `generate` greedy tokens both models produce identically before they first differ.
 
 The gate is `max_kld` (`--max-kld`); without it DEFAULT_MAX_KLD, which only refuses a broken
-compile. When a planned compile fails the gate, the tensors that carry most of the predicted error
-are promoted (their sensitivity is scaled by how far the measurement exceeds the prediction), the
-plan is re-solved within the same budget and quantized again, up to `rounds` times; the best
-program measured is kept.
+compile. When a planned compile fails the gate, promotion rounds correct the planner where it was
+wrong, up to `rounds` times: each probe group's weights as compiled are put alone into the exact
+model on calibration windows (never the held-out prompts), and the KLD that causes replaces the
+predicted one, as a scale on that group's sensitivity; whatever the measurement exceeds the sum of
+those single-group KLDs (errors compounding) is charged to the groups that cause the most. The
+plan is re-solved within the same budget with the corrected costs, quantized again and measured;
+the best program measured is kept.
 """
 
 from __future__ import annotations
@@ -109,17 +112,21 @@ def certify_model(program: Program, ctx: PassContext) -> Program:
     planned = "precision_plan" in program.annotations
     best, best_measured = program, measure(ctx, reference, program, prompts, options.generate)
     rounds = []
-    current = program
+    current, current_kld = program, best_measured["mean_kld"]
     for round_index in range(options.rounds if planned else 0):
         if best_measured["mean_kld"] <= gate:
             break
         ctx.report(f"certify: promotion round {round_index + 1}", 0, 0)
-        adjustments = _promote(current, best_measured["mean_kld"])
+        adjustments = _promote(ctx, current, current_kld, reference)
         base = ctx.source.replace(annotations={k: v for k, v in current.annotations.items()
                                                if k not in ("quantize", "precision_plan", "memory")}
                                   | {"plan_adjustments": adjustments})
-        current = quantize_weights(plan_precision(base, ctx), ctx)
+        replanned = plan_precision(base, ctx)
+        if replanned.annotations["precision_plan"]["choices"] == current.annotations["precision_plan"]["choices"]:
+            break  # the corrected costs choose the same formats: nothing left to promote within the budget
+        current = quantize_weights(replanned, ctx)
         measured = measure(ctx, reference, current, prompts, options.generate)
+        current_kld = measured["mean_kld"]
         rounds.append({"promoted": sorted(adjustments["promoted"]), "mean_kld": measured["mean_kld"],
                        "predicted_kld": current.annotations["precision_plan"]["predicted_kld"]})
         if measured["mean_kld"] < best_measured["mean_kld"]:
@@ -137,28 +144,56 @@ def certify_model(program: Program, ctx: PassContext) -> Program:
     if not passed and not options.allow_uncertified:
         why = "the default gate, which catches broken compiles" if options.max_kld is None else "--max-kld"
         raise CertificationError(
-            f"the compiled model measures mean KLD {best_measured['mean_kld']:.5f} on held-out prompts, above "
-            f"{gate:g} ({why}), after {len(rounds)} promotion round(s); the best reached is "
-            f"{best_measured['mean_kld']:.5f} (top-1 {100 * best_measured['top1_agreement']:.1f}%). Raise the budget, "
-            "relax --max-kld, or pass --allow-uncertified to write it with a FAILED certificate")
+            f"the certificate's gate is not met: the best reached is mean KLD {best_measured['mean_kld']:.5f} "
+            f"(top-1 {100 * best_measured['top1_agreement']:.1f}%) on held-out prompts, above {gate:g} ({why}), "
+            f"after {len(rounds)} promotion round(s). Raise the budget, relax --max-kld, or pass "
+            "--allow-uncertified to write it with a FAILED certificate")
     return best.replace(annotations={**best.annotations, "certificate": certificate})
 
 
-def _promote(program: Program, measured_kld: float) -> dict:
-    """Scaled sensitivities for the tensors carrying PROMOTE_SHARE of the predicted KLD, so the next
-    plan gives them more bytes: each is scaled by how far the measurement exceeds the prediction
-    (at least 2x), on top of earlier rounds' scales."""
-    plan = program.annotations["precision_plan"]
-    previous = program.annotations.get("plan_adjustments", {}).get("scale", {})
-    contributions = sorted(((c["predicted_kld"], n) for n, c in plan["choices"].items()), reverse=True)
-    total = sum(k for k, _ in contributions) or 1.0
-    factor = max(measured_kld / max(plan["predicted_kld"], 1e-12), 2.0)
-    scale = dict(previous)
+def _promote(ctx: PassContext, program: Program, measured: float, session) -> dict:
+    """Sensitivity scales for the next plan: per probe group, the KLD its weights as compiled cause
+    alone over the KLD predicted for them; the excess of `measured` over the sum of those goes, as
+    one more factor, to the groups causing PROMOTE_SHARE of it."""
+    import torch
+
+    from thin.ir import formats
+
+    from .score_formats import override_kld, plannable, probe_groups, probe_windows, reference_logprobs
+
+    plan = program.annotations["precision_plan"]["choices"]
+    records = program.model.tensor_map()
+    windows = probe_windows(ctx, ctx.config.score.probe_windows)
+    reference = reference_logprobs(session, windows)
+    groups = probe_groups(program.model, [n for n in plannable(program.model) if n in plan])
+    realized = []
+    for i, group in enumerate(groups):
+        ctx.report("certify: measure tensors as compiled", i, len(groups))
+        predicted = sum(plan[n]["predicted_kld"] for n in group)
+        dense = {}
+        for n in group:
+            r = records[n]
+            if not formats.get(r.encoding.format).dense or r.encoding != ctx.source.model.tensor(n).encoding:
+                dense[n] = formats.get(r.encoding.format).decode(program.load(n).to(ctx.device), r.shape,
+                                                                 r.encoding.params, torch.float32)
+        kld = override_kld(session, windows, reference, dense) if dense else 0.0
+        realized.append((kld, predicted, group))
+    ctx.report("certify: measure tensors as compiled", len(groups), len(groups))
+    scale = dict(program.annotations.get("plan_adjustments", {}).get("scale", {}))
+    for kld, predicted, group in realized:
+        if predicted > 0 and kld > 0:
+            for n in group:
+                scale[n] = min(max(kld / predicted, 1 / 16), 256.0)
+    total = sum(k for k, _, _ in realized)
+    excess = measured / total if total > 0 else 1.0
     promoted, covered = [], 0.0
-    for kld, name in contributions:
-        if covered >= PROMOTE_SHARE * total:
+    for kld, _, group in sorted(realized, key=lambda r: -r[0]):
+        if covered >= PROMOTE_SHARE * total or excess <= 1.0:
             break
-        scale[name] = scale.get(name, 1.0) * factor
-        promoted.append(name)
+        for n in group:
+            scale[n] = scale.get(n, 1.0) * excess
+        promoted += group
         covered += kld
-    return {"scale": scale, "promoted": promoted}
+    # The groups whose cost rose most are the ones the next plan promotes.
+    rose = sorted(scale, key=lambda n: -scale[n])
+    return {"scale": scale, "promoted": sorted(set(promoted) | set(rose[:max(1, len(rose) // 8)]))}

@@ -28,8 +28,7 @@ def check_budget(program: Program, ctx: PassContext) -> Program:
     annotations['budget'] records the bytes the weights may take and the ledger's other lines."""
     options: PlanOptions = ctx.config.plan
     model = program.model
-    names = plannable(model)
-    budget, fixed = weight_budget(model, options, names)
+    budget, fixed = weight_budget(model, options)
     smallest = stored_bytes(model, smallest_encodings(program, ctx.config.score.formats), ctx.config.fuse_projections)
     if smallest > budget:
         params = parameters(model)
@@ -38,12 +37,11 @@ def check_budget(program: Program, ctx: PassContext) -> Program:
             need.append(f"--bpw {_ceil(8 * smallest / params, 3)} (the smallest formats give "
                         f"{8 * smallest / params:.3f} bits per weight)")
         if options.vram is not None:
-            total = ledger(model, smallest, ctx=options.ctx, prefill_chunk=options.prefill_chunk,
-                           quantizable=names)["total"]
+            total = ledger(model, smallest, ctx=options.ctx)["total"]
             need.append(f"--vram {_mib(total)} at --ctx {options.ctx} (weights {_mib(smallest)}, KV cache "
                         f"{_mib(fixed['lines']['kv_cache'])}, activations and workspace "
-                        f"{_mib(fixed['lines']['activations'] + fixed['lines']['dequant_workspace'])}, runtime "
-                        f"{_mib(fixed['lines']['runtime_overhead'])})")
+                        f"{_mib(fixed['lines']['activations'] + fixed['lines']['workspace'])}, CUDA context "
+                        f"{_mib(fixed['lines']['cuda_context'])})")
         raise BudgetError("the budget is below the smallest model: even the smallest formats for every tensor "
                           f"need {smallest} bytes of weights, and the budget leaves {max(budget, 0)}; the smallest "
                           "budget that works is " + " and ".join(need))

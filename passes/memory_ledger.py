@@ -1,33 +1,36 @@
 """The memory ledger: every byte the runtime holds on the device for a model, line by line.
 
 `--vram SIZE` is a promise about the whole process on the GPU, not about the file, so the ledger
-counts, besides the weights:
+counts, besides the weights (as stored: the GPU engine's kernels read packed formats directly):
 
-- kv_cache: keys and values of every layer for `ctx` tokens in the compute dtype:
-  2 x kv_heads x head_dim x tokens x dtype bytes per layer, a sliding-window layer holding at
-  most its window;
-- activations: the live tensors of the largest single step, a prefill chunk of `prefill_chunk`
-  tokens (the GPU engine prefills in chunks; the largest phase of attention, FFN or LM head,
-  with the residual stream, attention scores against the whole context, and the float32 logits);
-- dequant_workspace: the torch path dequantizes one weight at a time on the device (float32,
-  then the compute dtype), so the largest quantizable weight decoded once is reserved;
-- runtime_overhead: what the process holds before any tensor: the CUDA context, cuBLAS
-  workspace and the caching allocator's slack. RUNTIME_OVERHEAD is a documented constant until
-  examples/benchmarks/measure_overhead.py is run on the GPU with the real runtime.
+- kv_cache: keys and values of every layer for `ctx` tokens (capped at the model's positions) in
+  the compute dtype, 2 x kv_heads x head_dim x tokens x dtype bytes per layer; a sliding-window
+  layer keeps only its window (the engine's ring);
+- activations: the largest step, a prefill of the whole context in one batch: ctx x (6 x hidden +
+  3 x the widest projection) activations plus the last position's float32 logits;
+- workspace: rotary tables for every position, and the allocator's slack, CUDA graph pools and
+  Triton/cuBLAS scratch;
+- cuda_context: what the process holds before any tensor (the CUDA context and loaded kernels).
+
+The first three follow the GPU engine's own check (runtime/memory.py `estimate`, which
+`thin-exec --vram` applies; a test keeps the two in step); the context is on top, since
+`--vram` here is everything on the device. CUDA_CONTEXT is a documented constant until
+examples/benchmarks/measure_overhead.py has measured it with the real runtime.
 """
 
 from __future__ import annotations
 
 import re
 
-from thin.ir import Model, MoE, formats
+from thin.ir import Model, formats
 from thin.ir.formats.base import DTYPE_BYTES
 
-# CUDA context (~300-550 MiB with lazy module loading on Hopper, CUDA 12; PyTorch's CUDA notes),
-# plus cuBLAS workspaces and the caching allocator's rounding/fragmentation slack. Not yet
-# measured with thin's runtime: examples/benchmarks/measure_overhead.py prints the figure.
-RUNTIME_OVERHEAD = 768 * 2**20
-PREFILL_CHUNK = 512
+# The CUDA context of a PyTorch process with lazy module loading (CUDA >= 11.7's default) is about
+# 300-600 MiB on recent GPUs (PyTorch's CUDA notes; our own H200 measurement is pending:
+# examples/benchmarks/measure_overhead.py). 512 MiB until measured.
+CUDA_CONTEXT = 512 * 2**20
+# The engine's allocator slack, CUDA graph pools, Triton and cuBLAS scratch (runtime/memory.py).
+ENGINE_SCRATCH = 256 * 2**20
 DEFAULT_CTX = 4096
 
 _UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30,
@@ -51,12 +54,17 @@ def compute_dtype_bytes(model: Model) -> int:
     """Bytes per activation and KV element on the GPU: the runtime computes in the embedding's stored
     dtype there (bf16/f16: 2, f32: 4)."""
     fmt = formats.get(model.tensor(model.embedding.weight).source_dtype)
-    return DTYPE_BYTES[fmt.torch_dtype] if fmt.dense else 2
+    return DTYPE_BYTES[fmt.torch_dtype] if fmt.dense else 4
+
+
+def context_tokens(model: Model, ctx: int) -> int:
+    """The tokens the runtime keeps: `ctx`, at most the model's positions."""
+    return min(ctx, model.max_position_embeddings)
 
 
 def kv_cache_bytes(model: Model, ctx: int) -> int:
     """Keys and values of every layer for `ctx` tokens (a sliding-window layer keeps its window)."""
-    size = compute_dtype_bytes(model)
+    size, ctx = compute_dtype_bytes(model), context_tokens(model, ctx)
     total = 0
     for layer in model.layers:
         a = layer.attention
@@ -65,63 +73,37 @@ def kv_cache_bytes(model: Model, ctx: int) -> int:
     return total
 
 
-def activation_bytes(model: Model, ctx: int, chunk: int = PREFILL_CHUNK) -> int:
-    """The live activations of the largest step: one prefill chunk through its largest phase."""
-    a_size = compute_dtype_bytes(model)
-    t = min(chunk, ctx)
-    hidden = model.hidden_size
-    residual = t * hidden * (2 * a_size + 4)  # x, the normed copy, a float32 norm temporary
-    phases = []
+def activation_bytes(model: Model, ctx: int) -> int:
+    """A prefill of the whole context in one batch, and the float32 logits of its last position."""
+    widest = 0
     for layer in model.layers:
         a = layer.attention
-        qkv = t * (a.num_heads + 2 * a.num_kv_heads) * a.head_dim * a_size
-        keys = min(ctx, a.sliding_window) if a.sliding_window else ctx
-        scores = a.num_heads * t * keys * 4  # float32 scores when attention is not fused
-        phases.append(2 * qkv + scores + t * a.num_heads * a.head_dim * a_size)
-        ffn = layer.ffn
-        if isinstance(ffn, MoE):
-            width = max(_mlp_width(model, e) for e in ffn.experts) * ffn.top_k
-            if ffn.shared_expert is not None:
-                width += _mlp_width(model, ffn.shared_expert)
-            phases.append(t * width * 3 * a_size + t * ffn.num_experts * 4 * 2)
-        else:
-            phases.append(t * _mlp_width(model, ffn) * 3 * a_size)
-    phases.append(t * model.vocab_size * (a_size + 4))  # logits, then their float32 copy
-    return residual + max(phases)
+        mlps = getattr(layer.ffn, "experts", None) or (layer.ffn,)
+        widest = max([widest, (a.num_heads + 2 * a.num_kv_heads) * a.head_dim]
+                     + [2 * model.tensor(m.down.weight).shape[1] for m in mlps])
+    tokens = context_tokens(model, ctx)
+    return tokens * (6 * model.hidden_size + 3 * widest) * compute_dtype_bytes(model) + 8 * model.vocab_size
 
 
-def _mlp_width(model: Model, mlp) -> int:
-    lin = mlp.down
-    return model.tensor(lin.weight).shape[1]
+def workspace_bytes(model: Model) -> int:
+    """Rotary cos/sin tables for every position, and the engine's scratch."""
+    ropes = {layer.attention.rope for layer in model.layers if layer.attention.rope is not None}
+    tables = sum(2 * model.max_position_embeddings * rope.rotary_dim * compute_dtype_bytes(model) for rope in ropes)
+    return tables + ENGINE_SCRATCH
 
 
-def dequant_workspace_bytes(model: Model, names: list[str]) -> int:
-    """The largest of `names` decoded once: float32, then the compute dtype."""
-    records = model.tensor_map()
-    largest = max((_numel(records[n].shape) for n in names), default=0)
-    return largest * (4 + compute_dtype_bytes(model))
-
-
-def ledger(model: Model, weight_bytes: int, *, ctx: int, prefill_chunk: int, quantizable: list[str],
-           overhead: int = RUNTIME_OVERHEAD) -> dict:
+def ledger(model: Model, weight_bytes: int, *, ctx: int, overhead: int = CUDA_CONTEXT) -> dict:
     """Every line item in bytes, and their total."""
     lines = {
         "weights": int(weight_bytes),
         "kv_cache": kv_cache_bytes(model, ctx),
-        "activations": activation_bytes(model, ctx, prefill_chunk),
-        "dequant_workspace": dequant_workspace_bytes(model, quantizable),
-        "runtime_overhead": overhead,
+        "activations": activation_bytes(model, ctx),
+        "workspace": workspace_bytes(model),
+        "cuda_context": overhead,
     }
-    return {"lines": lines, "total": sum(lines.values()), "ctx": ctx, "prefill_chunk": prefill_chunk,
+    return {"lines": lines, "total": sum(lines.values()), "ctx": context_tokens(model, ctx),
             "compute_dtype_bytes": compute_dtype_bytes(model), "overhead_source": OVERHEAD_SOURCE}
 
 
-OVERHEAD_SOURCE = ("constant: CUDA context + cuBLAS workspace + allocator slack, not yet measured with thin's "
-                   "runtime (examples/benchmarks/measure_overhead.py)")
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
+OVERHEAD_SOURCE = ("cuda_context: a documented constant (512 MiB), not yet measured with thin's runtime "
+                   "(examples/benchmarks/measure_overhead.py)")

@@ -16,7 +16,7 @@ from math import prod
 
 from thin.ir import MLP, Encoding, Model, MoE, Program, formats
 
-from .memory_ledger import DEFAULT_CTX, PREFILL_CHUNK, ledger
+from .memory_ledger import DEFAULT_CTX, ledger
 from .runner import PassContext
 
 
@@ -32,7 +32,6 @@ class PlanOptions:
     bpw: float | None = None
     vram: int | None = None  # bytes
     ctx: int = DEFAULT_CTX  # tokens of KV cache the --vram ledger reserves
-    prefill_chunk: int = PREFILL_CHUNK  # tokens per prefill step the ledger's activations assume
     # Give fused q/k/v and gate/up one format, so they fuse into one matmul (speed over quality).
     tie_fused: bool = False
 
@@ -43,8 +42,6 @@ class PlanOptions:
             raise BudgetError(f"--vram must be a positive number of bytes, got {self.vram!r}")
         if type(self.ctx) is not int or self.ctx < 1:
             raise BudgetError(f"--ctx must be a positive number of tokens, got {self.ctx!r}")
-        if type(self.prefill_chunk) is not int or self.prefill_chunk < 1:
-            raise BudgetError(f"prefill_chunk must be a positive number of tokens, got {self.prefill_chunk!r}")
         if type(self.tie_fused) is not bool:
             raise BudgetError("tie_fused must be true or false")
 
@@ -59,13 +56,34 @@ def solve(items: dict[str, list[tuple[int, float]]], budget: int) -> dict[str, i
     """{item: index of its chosen option} minimising the summed cost with summed bytes <= `budget`.
 
     `items` maps a name to its options as (bytes, cost). Raises BudgetError when even the smallest
-    options exceed the budget."""
-    fronts = {name: _pareto(options) for name, options in items.items()}
-    choice = {name: front[0] for name, front in fronts.items()}  # indices into the options
-    used = sum(items[n][i][0] for n, i in choice.items())
+    options exceed the budget. Exact (dynamic programming over the budget in DP_STATES steps, each
+    option's bytes rounded up to a step, then the rounding's leftover spent) when the table is small
+    enough, else the greedy along each tensor's lower convex hull; the better of the two is kept."""
+    used = sum(min(b for b, _ in options) for options in items.values())
     if used > budget:
         raise BudgetError(f"the smallest formats need {used} bytes, over the budget of {budget}")
-    # Greedy along each lower convex hull: best KLD saved per byte first.
+    best = _spend(items, _greedy(items, budget), budget)
+    if len(items) * min(budget + 1, DP_STATES + 1) <= DP_LIMIT:
+        exact = _spend(items, _dynamic(items, budget), budget)
+        if _total(items, exact, 1) < _total(items, best, 1):
+            best = exact
+    return best
+
+
+DP_STATES = 20_000
+DP_LIMIT = 40_000_000  # items x states above which the dynamic programme is skipped
+
+
+def _total(items, choice, field: int) -> float:
+    return sum(items[n][i][field] for n, i in choice.items())
+
+
+def _greedy(items, budget: int) -> dict[str, int]:
+    """Every item at its smallest option, then upgrades along the lower convex hulls, best KLD saved
+    per byte first (optimal for the continuous relaxation)."""
+    fronts = {name: _pareto(options) for name, options in items.items()}
+    choice = {name: front[0] for name, front in fronts.items()}
+    used = _total(items, choice, 0)
     hulls = {name: _hull([items[name][i] for i in front], front) for name, front in fronts.items()}
     position = dict.fromkeys(items, 0)
     heap = []
@@ -82,25 +100,59 @@ def solve(items: dict[str, list[tuple[int, float]]], budget: int) -> dict[str, i
             position[name] = step + 1
             choice[name] = hull[step + 1]
             _push_next(heap, name, hull, step + 1, items)
-    # Spend what is left: any single move to a better option that still fits, best gain first.
-    improved = True
-    while improved:
-        improved = False
-        best = None
-        for name, front in fronts.items():
-            cur_bytes, cur_cost = items[name][choice[name]]
-            for i in front:
-                b, c = items[name][i]
-                if c < cur_cost and used + b - cur_bytes <= budget:
-                    gain = cur_cost - c
-                    if best is None or gain > best[0]:
-                        best = (gain, name, i, b - cur_bytes)
-        if best is not None:
-            _, name, i, extra = best
-            choice[name] = i
-            used += extra
-            improved = True
     return choice
+
+
+def _dynamic(items, budget: int) -> dict[str, int]:
+    """The multiple-choice knapsack solved exactly over budget steps of `unit` bytes (bytes rounded
+    up, so the answer always fits)."""
+    import numpy as np
+
+    unit = max(1, -(-budget // DP_STATES))
+    cap = budget // unit
+    names = list(items)
+    best = np.zeros(cap + 1)  # best[c]: least cost of the items so far within c steps
+    picks = np.zeros((len(names), cap + 1), dtype=np.int32)
+    for k, name in enumerate(names):
+        new = np.full(cap + 1, np.inf)
+        pick = np.zeros(cap + 1, dtype=np.int32)
+        for i, (size, cost) in enumerate(items[name]):
+            steps = -(-size // unit)
+            if steps > cap:
+                continue
+            candidate = np.full(cap + 1, np.inf)
+            candidate[steps:] = best[:cap + 1 - steps] + cost
+            better = candidate < new
+            new[better] = candidate[better]
+            pick[better] = i
+        best, picks[k] = new, pick
+    if not np.isfinite(best[cap]):
+        raise BudgetError("no choice of formats fits the budget once rounded to the planner's steps")
+    choice, c = {}, cap
+    for k in range(len(names) - 1, -1, -1):
+        i = int(picks[k][c])
+        choice[names[k]] = i
+        c -= -(-items[names[k]][i][0] // unit)
+    return choice
+
+
+def _spend(items, choice: dict[str, int], budget: int) -> dict[str, int]:
+    """Spend what is left of the budget: any single move to a better option that still fits, the
+    largest gain first, until none fits."""
+    choice = dict(choice)
+    used = _total(items, choice, 0)
+    while True:
+        best = None
+        for name, options in items.items():
+            cur_bytes, cur_cost = options[choice[name]]
+            for i, (b, c) in enumerate(options):
+                if c < cur_cost and used + b - cur_bytes <= budget and (best is None or cur_cost - c > best[0]):
+                    best = (cur_cost - c, name, i, b - cur_bytes)
+        if best is None:
+            return choice
+        _, name, i, extra = best
+        choice[name] = i
+        used += extra
 
 
 def _pareto(options: list[tuple[int, float]]) -> list[int]:
@@ -187,9 +239,9 @@ def stored_bytes(model: Model, encodings: dict[str, Encoding], fuse: bool) -> in
     return total
 
 
-def weight_budget(model: Model, options: PlanOptions, quantizable: list[str]) -> tuple[int, dict]:
+def weight_budget(model: Model, options: PlanOptions) -> tuple[int, dict]:
     """(bytes the weights may take, the ledger's lines other than the weights)."""
-    fixed = ledger(model, 0, ctx=options.ctx, prefill_chunk=options.prefill_chunk, quantizable=quantizable)
+    fixed = ledger(model, 0, ctx=options.ctx)
     budgets = []
     if options.bpw is not None:
         budgets.append(int(options.bpw * parameters(model) / 8))
@@ -211,7 +263,7 @@ def plan_precision(program: Program, ctx: PassContext) -> Program:
     records = model.tensor_map()
     scores = program.annotations["scores"]["tensors"]
     scale = program.annotations.get("plan_adjustments", {}).get("scale", {})
-    budget, _ = weight_budget(model, options, list(scores))
+    budget, _ = weight_budget(model, options)
     encodings = {name: [Encoding(c[0], tuple(tuple(p) for p in c[1])) for c in row["candidates"]]
                  for name, row in scores.items()}
     costs = {name: [(c[2], c[4] * scale.get(name, 1.0)) for c in row["candidates"]] for name, row in scores.items()}
@@ -237,8 +289,7 @@ def plan_precision(program: Program, ctx: PassContext) -> Program:
             "weight_bytes": total_bytes, "parameters": params_count,
             "bits_per_weight": round(8 * total_bytes / params_count, 4), "predicted_kld": predicted,
             "method": ctx.config.quantize.method, "tie_fused": options.tie_fused, "choices": choices}
-    memory = ledger(model, total_bytes, ctx=options.ctx, prefill_chunk=options.prefill_chunk,
-                    quantizable=list(scores))
+    memory = ledger(model, total_bytes, ctx=options.ctx)
     memory["budget"] = options.vram
     return program.replace(annotations={**program.annotations, "precision_plan": plan, "memory": memory})
 

@@ -175,6 +175,7 @@ def run(
 ):
     import torch
 
+    from thin.artifacts import certificate_summary
     from thin.runtime import load
 
     options = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
@@ -182,6 +183,7 @@ def run(
     try:
         _check_file(model_path)
         model = load(model_path, device=device, verify=verify, vram=_vram_bytes(vram), graphs=not no_graph)
+        typer.echo(f"thin-exec: quality: {certificate_summary(model.artifact.section('certificate'))}", err=True)
         if verbose:
             typer.echo(f"thin-exec: {model.describe_implementations()}", err=True)
         try:

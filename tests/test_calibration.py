@@ -1,0 +1,119 @@
+"""calibrate_inputs against a direct computation: the inputs of transformers' own modules, captured
+with forward hooks on the same token windows."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from thin.compiler.evaluate import make_evaluator
+from thin.compiler.hf import load_checkpoint
+from thin.passes import CalibrateOptions, CalibrationError, PassContext, Scratch, calibrate_inputs
+from thin.passes.calibrate_inputs import load_statistics
+
+from hf_tiny import build_model
+from tiny_tokenizer import TEXT, write_tokenizer
+
+SIZES = dict(hidden_size=128, intermediate_size=256, head_dim=32, vocab_size=320)
+
+
+def _calibrate(path, tokens=600):
+    source = load_checkpoint(path)
+    ctx = PassContext(config=types.SimpleNamespace(calibrate=CalibrateOptions(tokens=tokens)),
+                      evaluator=make_evaluator("cpu", dict(source.tokenizer_files)), calibration_text=TEXT * 8,
+                      scratch=Scratch())
+    return calibrate_inputs(source.program, ctx), ctx
+
+
+def _hooked_second_moments(model, windows, modules: dict[str, torch.nn.Module]) -> dict[str, torch.Tensor]:
+    """sum(x x^T) / tokens of each module's input, over the windows, from transformers itself."""
+    sums = {}
+
+    def hook(name):
+        def record(module, args, output):
+            x = args[0].reshape(-1, args[0].shape[-1]).double()
+            sums[name] = sums.get(name, 0) + x.T @ x
+        return record
+
+    handles = [m.register_forward_hook(hook(n)) for n, m in modules.items()]
+    with torch.no_grad():
+        for w in windows:
+            model(torch.tensor([w]))
+    for h in handles:
+        h.remove()
+    total = sum(len(w) for w in windows)
+    return {n: (s / total).float() for n, s in sums.items()}
+
+
+def _windows(ctx, program):
+    ids = ctx.scratch.load("calibration/ids")["ids"].tolist()
+    window = program.annotations["calibration"]["window"]
+    return [ids[i:i + window] for i in range(0, len(ids), window)]
+
+
+def test_dense_statistics_match_transformers(tmp_path):
+    model = build_model("llama", **SIZES)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    write_tokenizer(tmp_path)
+    program, ctx = _calibrate(tmp_path)
+    note = program.annotations["calibration"]
+    assert note["tokens"] == 600 and note["windows"] == 3  # 256-token windows: the model's positions
+    layer = model.model.layers[1]
+    want = _hooked_second_moments(model, _windows(ctx, program), {
+        "layers.1.attn.q.weight": layer.self_attn.q_proj, "layers.1.attn.o.weight": layer.self_attn.o_proj,
+        "layers.1.ffn.up.weight": layer.mlp.up_proj, "layers.1.ffn.down.weight": layer.mlp.down_proj,
+        "lm_head.weight": model.lm_head})
+    for name, hessian in want.items():
+        stats = load_statistics(ctx, program, name)
+        torch.testing.assert_close(stats["hessian"], hessian, rtol=1e-4, atol=1e-5 * float(hessian.abs().max()))
+        assert int(stats["count"]) == 600
+    # q, k and v read one input: one set of statistics, shared.
+    assert note["inputs"]["layers.0.attn.q.weight"] == note["inputs"]["layers.0.attn.v.weight"]
+    x = load_statistics(ctx, program, "layers.1.ffn.down.weight")
+    torch.testing.assert_close(x["mean"] ** 2, x["mean"] ** 2)  # finite
+    assert bool((x["absmax"] ** 2 >= torch.diagonal(x["hessian"]) * 0.999).all())  # max x^2 >= mean x^2
+
+
+def test_experts_see_the_tokens_routed_to_them(tmp_path):
+    model = build_model("qwen3_moe", **SIZES, moe_intermediate_size=64)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    write_tokenizer(tmp_path)
+    program, ctx = _calibrate(tmp_path, tokens=1200)
+    inputs = []
+    block = model.model.layers[0].mlp
+    handle = block.register_forward_hook(lambda m, args, out: inputs.append(args[0].reshape(-1, args[0].shape[-1])))
+    with torch.no_grad():
+        for w in _windows(ctx, program):
+            model(torch.tensor([w]))
+    handle.remove()
+    x = torch.cat(inputs).double()
+    # transformers' own routing: softmax over the router, top-k experts per token.
+    chosen = torch.softmax(x @ block.gate.weight.double().T, -1).topk(model.config.num_experts_per_tok, -1).indices
+    note = program.annotations["calibration"]
+    starved = set(note["starved_experts"])
+    checked = 0
+    for e in range(model.config.num_experts):
+        routed = (chosen == e).any(-1)
+        name = f"layers.0.ffn.experts.{e}.gate.weight"
+        stats = load_statistics(ctx, program, name)
+        assert int(stats["count"]) == int(routed.sum())
+        if note["inputs"][name].removesuffix(".in") in starved:  # too few tokens: estimated statistics (expert_statistics.py)
+            continue
+        want = (x[routed].T @ x[routed] / note["tokens"]).float()
+        torch.testing.assert_close(stats["hessian"], want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
+        checked += 1
+    assert checked >= 6
+
+
+def test_calibration_refuses_too_little_text(tmp_path):
+    model = build_model("llama", **SIZES)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    write_tokenizer(tmp_path)
+    source = load_checkpoint(tmp_path)
+    ctx = PassContext(config=types.SimpleNamespace(calibrate=CalibrateOptions(tokens=600)),
+                      evaluator=make_evaluator("cpu", dict(source.tokenizer_files)), calibration_text="def f",
+                      scratch=Scratch())
+    with pytest.raises(CalibrationError, match="at least 64"):
+        calibrate_inputs(source.program, ctx)
