@@ -33,18 +33,16 @@ CUDA_CONTEXT = 512 * 2**20
 ENGINE_SCRATCH = 256 * 2**20
 DEFAULT_CTX = 4096
 
-_UNITS = {"": 1, "b": 1, "k": 2**10, "kib": 2**10, "m": 2**20, "mib": 2**20, "g": 2**30, "gib": 2**30,
-          "t": 2**40, "tib": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 
 
 def parse_size(text: str) -> int:
-    """Bytes in `8G`, `7.5GiB`, `12000M`, `512MiB`, `6GB`: K/M/G/T and KiB/MiB/GiB/TiB are powers of
-    1024 (as nvidia-smi counts), KB/MB/GB/TB powers of 1000; a bare number is bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
-    unit = match.group(2).lower() if match else None
-    if match is None or unit not in _UNITS:
-        raise ValueError(f"cannot read {text!r} as a size; write it like 8G, 7.5GiB, 12000M or 6GB")
-    size = int(float(match.group(1)) * _UNITS[unit])
+    """Bytes in `8G`, `7.5GiB`, `12000M`, `512MiB`, `6GB`: K/M/G/T are powers of 1024 with or without
+    "B" / "iB" (as nvidia-smi counts, and as `thin-exec --vram` reads them); a bare number is bytes."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*", str(text).lower())
+    if match is None or (match.group(3) == "ib" and not match.group(2)):
+        raise ValueError(f"cannot read {text!r} as a size; write it like 8G, 7.5GiB or 12000M")
+    size = int(float(match.group(1)) * _UNITS[match.group(2)])
     if size <= 0:
         raise ValueError(f"size {text!r} must be positive")
     return size

@@ -10,9 +10,9 @@ Two factors per (tensor t, format f), both measured on calibration data:
   j on) instead of about H_jj; E_t(f) = c_f sum_j sum_rows err_rj^2 / U_jj^2, with err the format's
   round-to-nearest error and c_f a per-encoding correction (GPTQ's updated weights round a little
   differently, most for 1- and 2-bit grids), measured once per compile by running GPTQ on up to
-  REFERENCE_ROWS rows of two reference tensors. On tiny-coder the estimate is within a few percent
-  of the error GPTQ then leaves. The embedding of an untied model is a lookup, not a product: its E
-  is the token-frequency-weighted squared row error.
+  REFERENCE_ROWS rows (and REFERENCE_COLUMNS columns) of two reference tensors. The embedding of
+  an untied model is a lookup, not a product: its E is the token-frequency-weighted squared row
+  error.
 - a_t, the sensitivity of the model's output to that layer error: tensor (or, for MoE experts,
   all experts of one role in one layer) is rounded alone to a probe format, the model runs on
   calibration windows with the rest exact, and a_t = measured mean KLD / E_t(probe).
@@ -42,6 +42,7 @@ PROBES = (Encoding("int3", (("asymmetric", 0), ("group_size", 64))),
 PROBE_WINDOWS = 4
 PROBE_TOKENS = 256
 REFERENCE_ROWS = 128  # rows of each reference tensor GPTQ runs on to correct the estimate
+REFERENCE_COLUMNS = 2048  # and its leading columns (with their block of H): a cheaper problem of the same kind
 
 
 @dataclass(frozen=True)
@@ -217,7 +218,8 @@ def _hessian(ctx: PassContext, program: Program, name: str, columns: int, device
 def _gptq_corrections(program: Program, ctx: PassContext, encodings) -> dict:
     """{encoding: GPTQ's measured error / the estimate}, the geometric mean over the first attention
     projection and the down projection of the middle layer (up to REFERENCE_ROWS rows each: GPTQ
-    treats rows independently, so a slice of rows is an exact sample)."""
+    treats rows independently, so a slice of rows is an exact sample; and up to REFERENCE_COLUMNS
+    leading columns, a smaller problem of the same kind)."""
     import math
 
     import torch
@@ -241,8 +243,9 @@ def _gptq_corrections(program: Program, ctx: PassContext, encodings) -> dict:
             if fmt.check(r.shape, enc.params):
                 continue
             w = formats.get(r.encoding.format).decode(program.load(name), r.shape, r.encoding.params, torch.float32)
-            w = w[:REFERENCE_ROWS].to(ctx.device)
-            hessian = _hessian(ctx, program, name, w.shape[1], w.device)
+            columns = min(w.shape[1], REFERENCE_COLUMNS)
+            w = w[:REFERENCE_ROWS, :columns].to(ctx.device)
+            hessian = _hessian(ctx, program, name, r.shape[1], w.device)[:columns, :columns]
             estimate = float(gptq_gain(hessian) @ ((w - rounded(fmt, w, enc.params)).double() ** 2).sum(0))
             _, w_hat = gptq(w, hessian, fmt, enc.params)
             measured = output_error(w, w_hat, hessian)

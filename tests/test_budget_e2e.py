@@ -178,3 +178,19 @@ def test_quant_with_max_kld_is_certified(checkpoint, tmp_path):
     failing = _cli("thinc", "compile", checkpoint, "-o", out, "--quant", "q1", "--max-kld", "0.0001",
                    "--device", "cpu")
     assert failing.returncode == 1 and "above 0.0001 (--max-kld)" in failing.stderr, failing.stderr
+
+
+@pytest.mark.gpu
+def test_tiny_coder_planned_on_the_gpu_meets_the_bar(tmp_path):
+    """Calibration, GPTQ, scoring and the certificate on CUDA (bf16 activations): the --bpw 5.06 bar
+    of the issue (0.75x llama.cpp's Q4_K_M KLD on tiny-coder) on the certificate's held-out prompts."""
+    from pathlib import Path
+
+    out = tmp_path / "m.thin"
+    model = Path(__file__).resolve().parent.parent / "examples/models/tiny-coder"
+    run = _cli("thinc", "compile", model, "-o", out, "--bpw", "5.06", "--device", "cuda")
+    assert run.returncode == 0, run.stderr
+    with open_artifact(out) as art:
+        cert, plan = art.section("certificate"), art.section("precision_plan")["plan"]
+    assert plan["bits_per_weight"] <= 5.06 and cert["status"] == "PASSED"
+    assert cert["measured"]["mean_kld"] <= 0.0088

@@ -182,7 +182,7 @@ def test_kv_cache_is_per_layer_and_a_sliding_window_bounds_it():
 
 
 @pytest.mark.parametrize("text,size", [("8G", 8 * 2**30), ("7.5GiB", int(7.5 * 2**30)), ("12000M", 12000 * 2**20),
-                                       ("6GB", 6 * 10**9), ("512MiB", 512 * 2**20), ("1024", 1024)])
+                                       ("6GB", 6 * 2**30), ("512MiB", 512 * 2**20), ("1024", 1024)])
 def test_parse_size(text, size):
     assert parse_size(text) == size
 

@@ -5,8 +5,11 @@
 
 Each --config is compiler options in short form: `FORMAT[:gN][:asym][:keep-head]` for `--quant`
 (`exact` compiles without quantization); or any `key=value` pairs of `compile_model` options joined
-by commas (`bpw=5.06` once the planner exists). The source model runs in float32 through thin's
-executor (the same numbers as transformers, see the parity tests); each artifact runs on the CPU.
+by commas (`bpw=5.06`, `bpw=3.6,method=rtn`, `quant=int4,group_size=32,method=gptq`). For a planned
+compile the table adds the planner's predicted KLD and the certificate's own measurement (8 held-out
+prompts of 256 positions, a different sample than this harness's windows). The source model runs in
+float32 through thin's executor (the same numbers as transformers, see the parity tests); each
+artifact runs on the CPU.
 Text: the first N tokens of the held-out stdlib modules (thin.compiler.corpus.heldout_text),
 scored in windows of --context tokens, each scoring --stride new positions.
 """
@@ -79,16 +82,23 @@ def main() -> None:
             result = compare(reference, model, ids, context=args.context, stride=args.stride)
             tensor_bytes = sum(model.artifact.tensor_entry(n)["size"] for n in model.artifact.tensor_names())
             parameters = sum(_numel(t.shape) for t in model.ir.tensors)
+            plan = (model.artifact.section("precision_plan") or {}).get("plan") or {}
+            certificate = model.artifact.section("certificate") or {}
             rows.append({"config": text, "bits_per_weight": 8 * tensor_bytes / parameters,
-                         "file_bytes": path.stat().st_size, "compile_s": seconds, **result.to_plain()})
-            print(f"{text:<24} {rows[-1]['bits_per_weight']:6.3f} bpw  {result.summary()}", flush=True)
+                         "file_bytes": path.stat().st_size, "compile_s": seconds, **result.to_plain(),
+                         "predicted_kld": plan.get("predicted_kld"),
+                         "certificate_kld": certificate.get("measured", {}).get("mean_kld")})
+            print(f"{text:<24} {rows[-1]['bits_per_weight']:6.3f} bpw  {result.summary()}  compile {seconds:.0f}s",
+                  flush=True)
     print()
-    print("| config | bits per weight | file | mean KLD | KLD p99 | top-1 | ppl (source) | positions |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    print("| config | bits per weight | file | mean KLD | KLD p99 | top-1 | ppl (source) | positions | predicted KLD "
+          "| certificate KLD |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
+        extra = " | ".join("-" if r[k] is None else f"{r[k]:.5f}" for k in ("predicted_kld", "certificate_kld"))
         print(f"| {r['config']} | {r['bits_per_weight']:.2f} | {r['file_bytes'] / 2**20:.2f} MiB | "
               f"{r['mean_kld']:.5f} | {r['kld_p99']:.4f} | {100 * r['top1_agreement']:.1f}% | "
-              f"{r['perplexity_candidate']:.3f} ({r['perplexity_reference']:.3f}) | {r['positions']} |")
+              f"{r['perplexity_candidate']:.3f} ({r['perplexity_reference']:.3f}) | {r['positions']} | {extra} |")
     if args.json:
         print(json.dumps(rows, indent=1))
 
