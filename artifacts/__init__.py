@@ -5,7 +5,7 @@ structure before mapping the file. No torch here: inspecting a file needs only n
 zstandard. FORMAT.md describes the bytes.
 """
 
-from .describe import certificate_summary, describe, human_size, render_description
+from .describe import certificate_summary, describe, ffn_level_summary, human_size, render_description
 from .errors import (
     ArtifactClosedError,
     ArtifactError,
@@ -51,6 +51,7 @@ __all__ = [
     "compute_key",
     "default_hash_cache",
     "describe",
+    "ffn_level_summary",
     "human_size",
     "hash_files",
     "open_artifact",

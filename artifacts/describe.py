@@ -75,6 +75,32 @@ def certificate_summary(cert: dict | None) -> str:
             "held-out positions")
 
 
+def ffn_level_summary(cert: dict | None, keep: float) -> str:
+    """One line for the elastic FFN level `keep` a runtime runs: its certificate, or why there is none."""
+    levels = ((cert or {}).get("ffn_levels") or {}).get("levels", [])
+    level = next((lv for lv in levels if abs(lv["keep"] - keep) < 5e-4), None)
+    if level is None:
+        return f"FFN level {keep:g}: UNCERTIFIED (not a level the compiler measured)"
+    m = level["measured"]
+    return (f"FFN level {keep:g}: mean KLD {m['mean_kld']:.5f}, top-1 {100 * m['top1_agreement']:.1f}%, cosine "
+            f"{m['mean_cosine']:.4f}, {human_size(level['bytes_per_token'])} of weights per token")
+
+
+def _level_lines(cert: dict) -> list[str]:
+    """The certificate's elastic FFN levels as a table."""
+    block = cert.get("ffn_levels")
+    if not block:
+        return []
+    method = ", ".join(f"{k} {v}" for k, v in sorted(block["method"].items()))
+    rows = [("keep", "channels per layer", "FFN bytes", "bytes/token", "mean KLD", "top-1", "cosine")]
+    for lv in block["levels"]:
+        m = lv["measured"]
+        rows.append((f"{lv['keep']:g}", ",".join(map(str, lv["channels"])), human_size(lv["ffn_bytes"]),
+                     human_size(lv["bytes_per_token"]), f"{m['mean_kld']:.5f}", f"{100 * m['top1_agreement']:.1f}%",
+                     f"{m['mean_cosine']:.4f}"))
+    return ["", f"elastic FFN levels ({method})", *_table(rows, (2, 3, 4, 5, 6))]
+
+
 def _encoding_label(e) -> str:
     """`int4(asymmetric=0,group_size=128)`: a format with its parameters, as one word."""
     return e.format + (f"({','.join(f'{k}={v}' for k, v in e.params)})" if e.params else "")
@@ -156,6 +182,7 @@ def render_description(d: dict) -> str:
             rows.append(("predicted KLD", f"{cert['predicted_kld']:.6g}"))
         rows.append(("promotion rounds", str(len(cert.get("rounds", [])))))
         lines += _table(rows, ())
+    lines += _level_lines(cert)
     memory = d.get("memory")
     if memory is not None:
         lines += ["", f"memory ledger (--ctx {memory['ctx']})"]

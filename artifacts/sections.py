@@ -140,8 +140,9 @@ def _memory_error(value: dict) -> str | None:
 def _certificate_error(value: dict) -> str | None:
     if value.get("status") not in CERTIFICATE_STATUSES:
         return f"certificate.status must be one of {', '.join(CERTIFICATE_STATUSES)}"
-    if value["status"] == "EXACT":
-        return None
+    err = _levels_error(value.get("ffn_levels"))
+    if err or value["status"] == "EXACT":
+        return err
     err = _fields(value, "certificate", {"gate": (lambda v: type(v) is dict, False),
                                          "measured": (lambda v: type(v) is dict, False),
                                          "prompts": (lambda v: type(v) is dict, False)})
@@ -159,6 +160,32 @@ def _certificate_error(value: dict) -> str | None:
                    {"count": (lambda v: type(v) is int and v > 0, False),
                     "positions": (lambda v: type(v) is int and v > 0, False),
                     "sha256": (lambda v: type(v) is str and bool(_HEX64.fullmatch(v)), False)})
+
+
+def _levels_error(value) -> str | None:
+    """The certificate of elastic FFN levels (thin.ir.FFNLevel): how they were made, and per level its
+    channels, bytes read and measurements."""
+    if value is None:
+        return None
+    if type(value) is not dict:
+        return "certificate.ffn_levels must be a mapping"
+    err = _fields(value, "certificate.ffn_levels", {"method": (lambda v: type(v) is dict, False),
+                                                    "levels": (lambda v: type(v) is list and bool(v), False)})
+    for i, level in enumerate(value["levels"] if not err else ()):
+        where = f"certificate.ffn_levels.levels[{i}]"
+        if type(level) is not dict:
+            return f"{where} must be a mapping"
+        err = _fields(level, where, {
+            "keep": (lambda v: _number(v) and 0 < v <= 1, False),
+            "channels": (lambda v: type(v) is list and all(type(c) is int and c > 0 for c in v), False),
+            "ffn_bytes": (lambda v: type(v) is int and v >= 0, False),
+            "bytes_per_token": (lambda v: type(v) is int and v > 0, False),
+            "measured": (lambda v: type(v) is dict, False)})
+        err = err or _fields(level["measured"], f"{where}.measured", dict.fromkeys(
+            ("mean_kld", "top1_agreement", "mean_cosine"), (_number, False)))
+        if err:
+            return err
+    return err
 
 
 def encode_sections(sections: dict | None) -> dict:

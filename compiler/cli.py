@@ -30,6 +30,9 @@ _UNCERTIFIED_HELP = "Write the artifact even when the gate fails; its certificat
 _DEVICE_HELP = "Where calibration and certification run: cuda or cpu (default: cuda when available)."
 _MAP_HELP = "Draw the format of every tensor, layer by layer, into FILE (.svg or .png)."
 _TIE_HELP = "Give q/k/v and gate/up one format each so they fuse into one matmul (speed over quality)."
+_LEVELS_HELP = ("Elastic FFN: order each FFN's channels by importance in 128-channel superblocks and certify a "
+                "cheaper model per keep fraction F (share of FFN bytes read), e.g. 1,0.875,0.75,0.5 or 5/6; "
+                "thin-exec --ffn-keep F runs one. Calibrates and certifies (runs the model).")
 
 
 def _config(no_fuse: bool, quant: str | None, group_size: int | None, asymmetric: bool, keep_lm_head: bool,
@@ -112,6 +115,7 @@ def compile(
     allow_uncertified: bool = typer.Option(False, "--allow-uncertified", help=_UNCERTIFIED_HELP),
     device: str | None = typer.Option(None, "--device", metavar="cuda|cpu", help=_DEVICE_HELP),
     tie_fused: bool = typer.Option(False, "--tie-fused", help=_TIE_HELP),
+    ffn_levels: str | None = typer.Option(None, "--ffn-levels", metavar="F[,F...]", help=_LEVELS_HELP),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="Print only the summary."),
 ):
     """Compile MODEL_DIR into one .thin file. Without --vram, --bpw or --quant every tensor keeps its stored
@@ -121,7 +125,7 @@ def compile(
     from .build import build
 
     def run():
-        config = _config(no_fuse, quant, group_size, asymmetric, keep_lm_head, **_budget(
+        config = _config(no_fuse, quant, group_size, asymmetric, keep_lm_head, ffn_levels=ffn_levels, **_budget(
             vram, bpw, ctx, calib, calib_tokens, method, max_kld, allow_uncertified, device, tie_fused))
         return build(model_dir, output, config, cache_dir=cache_dir, dump_ir=dump_ir,
                      progress=_StageProgress(quiet), calib=calib)
@@ -208,6 +212,7 @@ def key(
     allow_uncertified: bool = typer.Option(False, "--allow-uncertified", help=_UNCERTIFIED_HELP),
     device: str | None = typer.Option(None, "--device", metavar="cuda|cpu", help=_DEVICE_HELP),
     tie_fused: bool = typer.Option(False, "--tie-fused", help=_TIE_HELP),
+    ffn_levels: str | None = typer.Option(None, "--ffn-levels", metavar="F[,F...]", help=_LEVELS_HELP),
 ):
     """Print the cache key `thinc compile` would give MODEL_DIR with these options (calibration text,
     planner options and certificate thresholds included)."""
@@ -218,7 +223,7 @@ def key(
     def run():
         if not (model_dir / "config.json").is_file():
             raise FileNotFoundError(f"{model_dir} has no config.json; give a Hugging Face model folder")
-        config = _config(no_fuse, quant, group_size, asymmetric, keep_lm_head, **_budget(
+        config = _config(no_fuse, quant, group_size, asymmetric, keep_lm_head, ffn_levels=ffn_levels, **_budget(
             vram, bpw, ctx, calib, calib_tokens, method, max_kld, allow_uncertified, device, tie_fused))
         identity = evaluation_identity(*evaluation_texts(config, calib))
         return compute_key(model_dir, config.to_plain(), calibration=identity, target=config.target)
@@ -293,6 +298,11 @@ def _quality_rows(report) -> list[tuple[str, str]]:
                                f"({lines})"))
     if report.certificate is not None:
         rows.append(("certificate", certificate_summary(report.certificate)))
+        for level in (report.certificate.get("ffn_levels") or {}).get("levels", [])[1:]:
+            m = level["measured"]
+            rows.append((f"ffn level {level['keep']:g}", f"mean KLD {m['mean_kld']:.5f}, top-1 "
+                         f"{100 * m['top1_agreement']:.1f}%, {human_size(level['bytes_per_token'])} per token, "
+                         f"channels {','.join(map(str, level['channels']))}"))
     return rows
 
 

@@ -14,6 +14,8 @@ from thin.passes import (
     CalibrateOptions,
     CalibrationError,
     CertifyOptions,
+    FFNLevelOptionError,
+    FFNLevelOptions,
     PlanOptions,
     QuantizeOptionError,
     QuantizeOptions,
@@ -21,7 +23,7 @@ from thin.passes import (
     parse_size,
 )
 
-CONFIG_SCHEMA = 3
+CONFIG_SCHEMA = 4  # 4: ffn (elastic FFN levels)
 TARGETS = ("generic",)
 DEVICES = ("cpu", "cuda")
 
@@ -48,6 +50,8 @@ class CompileConfig:
     calibrate: CalibrateOptions = field(default_factory=CalibrateOptions)
     score: ScoreOptions = field(default_factory=ScoreOptions)
     certify: CertifyOptions = field(default_factory=CertifyOptions)
+    # Elastic FFN levels (`--ffn-levels`): importance-ordered FFN channels and certified cheaper prefixes.
+    ffn: FFNLevelOptions = field(default_factory=FFNLevelOptions)
     # Where calibration and certification run ("cpu" or "cuda"); None for a compile that never
     # runs the model. Float results differ between devices, so this is part of the key.
     device: str | None = None
@@ -60,7 +64,7 @@ class CompileConfig:
         if not isinstance(self.fuse_projections, bool):
             raise CompileOptionError("fuse_projections must be true or false")
         for name, kind in (("quantize", QuantizeOptions), ("plan", PlanOptions), ("calibrate", CalibrateOptions),
-                           ("score", ScoreOptions), ("certify", CertifyOptions)):
+                           ("score", ScoreOptions), ("certify", CertifyOptions), ("ffn", FFNLevelOptions)):
             if not isinstance(getattr(self, name), kind):
                 raise CompileOptionError(f"{name} must be a {kind.__name__}")
         if self.plan.planned and self.quantize.format is not None:
@@ -87,13 +91,14 @@ class CompileConfig:
 
     @property
     def calibrated(self) -> bool:
-        """Calibration runs: the planner scores with it and GPTQ rounds with it."""
-        return self.plan.planned or (self.quantized and self.quantize.method == "gptq")
+        """Calibration runs: the planner scores with it, GPTQ rounds with it, FFN levels order by it."""
+        return self.plan.planned or (self.quantized and self.quantize.method == "gptq") or self.ffn.enabled
 
     @property
     def certified(self) -> bool:
-        """A certificate is measured: always for a planned compile; for --quant when --max-kld asks."""
-        return self.plan.planned or (self.quantized and self.certify.max_kld is not None)
+        """A certificate is measured: always for a planned compile and for FFN levels (each level is
+        measured); for --quant when --max-kld asks."""
+        return self.plan.planned or (self.quantized and self.certify.max_kld is not None) or self.ffn.enabled
 
     @property
     def evaluated(self) -> bool:
@@ -105,8 +110,9 @@ class CompileConfig:
         """Build from keyword options, refusing names that are not options. The pass options may be
         given flat: quant="int4", group_size=64, asymmetric=True, keep_lm_head=True, method="gptq",
         bpw=4.5, vram="8G", ctx=4096, tie_fused=True, calib_tokens=8192, calib_source="file",
-        max_kld=0.01, allow_uncertified=True, formats=("int4", "q2"). `device` defaults to cuda when
-        a GPU is present for a compile that runs the model."""
+        max_kld=0.01, allow_uncertified=True, formats=("int4", "q2"), ffn_levels=(0.75, 0.5),
+        ffn_importance="output", ffn_per_layer=True, ffn_correction="scale". `device` defaults to cuda
+        when a GPU is present for a compile that runs the model."""
         flat = {"quant": ("quantize", "format"), "group_size": ("quantize", "group_size"),
                 "asymmetric": ("quantize", "asymmetric"), "keep_lm_head": ("quantize", "keep_lm_head"),
                 "method": ("quantize", "method"), "act_order": ("quantize", "act_order"),
@@ -114,7 +120,9 @@ class CompileConfig:
                 "tie_fused": ("plan", "tie_fused"), "calib_tokens": ("calibrate", "tokens"),
                 "calib_source": ("calibrate", "source"), "formats": ("score", "formats"),
                 "probe_windows": ("score", "probe_windows"), "max_kld": ("certify", "max_kld"),
-                "allow_uncertified": ("certify", "allow_uncertified")}
+                "allow_uncertified": ("certify", "allow_uncertified"), "ffn_levels": ("ffn", "levels"),
+                "ffn_importance": ("ffn", "importance"), "ffn_per_layer": ("ffn", "per_layer"),
+                "ffn_correction": ("ffn", "correction")}
         known = {f.name for f in dataclasses.fields(cls)} - {"schema"}
         unknown = sorted(set(options) - known - set(flat))
         if unknown:
@@ -122,7 +130,7 @@ class CompileConfig:
                                      f"known options: {', '.join(sorted(known | set(flat)))}")
         groups: dict[str, dict] = {}
         for key in list(options):
-            if key in flat and options[key] is not None and options[key] is not False:
+            if key in flat and options[key] is not None and (options[key] is not False or key == "ffn_per_layer"):
                 group, name = flat[key]
                 groups.setdefault(group, {})[name] = options.pop(key)
             elif key in flat:
@@ -133,8 +141,10 @@ class CompileConfig:
                 plan["vram"] = parse_size(plan["vram"])
             if "formats" in groups.get("score", {}):
                 groups["score"]["formats"] = tuple(groups["score"]["formats"])
+            if "levels" in groups.get("ffn", {}):
+                groups["ffn"]["levels"] = ffn_levels(groups["ffn"]["levels"])
             kinds = {"quantize": QuantizeOptions, "plan": PlanOptions, "calibrate": CalibrateOptions,
-                     "score": ScoreOptions, "certify": CertifyOptions}
+                     "score": ScoreOptions, "certify": CertifyOptions, "ffn": FFNLevelOptions}
             for group, values in groups.items():
                 if group in options:
                     raise CompileOptionError(f"give either {group}=... or its flat options, not both")
@@ -145,7 +155,7 @@ class CompileConfig:
 
                 options["device"] = default_device()
             return cls(**options)
-        except (QuantizeOptionError, BudgetError, CalibrationError, ValueError) as e:
+        except (QuantizeOptionError, BudgetError, CalibrationError, FFNLevelOptionError, ValueError) as e:
             if isinstance(e, CompileOptionError):
                 raise
             raise CompileOptionError(str(e)) from None
@@ -154,12 +164,31 @@ class CompileConfig:
         return dataclasses.asdict(self)
 
 
+def ffn_levels(value) -> tuple[float, ...]:
+    """--ffn-levels as keep fractions: "1,0.875,3/4" or a sequence of numbers; 1 (always certified) is left
+    out. CompileOptionError for anything else."""
+    from fractions import Fraction
+
+    items = value.split(",") if isinstance(value, str) else list(value)
+    try:
+        keeps = [float(Fraction(v.strip())) if isinstance(v, str) else v for v in items if v != ""]
+    except (ValueError, ZeroDivisionError):
+        raise CompileOptionError(f"--ffn-levels takes keep fractions such as 1,0.875,0.75,0.5 or 5/6, "
+                                 f"got {value!r}") from None
+    levels = tuple(k for k in keeps if k != 1)
+    if not levels:
+        raise CompileOptionError("--ffn-levels needs at least one keep fraction below 1")
+    return levels
+
+
 def _evaluates(options: dict) -> bool:
     """Whether a config from these options will run the model (so it needs a device)."""
     quantize, plan, certify = options.get("quantize"), options.get("plan"), options.get("certify")
     planned = plan is not None and plan.planned
     quant = quantize is not None and quantize.format is not None
-    return planned or (quant and (quantize.method == "gptq" or (certify is not None and certify.max_kld is not None)))
+    levels = options.get("ffn") is not None and options["ffn"].enabled
+    return planned or levels or (quant and (quantize.method == "gptq" or (certify is not None
+                                                                            and certify.max_kld is not None)))
 
 
 def _check_flags(options: dict, groups: dict) -> None:
@@ -169,10 +198,11 @@ def _check_flags(options: dict, groups: dict) -> None:
     gptq = planned or groups.get("quantize", {}).get("method") == "gptq"
     if not planned and set(groups.get("plan", {})) & {"ctx", "tie_fused"}:
         raise CompileOptionError("--ctx and --tie-fused need a budget (--bpw or --vram)")
-    if not gptq and "calibrate" in groups:
-        raise CompileOptionError("--calib and --calib-tokens need calibration: a budget (--bpw / --vram) or "
-                                 "--method gptq")
-    if groups.get("quantize", {}).get("method") == "rtn" and "calibrate" in groups and not planned:
+    levels = "levels" in groups.get("ffn", {})
+    if not gptq and not levels and "calibrate" in groups:
+        raise CompileOptionError("--calib and --calib-tokens need calibration: a budget (--bpw / --vram), "
+                                 "--method gptq or --ffn-levels")
+    if groups.get("quantize", {}).get("method") == "rtn" and "calibrate" in groups and not planned and not levels:
         raise CompileOptionError("--method rtn with --quant does not calibrate; drop --calib / --calib-tokens")
     if not quantizes and "certify" in groups:
         raise CompileOptionError("--max-kld and --allow-uncertified need a quantized compile (a budget or --quant)")
@@ -181,3 +211,5 @@ def _check_flags(options: dict, groups: dict) -> None:
         raise CompileOptionError("--allow-uncertified needs a certificate: a budget or --max-kld")
     if not planned and "score" in groups:
         raise CompileOptionError("formats and probe_windows are planner options: give a budget (--bpw / --vram)")
+    if "ffn" in groups and "levels" not in groups["ffn"]:
+        raise CompileOptionError("ffn_importance, ffn_per_layer and ffn_correction shape FFN levels: give --ffn-levels")

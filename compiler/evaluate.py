@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from thin.ir import Program
 from thin.runtime.executor import Executor
 from thin.runtime.generate import generate
+from thin.runtime.linear import DenseLinear
 from thin.runtime.quality import compare_prompts
 from thin.runtime.sampling import GenerationOptions
 
@@ -51,6 +52,14 @@ class _Tap:
         if weight is None:
             return self.op(x)
         return F.linear(x, weight.to(x.dtype), getattr(self.op, "bias", None))
+
+    def prefix(self, x: torch.Tensor, *, rows=None, cols=None, halves=1) -> torch.Tensor:
+        """The op's weight prefix (LinearOp.prefix), or the override's. The observer sees full inputs only."""
+        weight = self.session.overrides.get(self.name)
+        if weight is None:
+            return self.op.prefix(x, rows=rows, cols=cols, halves=halves)
+        return DenseLinear(weight.to(x.dtype), getattr(self.op, "bias", None), self.format).prefix(
+            x, rows=rows, cols=cols, halves=halves)
 
     def dense_weight(self) -> torch.Tensor:
         return self.op.dense_weight()
@@ -104,6 +113,25 @@ class Session:
             yield self
         finally:
             self.overrides = {}
+
+    @contextlib.contextmanager
+    def ffn_prefix(self, widths: list[int | None], scales=None, shifts=None):
+        """Within the block, layer i's FFN runs only its first widths[i] channels, scaled by scales[i]
+        and shifted by shifts[i] (see Executor.set_ffn_prefix)."""
+        self.executor.set_ffn_prefix(widths, scales, shifts)
+        try:
+            yield self
+        finally:
+            self.executor.set_ffn_level(None)
+
+    @contextlib.contextmanager
+    def ffn_level(self, index: int):
+        """Within the block, the model runs its elastic FFN level `index` (model.ffn_levels[index])."""
+        self.executor.set_ffn_level(index)
+        try:
+            yield self
+        finally:
+            self.executor.set_ffn_level(None)
 
     def greedy(self, prompt: Sequence[int], n: int) -> list[int]:
         """`n` greedily chosen tokens after `prompt` (no stop token ends it early)."""

@@ -5,10 +5,12 @@ from __future__ import annotations
 from thin.passes import (
     Pass,
     calibrate_inputs,
+    certify_ffn_levels,
     certify_model,
     check_budget,
     fuse_projections,
     layout_experts,
+    order_superblocks,
     order_tensors,
     plan_precision,
     quantize_weights,
@@ -20,16 +22,20 @@ from .config import CompileConfig
 
 def build_pipeline(config: CompileConfig) -> list[Pass]:
     """The passes a compile with `config` runs, in order."""
-    planned = config.plan.planned
+    planned, levels = config.plan.planned, config.ffn.enabled
     return [
         # -- budget: a budget below the smallest model fails here, before the model ever runs
         *([check_budget] if planned else []),
         # -- precision: statistics of every linear input, predicted error per format, the plan
         *([calibrate_inputs] if config.calibrated else []),
+        # -- elastic FFN: channels by importance in 128-channel superblocks, before any group is quantized
+        *([order_superblocks] if levels else []),
         *([score_formats, plan_precision] if planned else []),
         *([quantize_weights] if config.quantized else []),
-        # -- proof: held-out comparison with the source; promotions and re-planning below the gate
+        # -- proof: held-out comparison with the source; promotions and re-planning below the gate; then
+        #    each FFN level (a channel prefix per layer within its bytes) chosen, corrected and measured
         *([certify_model] if config.certified else []),
+        *([certify_ffn_levels] if levels else []),
         # -- structure: fusion (after precision, so q/k/v fuse when their formats agree), execution order
         *([fuse_projections] if config.fuse_projections else []),
         order_tensors,

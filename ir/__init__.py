@@ -6,6 +6,7 @@ from .model import (
     DecoderLayer,
     Embedding,
     Encoding,
+    FFNLevel,
     Linear,
     LMHead,
     Model,
@@ -21,7 +22,7 @@ from .verify import IRVerificationError, verify
 from .version import IR_VERSION, __version__
 
 __all__ = [
-    "Attention", "DecoderLayer", "Embedding", "Encoding", "Linear", "LMHead", "MLP", "Model", "MoE",
+    "Attention", "DecoderLayer", "Embedding", "Encoding", "FFNLevel", "Linear", "LMHead", "MLP", "Model", "MoE",
     "Norm", "RoPE", "Tensor", "format_ir", "Program", "IRSchemaError", "from_plain", "to_plain",
     "IRVerificationError", "verify", "IR_VERSION", "__version__",
 ]

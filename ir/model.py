@@ -168,6 +168,21 @@ class LMHead:
 
 
 @dataclass(frozen=True)
+class FFNLevel:
+    """Elastic FFN: a cheaper model inside the artifact. Every dense FFN's intermediate channels are
+    stored ordered by importance in 128-channel superblocks (passes/order_superblocks.py), so running
+    only the first `channels[i]` of layer i is a contiguous prefix: rows [0, k) of gate and of up,
+    columns [0, k) of down. The compiler certified this level (the certificate's `ffn_levels`)."""
+
+    keep: float  # the level's name: at most this share of the FFN weight bytes is read (1.0: all)
+    channels: tuple[int, ...]  # per layer: intermediate channels run (a multiple of 128, or all)
+    # Per layer: a [hidden] tensor added to the FFN's output (the mean output of the dropped channels),
+    # and a [channels] tensor multiplying the kept channels before down; None where all channels run.
+    shift: tuple[str | None, ...] = ()
+    scale: tuple[str | None, ...] = ()
+
+
+@dataclass(frozen=True)
 class Model:
     architecture: str  # the checkpoint's `architectures[0]`, e.g. "Qwen3ForCausalLM"
     family: str  # the adapter that produced it, e.g. "qwen3"
@@ -179,6 +194,8 @@ class Model:
     final_norm: Norm
     lm_head: LMHead
     tensors: tuple[Tensor, ...] = field(default=())
+    # Elastic FFN levels, by decreasing keep; the first keeps everything. Empty: channels as in the source.
+    ffn_levels: tuple[FFNLevel, ...] = ()
 
     def tensor(self, name: str) -> Tensor:
         for t in self.tensors:

@@ -20,6 +20,11 @@ def format_ir(model: m.Model) -> str:
                 _block(lines, f.name, value, 2)
     _block(lines, "final_norm", model.final_norm, 1)
     _block(lines, "lm_head", model.lm_head, 1)
+    for level in model.ffn_levels:
+        lines.append(f"  ffn_level keep={level.keep!r} channels={','.join(map(str, level.channels))}")
+        for label, names in (("shift", level.shift), ("scale", level.scale)):
+            if any(names):
+                lines.append(f"    {label}: {' '.join(n or '-' for n in names)}")
     lines.append(f"tensors {len(model.tensors)}")
     for t in model.tensors:
         params = "".join(f" {k}={v}" for k, v in t.encoding.params)

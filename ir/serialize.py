@@ -18,7 +18,7 @@ from .version import IR_VERSION
 _CLASSES = {
     c.__name__: c
     for c in (m.Encoding, m.Tensor, m.Linear, m.Norm, m.RoPE, m.Attention, m.MLP, m.MoE,
-              m.DecoderLayer, m.Embedding, m.LMHead, m.Model)
+              m.DecoderLayer, m.Embedding, m.LMHead, m.FFNLevel, m.Model)
 }
 _MAX_DEPTH = 32
 

@@ -6,6 +6,7 @@ import math
 
 from . import formats
 from . import model as m
+from .elastic import SUPERBLOCK
 
 MAX_ALIGN = 1 << 21  # 2 MiB: a huge page
 
@@ -60,6 +61,7 @@ class _Verifier:
             if layer.index != i:
                 self.err(f"layers[{i}].index is {layer.index}, expected {i}")
             self.layer(layer, f"layers[{i}]")
+        self.ffn_levels()
         for name in sorted(set(self.tensors) - self.used):
             self.err(f"tensor {name!r} is in the tensor table but no block uses it")
 
@@ -227,6 +229,43 @@ class _Verifier:
         if moe.shared_expert is not None:
             self.mlp(moe.shared_expert, None, f"{where}.shared_expert")
         self.linear(moe.shared_expert_gate, 1, H, f"{where}.shared_expert_gate")
+
+    def ffn_levels(self) -> None:
+        """Elastic FFN levels: by decreasing keep, the first keeping everything; per layer a channel count
+        that is a whole number of superblocks (or all); shift and scale tensors only where channels are cut."""
+        levels = self.model.ffn_levels
+        if not levels:
+            return
+        widths = []
+        for layer in self.model.layers:
+            down = self.tensors.get(layer.ffn.down.weight) if isinstance(layer.ffn, m.MLP) else None
+            widths.append(down.shape[1] if down is not None and len(down.shape) == 2 else None)
+        if None in widths:
+            self.err("ffn_levels need a dense MLP in every layer (mixtures of experts have no levels)")
+            return
+        keeps = [level.keep for level in levels]
+        if keeps[0] != 1.0 or any(not (_finite(k) and 0 < k <= 1) for k in keeps) or \
+                any(a <= b for a, b in zip(keeps, keeps[1:])):
+            self.err(f"ffn_levels keep {keeps} must decrease from 1.0 and stay above 0")
+        H = self.model.hidden_size
+        for j, level in enumerate(levels):
+            where = f"ffn_levels[{j}]"
+            n = len(widths)
+            if not (len(level.channels) == len(level.shift) == len(level.scale) == n):
+                self.err(f"{where}: channels, shift and scale need one entry per layer ({n})")
+                continue
+            for i, (k, width) in enumerate(zip(level.channels, widths)):
+                if type(k) is not int or not 0 < k <= width or (k != width and k % SUPERBLOCK):
+                    self.err(f"{where}: layer {i} runs {k!r} channels; a multiple of {SUPERBLOCK} up to {width} "
+                             "or all of them")
+                    continue
+                cut = k < width
+                for name, shape, label in ((level.shift[i], (H,), "shift"), (level.scale[i], (k,), "scale")):
+                    if not cut and name is not None:
+                        self.err(f"{where}: layer {i} runs every channel and takes no {label} tensor")
+                    self.ref(name, shape, f"{where}.{label}[{i}]")
+        if any(k != w for k, w in zip(levels[0].channels, widths)):
+            self.err("ffn_levels[0] must run every channel")
 
 
 def _finite(x) -> bool:

@@ -1,11 +1,13 @@
 """IR -> IR passes and the runner that applies them in order."""
 
 from .calibrate_inputs import CalibrateOptions, CalibrationError, calibrate_inputs, input_groups
+from .certify_ffn_levels import certify_ffn_levels
 from .certify_model import DEFAULT_MAX_KLD, CertificationError, CertifyOptions, certify_model
 from .check_budget import check_budget
 from .fuse_projections import fuse_projections
 from .layout_experts import layout_experts
 from .memory_ledger import CUDA_CONTEXT, ledger, parse_size
+from .order_superblocks import FFNLevelOptionError, FFNLevelOptions, order_superblocks
 from .order_tensors import order_tensors
 from .plan_precision import BudgetError, PlanOptions, plan_precision, solve
 from .quantize_weights import QuantizeOptionError, QuantizeOptions, linear_weights, quantize_weights
@@ -15,8 +17,9 @@ from .scratch import Scratch
 
 __all__ = [
     "BudgetError", "CalibrateOptions", "CalibrationError", "CertificationError", "CertifyOptions", "DEFAULT_MAX_KLD",
-    "Evaluator", "Pass", "PassContext", "PassError", "PlanOptions", "QuantizeOptionError", "QuantizeOptions",
-    "CUDA_CONTEXT", "ScoreOptions", "Scratch", "calibrate_inputs", "certify_model", "check_budget",
-    "fuse_projections", "input_groups", "layout_experts", "ledger", "linear_weights", "order_tensors", "parse_size",
-    "plan_precision", "plannable", "quantize_weights", "run_passes", "score_formats", "solve",
+    "Evaluator", "FFNLevelOptionError", "FFNLevelOptions", "Pass", "PassContext", "PassError", "PlanOptions",
+    "QuantizeOptionError", "QuantizeOptions", "CUDA_CONTEXT", "ScoreOptions", "Scratch", "calibrate_inputs",
+    "certify_ffn_levels", "certify_model", "check_budget", "fuse_projections", "input_groups", "layout_experts",
+    "ledger", "linear_weights", "order_superblocks", "order_tensors", "parse_size", "plan_precision", "plannable",
+    "quantize_weights", "run_passes", "score_formats", "solve",
 ]

@@ -68,7 +68,7 @@ def statistics_key(input_key: str) -> str:
 def calibrate_inputs(program: Program, ctx: PassContext) -> Program:
     """Afterwards, for every linear weight's input (see `input_groups`), the scratch store holds its
     statistics over the calibration tokens: `hessian` = sum(x x^T) / N (the second-moment matrix
-    GPTQ and the scores use), `mean` and `absmax` per input channel, and `count`, the tokens that
+    GPTQ and the scores use), `mean`, `absmean` and `absmax` per input channel, and `count`, the tokens that
     reached it (an expert sees only those routed to it; N counts every calibration token, so a
     rarely used expert weighs less); also the token ids used and each token's frequency (for the
     embedding). An expert routed fewer than MIN_EXPERT_TOKENS tokens gets estimated statistics
@@ -105,9 +105,11 @@ def calibrate_inputs(program: Program, ctx: PassContext) -> Program:
         if slot is None:
             k = x.shape[-1]
             slot = sums[key] = {"hessian": torch.zeros(k, k, device=x.device), "sum": torch.zeros(k, device=x.device),
+                                "abssum": torch.zeros(k, device=x.device),
                                 "absmax": torch.zeros(k, device=x.device), "count": 0}
         slot["hessian"].addmm_(x.T, x)
         slot["sum"] += x.sum(0)
+        slot["abssum"] += x.abs().sum(0)
         slot["absmax"] = torch.maximum(slot["absmax"], x.abs().amax(0))
         slot["count"] += x.shape[0]
 
@@ -134,7 +136,9 @@ def calibrate_inputs(program: Program, ctx: PassContext) -> Program:
         count = max(slot["count"], 1)
         ctx.scratch.save(statistics_key(key), {
             "hessian": slot["hessian"] / total, "mean": slot["sum"] / count, "absmax": slot["absmax"],
-            "count": torch.tensor(slot["count"]), "tokens": torch.tensor(total)})
+            "count": torch.tensor(slot["count"]), "tokens": torch.tensor(total),
+            # (estimated statistics of a starved expert have no mean |x|)
+            **({"absmean": slot["abssum"] / count} if "abssum" in slot else {})})
     note = {"source": options.source, "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
             "tokens": total, "windows": len(windows), "window": window,
             "inputs": dict(sorted(groups.items())),

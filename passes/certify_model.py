@@ -98,6 +98,7 @@ def certify_model(program: Program, ctx: PassContext) -> Program:
     A planned program that failed the gate has been re-planned with promotions (see the module
     docstring) and is the best one measured. Raises CertificationError when the gate still fails,
     unless allow_uncertified."""
+    from .order_superblocks import apply_ffn_order
     from .plan_precision import plan_precision
     from .quantize_weights import quantize_weights
 
@@ -121,6 +122,7 @@ def certify_model(program: Program, ctx: PassContext) -> Program:
         base = ctx.source.replace(annotations={k: v for k, v in current.annotations.items()
                                                if k not in ("quantize", "precision_plan", "memory")}
                                   | {"plan_adjustments": adjustments})
+        base = apply_ffn_order(base)  # the FFN channel order of order_superblocks, when it ran
         replanned = plan_precision(base, ctx)
         if replanned.annotations["precision_plan"]["choices"] == current.annotations["precision_plan"]["choices"]:
             break  # the corrected costs choose the same formats: nothing left to promote within the budget

@@ -42,7 +42,7 @@ class _Fuser:
         first = records[0]
         shape = (sum(r.shape[0] for r in records), *first.shape[1:])
         self.tensors[name] = Tensor(name, role, first.layer, shape, first.encoding, first.source_dtype,
-                                    first.expert)
+                                    first.expert, align=max(r.align for r in records))
         fmt, params = formats.get(first.encoding.format), first.encoding.params
         loaders, shapes = [self.weights[n] for n in names], [r.shape for r in records]
 

@@ -24,7 +24,9 @@ class Evaluator(Protocol):
     `session(program)` loads a program once and returns an object with `forward(ids) -> float32
     logits [T, vocab]`, `observing(fn)` (a context in which fn(weight name, x [tokens, in]) sees
     every linear's input), `overriding({name: dense weight})` (a context in which those weights
-    are replaced) and `greedy(prompt ids, n) -> ids`; `compare(reference, candidate, prompts)`
+    are replaced), `ffn_prefix(widths, scales, shifts)` and `ffn_level(index)` (contexts in which each
+    FFN runs a prefix of its channels: elastic levels) and `greedy(prompt ids, n) -> ids`;
+    `compare(reference, candidate, prompts)`
     returns runtime.quality's statistics as a dict; `encode(text)` gives token ids."""
 
     device: str

@@ -50,4 +50,8 @@ def execution_order(model: Model) -> list[str]:
         walk(layer.ffn_post_norm)
     walk(model.final_norm)
     walk(model.lm_head)
+    for level in model.ffn_levels:  # elastic FFN corrections: a few small tensors per level, level by level
+        for name in (n for pair in zip(level.shift, level.scale) for n in pair):
+            if name is not None:
+                seen.setdefault(name)
     return list(seen)

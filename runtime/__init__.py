@@ -15,7 +15,7 @@ from .generate import (
     generate,
     prefill,
 )
-from .loader import DeviceUnavailableError, NoChatTemplateError, ThinModel, load, resolve_device
+from .loader import DeviceUnavailableError, FFNLevelError, NoChatTemplateError, ThinModel, load, resolve_device
 from .perplexity import (
     PerplexityResult,
     Window,
@@ -33,6 +33,7 @@ __all__ = [
     "ContextTooLongError",
     "ConversationCache",
     "DeviceUnavailableError",
+    "FFNLevelError",
     "GenerationOptions",
     "GenerationStats",
     "NoChatTemplateError",

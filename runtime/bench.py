@@ -43,6 +43,7 @@ class BenchResult:
     roofline_fraction: float
     peak_vram_bytes: int
     graph: bool
+    ffn_keep: float = 1.0  # the elastic FFN level decoded (thin-exec bench --ffn-keep)
     checks: dict[str, str] = field(default_factory=dict)
     kernels: list[dict] = field(default_factory=list)  # --profile: time per decode step by kernel
 
@@ -54,7 +55,8 @@ class BenchResult:
         lines = [
             f"model          {self.model} ({', '.join(f'{k} x{v}' for k, v in sorted(self.formats.items()))})",
             f"device         {self.device}, copy bandwidth {self.bandwidth_bytes_per_second / gb:.0f} GB/s",
-            f"weights read   {self.bytes_per_token / gb:.3f} GB per token",
+            f"weights read   {self.bytes_per_token / gb:.3f} GB per token"
+            + ("" if self.ffn_keep == 1.0 else f" (FFN level {self.ffn_keep:g})"),
             f"prefill        {self.prompt_tokens} tokens: {self.prefill_tokens_per_second:.0f} tok/s",
             f"decode         {self.new_tokens} tokens x {self.runs} runs: {self.decode_tokens_per_second:.1f} tok/s "
             f"median ({self.decode_min:.1f}-{self.decode_max:.1f}){'' if self.graph else ', no CUDA graph'}",
@@ -89,10 +91,15 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2**31) -> float:
     return 2 * nbytes / statistics.median(times)
 
 
-def bytes_per_token(artifact) -> int:
+def bytes_per_token(artifact, level=None) -> int:
     """Bytes of weights one decoded token reads: every tensor once, the embedding one row (a tied
-    LM head reads the whole table once more)."""
+    LM head reads the whole table once more); with elastic FFN levels, the FFN prefix and correction
+    tensors of `level` (a thin.ir.FFNLevel; None: the whole model) instead."""
     model = artifact.model
+    if model.ffn_levels:
+        from thin.ir.elastic import bytes_per_token as elastic_bytes
+
+        return elastic_bytes(model, level)
     embedding = model.embedding.weight
     total = 0
     for t in model.tensors:
@@ -157,7 +164,7 @@ def run(model, *, prompt_len: int = 512, new_tokens: int = 128, runs: int = 5, p
     bandwidth = copy_bandwidth(device)
     steps = new_tokens - 1
     rates = sorted(steps / d for d in decode_times)
-    weight_bytes = bytes_per_token(model.artifact)
+    weight_bytes = bytes_per_token(model.artifact, model.ffn_level)
     counts: dict[str, int] = {}
     for t in model.ir.tensors:
         counts[t.encoding.format] = counts.get(t.encoding.format, 0) + 1
@@ -169,7 +176,7 @@ def run(model, *, prompt_len: int = 512, new_tokens: int = 128, runs: int = 5, p
         prefill_tokens_per_second=prompt_len / statistics.median(prefill_times), decode_tokens_per_second=median,
         decode_min=rates[0], decode_max=rates[-1], bytes_per_token=weight_bytes, bandwidth_bytes_per_second=bandwidth,
         roofline_tokens_per_second=roofline, roofline_fraction=median / roofline, peak_vram_bytes=peak,
-        graph=engine.use_graphs, checks=checks, kernels=kernels)
+        graph=engine.use_graphs, ffn_keep=model.ffn_keep, checks=checks, kernels=kernels)
 
 
 def profile_step(engine, cache, sampler, steps: int = 3) -> list[dict]:

@@ -32,12 +32,18 @@ def _expected_errors() -> tuple[type[BaseException], ...]:
     from jinja2 import TemplateError
 
     from thin.artifacts import ArtifactError
-    from thin.runtime import ContextTooLongError, DeviceUnavailableError, NoChatTemplateError, TokenizerError
+    from thin.runtime import (
+        ContextTooLongError,
+        DeviceUnavailableError,
+        FFNLevelError,
+        NoChatTemplateError,
+        TokenizerError,
+    )
     from thin.runtime.bench import BenchCheckError
     from thin.runtime.memory import VramBudgetError
 
     return (_UserError, ArtifactError, OSError, TemplateError, ContextTooLongError, DeviceUnavailableError,
-            NoChatTemplateError, TokenizerError, VramBudgetError, BenchCheckError)
+            NoChatTemplateError, TokenizerError, VramBudgetError, BenchCheckError, FFNLevelError)
 
 
 def _out_of_memory(e: BaseException, vram: str | None) -> str:
@@ -55,6 +61,26 @@ def _vram_bytes(vram: str | None) -> int | None:
         return parse_size(vram)
     except ValueError as e:
         raise _UserError(str(e)) from None
+
+
+_KEEP_HELP = ("Run the elastic FFN level F (1, 0.75, 5/6 ...): each FFN reads only the prefix of its "
+              "importance-ordered channels the artifact certified for F (thinc compile --ffn-levels).")
+_UNCERTIFIED_HELP = "Run an --ffn-keep the artifact did not certify: the same share of every FFN, no correction."
+
+
+def _ffn_keep(text: str | None) -> float | None:
+    """--ffn-keep as a number: a decimal or a fraction such as 5/6."""
+    if text is None:
+        return None
+    from fractions import Fraction
+
+    try:
+        keep = float(Fraction(text.strip()))
+    except (ValueError, ZeroDivisionError):
+        raise _UserError(f"--ffn-keep takes a number such as 0.75 or 5/6, got {text!r}") from None
+    if not 0 < keep <= 1:
+        raise _UserError(f"--ffn-keep must be in (0, 1], got {text}")
+    return keep
 
 
 def _check_file(model_path: Path) -> None:
@@ -172,24 +198,33 @@ def run(
         None, "--vram", metavar="SIZE", help="GPU memory budget (8G, 7.5GiB, 12000M): the model must fit, and "
         "the runtime allocates no more."),
     no_graph: bool = typer.Option(False, "--no-graph", help="Decode without capturing the step in a CUDA graph."),
+    ffn_keep: str | None = typer.Option(None, "--ffn-keep", metavar="F", help=_KEEP_HELP),
+    uncertified: bool = typer.Option(False, "--uncertified", help=_UNCERTIFIED_HELP),
 ):
     import torch
 
-    from thin.artifacts import certificate_summary
+    from thin.artifacts import certificate_summary, ffn_level_summary
     from thin.runtime import load
 
     options = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
                    "min_p": min_p, "repetition_penalty": repetition_penalty, "seed": seed}
     try:
         _check_file(model_path)
-        model = load(model_path, device=device, verify=verify, vram=_vram_bytes(vram), graphs=not no_graph)
-        typer.echo(f"thin-exec: quality: {certificate_summary(model.artifact.section('certificate'))}", err=True)
-        if verbose:
-            typer.echo(f"thin-exec: {model.describe_implementations()}", err=True)
+        if uncertified and ffn_keep is None:
+            raise _UserError("--uncertified goes with --ffn-keep F")
+        model = load(model_path, device=device, verify=verify, vram=_vram_bytes(vram), graphs=not no_graph,
+                     ffn_keep=_ffn_keep(ffn_keep), uncertified=uncertified)
         try:
             model.generation_options(**options)  # reject bad values before any prompt is read
         except ValueError as e:
             raise _UserError(str(e)) from None
+        certificate = model.artifact.section("certificate")
+        if ffn_keep is None:
+            typer.echo(f"thin-exec: quality: {certificate_summary(certificate)}", err=True)
+        else:
+            typer.echo(f"thin-exec: quality: {ffn_level_summary(certificate, model.ffn_keep)}", err=True)
+        if verbose:
+            typer.echo(f"thin-exec: {model.describe_implementations()}", err=True)
         if prompt is not None:
             _one_shot(model, prompt, raw, options)
         elif sys.stdin.isatty():
@@ -224,6 +259,8 @@ def bench(
     vram: str | None = typer.Option(None, "--vram", metavar="SIZE", help="GPU memory budget (see thin-exec -h)."),
     no_graph: bool = typer.Option(False, "--no-graph", help="Decode without the CUDA graph."),
     device: str = typer.Option("cuda", help="A CUDA device."),
+    ffn_keep: str | None = typer.Option(None, "--ffn-keep", metavar="F", help=_KEEP_HELP),
+    uncertified: bool = typer.Option(False, "--uncertified", help=_UNCERTIFIED_HELP),
 ):
     import json
 
@@ -236,8 +273,10 @@ def bench(
         _check_file(model_path)
         if prompt_len < 1 or gen < 2 or runs < 1:
             raise _UserError("--prompt-len must be >= 1, --gen >= 2 and --runs >= 1")
+        if uncertified and ffn_keep is None:
+            raise _UserError("--uncertified goes with --ffn-keep F")
         model = load(model_path, device=device, vram=_vram_bytes(vram), context=prompt_len + gen,
-                     graphs=not no_graph)
+                     graphs=not no_graph, ffn_keep=_ffn_keep(ffn_keep), uncertified=uncertified)
         if model.device.type != "cuda":
             raise _UserError("bench measures the CUDA decode path: use --device cuda")
         result = measure.run(model, prompt_len=prompt_len, new_tokens=gen, runs=runs, profile=profile)

@@ -107,6 +107,10 @@ class Executor:
         else:
             self.lm_head = self._linear(Linear(model.lm_head.weight))
         self.final_softcap = model.lm_head.final_softcap
+        # Elastic FFN levels (thin.ir.FFNLevel): per level and layer (channels, scale, shift), loaded once.
+        self.ffn_levels = [[(k, self._dense(scale), self._dense(shift))
+                            for k, scale, shift in zip(level.channels, level.scale, level.shift)]
+                           for level in model.ffn_levels]
         self._get = None  # construction is over: drop the reference to the source
 
     # ---- construction -------------------------------------------------------------------
@@ -131,6 +135,39 @@ class Executor:
             for mlp in ffns:
                 ops += [*mlp.up, mlp.down]
         return [*ops, self.lm_head]
+
+    def set_ffn_level(self, index: int | None) -> None:
+        """Run the model's elastic FFN level `index` (model.ffn_levels[index]; None or 0: every channel).
+        Only how much of each weight is read changes: no weight is copied or moved."""
+        if index is None or index == 0:
+            self.set_ffn_prefix([None] * len(self.layers))
+            return
+        if not 0 <= index < len(self.ffn_levels):
+            raise IndexError(f"the model has {len(self.ffn_levels)} FFN levels, not {index + 1}")
+        widths, scales, shifts = zip(*self.ffn_levels[index])
+        self.set_ffn_prefix(list(widths), list(scales), list(shifts))
+
+    def set_ffn_prefix(self, widths: list[int | None], scales=None, shifts=None) -> None:
+        """Run only the first widths[i] intermediate channels of layer i's FFN (None: all of them),
+        multiplied by scales[i] before the down projection and with shifts[i] added to its output
+        (None: neither). The channels must be importance-ordered for this to be a good model: an
+        artifact compiled with --ffn-levels is."""
+        n = len(self.layers)
+        scales, shifts = scales or [None] * n, shifts or [None] * n
+        if not len(widths) == len(scales) == len(shifts) == n:
+            raise ValueError(f"one FFN width, scale and shift per layer ({n}) is needed")
+        for layer, k, scale, shift in zip(self.layers, widths, scales, shifts):
+            mlp = layer.ffn
+            if isinstance(mlp, MoEPlan):
+                if k is not None:
+                    raise ValueError("mixture-of-experts layers have no FFN prefix")
+                continue
+            full = mlp.down.in_features
+            if k is not None and not 0 < k <= full:
+                raise ValueError(f"an FFN prefix of {k} channels does not fit {full}")
+            mlp.width = None if k is None or (k == full and scale is None and shift is None) else k
+            mlp.scale = None if mlp.width is None or scale is None else scale.to(self.device, self.dtype)
+            mlp.shift = None if mlp.width is None or shift is None else shift.to(self.device, self.dtype)
 
     def _norm(self, norm: Norm | None) -> NormPlan | None:
         if norm is None:

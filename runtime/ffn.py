@@ -20,6 +20,11 @@ class MLPPlan:
     alpha: float = 1.0
     limit: float | None = None
     up_offset: float = 0.0
+    # Elastic FFN (thin.ir.FFNLevel): run only the first `width` intermediate channels (None: all), scale
+    # them by `scale` [width] before down and add `shift` [hidden] to the output. Set by the executor.
+    width: int | None = None
+    scale: torch.Tensor | None = None
+    shift: torch.Tensor | None = None
 
 
 @dataclass
@@ -51,18 +56,33 @@ def activate(name: str, x: torch.Tensor) -> torch.Tensor:
 
 
 def run_mlp(x: torch.Tensor, p: MLPPlan) -> torch.Tensor:
-    """down(act(gate(x)) * up(x)), or down(act(up(x))) when not gated."""
+    """down(act(gate(x)) * up(x)), or down(act(up(x))) when not gated; with a `width`, over the first
+    `width` intermediate channels only (a contiguous prefix of every weight: no gather, no copy)."""
+    k = p.width
     if not p.gated:
-        h = activate(p.activation, p.up[0](x))
+        h = activate(p.activation, _project(p.up[0], x, k, 1))
     else:
-        gate, up = p.up[0](x).chunk(2, dim=-1) if len(p.up) == 1 else (p.up[0](x), p.up[1](x))
+        if len(p.up) == 1:
+            gate, up = _project(p.up[0], x, k, 2).chunk(2, dim=-1)
+        else:
+            gate, up = _project(p.up[0], x, k, 1), _project(p.up[1], x, k, 1)
         if p.limit is not None:
             gate, up = gate.clamp(max=p.limit), up.clamp(-p.limit, p.limit)
         if p.alpha != 1.0:  # silu with a gain: x * sigmoid(alpha * x)
             h = gate * torch.sigmoid(gate * p.alpha) * (up + p.up_offset)
         else:
             h = activate(p.activation, gate) * (up + p.up_offset if p.up_offset else up)
-    return p.down(h)
+    if k is None:
+        return p.down(h)
+    if p.scale is not None:
+        h = h * p.scale
+    y = p.down.prefix(h, cols=k)
+    return y if p.shift is None else y + p.shift
+
+
+def _project(op: LinearOp, x: torch.Tensor, width: int | None, halves: int) -> torch.Tensor:
+    """The op's output, or only its first `width` rows of each of `halves` blocks."""
+    return op(x) if width is None else op.prefix(x, rows=width, halves=halves)
 
 
 def run_moe(x: torch.Tensor, p: MoEPlan) -> torch.Tensor:

@@ -47,6 +47,14 @@ class LinearOp:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def prefix(self, x: torch.Tensor, *, rows: int | None = None, cols: int | None = None,
+               halves: int = 1) -> torch.Tensor:
+        """x @ P.T for a prefix P of the weight, read in place (no copy of any weight): the first `rows`
+        rows of each of `halves` equal blocks of rows, side by side in the output [..., halves * rows]
+        with their bias (a fused [gate; up] weight has two blocks), and the first `cols` columns (x then
+        has `cols` features). None: all of them. This is what an elastic FFN level runs (thin.ir.FFNLevel)."""
+        raise NotImplementedError(f"{type(self).__name__} ({self.implementation}) runs no weight prefix")
+
     def dense_weight(self) -> torch.Tensor:
         """The whole weight decoded (for tests and tools; never used on the decode path)."""
         raise NotImplementedError
@@ -65,6 +73,13 @@ class DenseLinear(LinearOp):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+    def prefix(self, x, *, rows=None, cols=None, halves=1):
+        # A column prefix is a view with the full row stride, which the BLAS reads as is.
+        weight = self.weight if cols is None else self.weight[:, :cols]
+        outs = [F.linear(x, weight[r], None if self.bias is None else self.bias[r])
+                for r in row_blocks(self.out_features, rows, halves)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     def dense_weight(self) -> torch.Tensor:
         return self.weight
@@ -86,18 +101,36 @@ class DequantLinear(LinearOp):
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.row_block >= self.out_features:
             return F.linear(x, self.dense_weight(), self.bias)
-        out = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype, device=x.device)
-        for start in range(0, self.out_features, self.row_block):
-            stop = min(start + self.row_block, self.out_features)
-            w = self.fmt.decode_rows(self.raw, self.shape, self.params, slice(start, stop), self.dtype)
-            out[..., start:stop] = F.linear(x, w)
+        return self._rows(x, slice(0, self.out_features), None)
+
+    def prefix(self, x, *, rows=None, cols=None, halves=1):
+        outs = [self._rows(x, r, cols) for r in row_blocks(self.out_features, rows, halves)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
+
+    def _rows(self, x: torch.Tensor, rows: slice, cols: int | None) -> torch.Tensor:
+        """x @ W[rows, :cols].T (+ bias[rows]), decoding a block of rows (and only those columns) at a time."""
+        out = torch.empty(*x.shape[:-1], rows.stop - rows.start, dtype=x.dtype, device=x.device)
+        for start in range(rows.start, rows.stop, self.row_block):
+            stop = min(start + self.row_block, rows.stop)
+            w = self.fmt.decode_prefix(self.raw, self.shape, self.params, slice(start, stop), cols, self.dtype)
+            out[..., start - rows.start:stop - rows.start] = F.linear(x, w)
             del w
         if self.bias is not None:
-            out += self.bias
+            out += self.bias[rows]
         return out
 
     def dense_weight(self) -> torch.Tensor:
         return self.fmt.decode(self.raw, self.shape, self.params, self.dtype)
+
+
+def row_blocks(out_features: int, rows: int | None, halves: int) -> list[slice]:
+    """The row ranges `LinearOp.prefix` reads: the first `rows` rows of each of `halves` equal blocks."""
+    if rows is None:
+        return [slice(0, out_features)]
+    if halves < 1 or out_features % halves or not 0 < rows <= out_features // halves:
+        raise ValueError(f"a prefix of {rows} rows in each of {halves} blocks does not fit {out_features} rows")
+    block = out_features // halves
+    return [slice(h * block, h * block + rows) for h in range(halves)]
 
 
 # ---- weights that are not multiplied: norms, biases, routers, embeddings ----------------------

@@ -25,6 +25,10 @@ class NoChatTemplateError(ValueError):
     """The artifact carries no chat template, so messages cannot be rendered."""
 
 
+class FFNLevelError(ValueError):
+    """An elastic FFN level the artifact did not certify (or an artifact without levels)."""
+
+
 def resolve_device(device: str | torch.device) -> torch.device:
     """Check that `device` ("cpu", "cuda", "cuda:1") is usable here; raise DeviceUnavailableError if not."""
     try:
@@ -70,6 +74,43 @@ class ThinModel:
         self.ir = artifact.model
         self.generation_config: dict = dict(artifact.generation_config or {})
         self.last_stats = GenerationStats()
+        # The elastic FFN level running (see set_ffn_keep): None is the whole model.
+        self.ffn_level = None
+        self.ffn_keep, self.ffn_certified = 1.0, True
+
+    def set_ffn_keep(self, keep: float, *, uncertified: bool = False) -> None:
+        """Run the elastic FFN level `keep` (thin-exec --ffn-keep): each FFN reads only the prefix of its
+        importance-ordered channels that the level certified (thin.ir.FFNLevel); 1.0 is the whole model.
+        A keep the artifact did not certify raises FFNLevelError, unless `uncertified`: then every layer
+        runs the same share of its channels (whole superblocks), without a certificate or correction.
+        Switching levels copies no weight; a conversation's cached keys and values stay in use."""
+        from thin.ir import FFNLevel
+        from thin.ir.elastic import uniform_channels
+
+        levels = self.ir.ffn_levels
+        if self.device.type == "cuda" and keep != 1.0:
+            raise FFNLevelError("FFN levels run on the CPU for now: the CUDA kernels take no channel prefix yet")
+        match = [i for i, level in enumerate(levels) if abs(level.keep - keep) < 5e-4]
+        if not levels and keep != 1.0:
+            raise FFNLevelError(f"--ffn-keep {keep:g}: this artifact has no FFN levels (its channels are not "
+                                "importance-ordered); compile it with --ffn-levels")
+        if match:
+            self.executor.set_ffn_level(match[0])
+            level, certified = levels[match[0]], True
+        elif keep == 1.0:
+            self.executor.set_ffn_level(None)
+            level, certified = None, True
+        elif not uncertified:
+            known = ", ".join(f"{level.keep:g}" for level in levels)
+            raise FFNLevelError(f"--ffn-keep {keep:g} is not a level this artifact certified ({known}); pass "
+                                "--uncertified to run it anyway")
+        else:
+            channels = uniform_channels(self.ir, keep)
+            self.executor.set_ffn_prefix(list(channels))
+            none = (None,) * len(channels)
+            level, certified = FFNLevel(keep, channels, none, none), False
+        self.ffn_level, self.ffn_certified = level, certified
+        self.ffn_keep = 1.0 if level is None else level.keep
 
     def describe_implementations(self) -> str:
         """One line: which implementation serves the model's linear weights, per format, here."""
@@ -157,7 +198,8 @@ class ThinModel:
 
 
 def load(path, device: str | torch.device = "cpu", verify: bool = False, *, vram: int | None = None,
-         context: int | None = None, graphs: bool = True) -> ThinModel:
+         context: int | None = None, graphs: bool = True, ffn_keep: float | None = None,
+         uncertified: bool = False) -> ThinModel:
     """Open the artifact at `path` and make it runnable on `device`.
 
     With `verify`, every tensor's checksum is checked first and the artifacts' error names
@@ -167,7 +209,9 @@ def load(path, device: str | torch.device = "cpu", verify: bool = False, *, vram
     the model, a KV cache of `context` tokens (default: the model's positions, at most 4096) and
     the workspace must fit, and allocations beyond it fail. Raises ArtifactError (from
     thin.artifacts) for a bad file, DeviceUnavailableError for a device this machine lacks,
-    VramBudgetError (thin.runtime.memory) for a budget the model does not fit.
+    VramBudgetError (thin.runtime.memory) for a budget the model does not fit. `ffn_keep` runs an
+    elastic FFN level (see ThinModel.set_ffn_keep; FFNLevelError for one the artifact did not certify,
+    unless `uncertified`).
     """
     device = resolve_device(device)
     from thin.artifacts import ChecksumMismatchError, open_artifact
@@ -194,7 +238,10 @@ def load(path, device: str | torch.device = "cpu", verify: bool = False, *, vram
     tokenizer = Tokenizer.from_files(files) if "tokenizer.json" in files else None
     template = artifact.chat_template
     chat = ChatTemplate(template, tokenizer.special_tokens_map if tokenizer else {}) if template else None
-    return ThinModel(artifact, executor, tokenizer, chat, device, engine)
+    model = ThinModel(artifact, executor, tokenizer, chat, device, engine)
+    if ffn_keep is not None:
+        model.set_ffn_keep(ffn_keep, uncertified=uncertified)
+    return model
 
 
 def _engine(executor, graphs: bool):

@@ -185,6 +185,55 @@ class Format:
         n = next(iter(picked.values())).shape[0]
         return self.decode_parts(picked, (n, *shape[1:]), params, dtype)
 
+    def prefix_parts(self, parts: dict, shape: tuple[int, ...], cols: int) -> dict:
+        """The parts of a 2-D weight's first `cols` columns, as views (no copy). Past the rows, a part
+        either spans the columns in proportion (values, packed codes, group scales: sliced) or holds
+        one entry per row (row scales: kept whole), so a column prefix that cuts no packed byte and no
+        group decodes to the first `cols` columns of the weight. ValueError for one that would."""
+        k = shape[1]
+        if not 0 < cols <= k:
+            raise ValueError(f"{self.name}: a column prefix of a {k}-column weight needs 1..{k} columns, got {cols}")
+        out = {}
+        for name, part in parts.items():
+            if part.dim() == 1 or cols == k:
+                out[name] = part
+                continue
+            if part.shape[1] * cols % k:
+                raise ValueError(f"{self.name}: the first {cols} of {k} columns cut part {name!r} mid-element "
+                                 "(a prefix must be a whole number of groups)")
+            out[name] = part[:, :part.shape[1] * cols // k]
+        return out
+
+    def decode_prefix(self, raw, shape: tuple[int, ...], params=(), rows=None, cols: int | None = None, dtype=None):
+        """Decode rows `rows` (a slice; None: all) and the first `cols` columns (None: all) of a 2-D
+        weight, reading only their bytes (see `prefix_parts`)."""
+        shape = tuple(shape)
+        parts = self.split(raw, shape, params)
+        if rows is not None:
+            parts = {name: t[rows] for name, t in parts.items()}
+        if cols is not None:
+            parts = self.prefix_parts(parts, shape, cols)
+        n = next(iter(parts.values())).shape[0]
+        return self.decode_parts(parts, (n, shape[1] if cols is None else cols), params, dtype)
+
+    def prefix_nbytes(self, shape: tuple[int, ...], params=(), rows: int | None = None,
+                      cols: int | None = None) -> int:
+        """Bytes a kernel reads for the first `rows` rows and `cols` columns of a 2-D weight (None: all):
+        each part's share of them, alignment padding left out."""
+        shape = tuple(shape)
+        n, k = shape
+        rows = n if rows is None else rows
+        cols = k if cols is None else cols
+        total = 0
+        for part in self.parts(shape, params):
+            per_row = part.nbytes // n
+            if len(part.shape) > 1:
+                if per_row * cols % k:
+                    raise ValueError(f"{self.name}: the first {cols} of {k} columns cut part {part.name!r}")
+                per_row = per_row * cols // k
+            total += rows * per_row
+        return total
+
     def stack_rows(self, blobs: list, shapes: list[tuple[int, ...]], params=()):
         """One blob for the weights `blobs` (of `shapes`) stacked along their rows, as fusing q/k/v
         or gate/up needs: each part is stacked separately."""

@@ -1,0 +1,203 @@
+"""Elastic FFN levels on small random checkpoints: ordering the channels changes nothing (logits and
+calibration statistics), a compiled level runs exactly the truncated, corrected FFN it describes,
+the certificate carries every level, and the runtime refuses what was not certified."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+
+from thin.compiler.evaluate import make_evaluator
+from thin.compiler.hf import load_checkpoint
+from thin.ir import Encoding, Linear, Program, Tensor, formats
+from thin.passes import (
+    CalibrateOptions,
+    CertifyOptions,
+    FFNLevelOptions,
+    PassContext,
+    Scratch,
+    calibrate_inputs,
+    order_superblocks,
+)
+from thin.passes.calibrate_inputs import load_statistics
+from thin.passes.order_superblocks import apply_ffn_order
+from thin.runtime.executor import Executor
+
+from hf_tiny import build_model
+from tiny_tokenizer import TEXT, write_tokenizer
+
+SIZES = dict(hidden_size=64, intermediate_size=512, head_dim=16, vocab_size=320)
+
+
+def _checkpoint(path, family="llama", **overrides):
+    model = build_model(family, **{**SIZES, **overrides})
+    with torch.no_grad():  # calmer than hf_tiny's scale, so a cut layer changes the output without chaos
+        for name, p in model.named_parameters():
+            if p.dim() == 2 and "embed" not in name:
+                p.mul_(0.3)
+    model.save_pretrained(path, safe_serialization=True)
+    write_tokenizer(path)
+    return path
+
+
+def _ordered(path, importance="output"):
+    source = load_checkpoint(path)
+    config = types.SimpleNamespace(calibrate=CalibrateOptions(tokens=512), ffn=FFNLevelOptions((0.5,), importance),
+                                   certify=CertifyOptions())
+    ctx = PassContext(config=config, evaluator=make_evaluator("cpu", dict(source.tokenizer_files)),
+                      calibration_text=TEXT * 8, scratch=Scratch(), source=source.program)
+    calibrated = calibrate_inputs(source.program, ctx)
+    return source.program, calibrated, order_superblocks(calibrated, ctx), ctx
+
+
+@pytest.mark.parametrize("family,importance", [("llama", "output"), ("phi3", "magnitude"), ("qwen3", "energy")])
+def test_ordering_the_channels_keeps_the_function(tmp_path, family, importance):
+    source, calibrated, ordered, ctx = _ordered(_checkpoint(tmp_path, family), importance)
+    ids = torch.tensor(ctx.evaluator.encode(TEXT)[:96])
+    before = Executor(source.model, source.load).forward(ids)
+    after = Executor(ordered.model, ordered.load).forward(ids)
+    assert torch.allclose(before, after, atol=1e-4, rtol=1e-4)
+    permutations = ordered.annotations["ffn_order"]["permutations"]
+    assert all(sorted(p) == list(range(512)) and p != list(range(512)) for p in permutations)
+    mlp = ordered.model.layers[0].ffn
+    assert all(ordered.model.tensor(lin.weight).align == 4096 for lin in (mlp.gate, mlp.up, mlp.gate_up, mlp.down)
+               if lin is not None)
+    # The down input's statistics were permuted with the weights: calibrating the ordered model again
+    # measures the same (GPTQ and the scores read them).
+    fresh_ctx = dataclasses.replace(ctx, scratch=Scratch())
+    again = calibrate_inputs(ordered.replace(annotations={}), fresh_ctx)
+    moved = load_statistics(ctx, ordered, mlp.down.weight)
+    fresh = load_statistics(fresh_ctx, again, mlp.down.weight)
+    assert torch.allclose(moved["hessian"], fresh["hessian"], atol=1e-4, rtol=1e-3)
+    assert torch.allclose(moved["mean"], fresh["mean"], atol=1e-5, rtol=1e-3)
+
+
+def test_the_recorded_order_replays_on_the_source(tmp_path):
+    source, _, ordered, _ = _ordered(_checkpoint(tmp_path))
+    replayed = apply_ffn_order(source.replace(annotations=ordered.annotations))
+    for t in ordered.model.tensors:
+        assert torch.equal(replayed.load(t.name), ordered.load(t.name)), t.name
+    assert replayed.model == ordered.model
+
+
+# ---- compiled artifacts ------------------------------------------------------------------------
+
+def _cli(name: str, *args):
+    exe = shutil.which(name)
+    cmd = [exe] if exe else [sys.executable, "-m", {"thinc": "thin.compiler.cli",
+                                                       "thin-exec": "thin.runtime.cli"}[name]]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, timeout=600, env=env)
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory):
+    path = _checkpoint(tmp_path_factory.mktemp("llama"))
+    out = tmp_path_factory.mktemp("levels") / "m.thin"
+    run = _cli("thinc", "compile", path, "-o", out, "--quant", "int4", "--group-size", "32", "--ffn-levels",
+               "1,0.75,1/2", "--calib-tokens", "512", "--device", "cpu")
+    assert run.returncode == 0, run.stderr
+    return path, out, run
+
+
+def _truncated(model_ir, load, level):
+    """An independent reference for a level: every FFN weight decoded, cut to the level's channels, the
+    scale folded into down's columns and the shift as down's bias, run as an ordinary dense model."""
+    tensors, weights = model_ir.tensor_map(), {}
+    layers = []
+    for layer, k, shift, scale in zip(model_ir.layers, level.channels, level.shift, level.scale):
+        mlp = layer.ffn
+
+        def dense(name):
+            r = tensors[name]
+            return formats.decode(r.encoding.format, load(name), r.shape, r.encoding.params, torch.float32)
+
+        width = tensors[mlp.down.weight].shape[1]
+        gate_up = dense(mlp.gate_up.weight).reshape(2, width, -1)[:, :k].reshape(2 * k, -1)
+        down = dense(mlp.down.weight)[:, :k] * (dense(scale) if scale else 1)
+        for name, w in ((mlp.gate_up.weight, gate_up), (mlp.down.weight, down)):
+            tensors[name] = dataclasses.replace(tensors[name], shape=tuple(w.shape), encoding=Encoding("f32"))
+            weights[name] = formats.encode("f32", w.contiguous())
+        bias = None
+        if shift:
+            bias = f"layers.{layer.index}.ffn.down.bias"
+            tensors[bias] = Tensor(bias, "ffn.down.bias", layer.index, (model_ir.hidden_size,), Encoding("f32"), "f32")
+            weights[bias] = formats.encode("f32", dense(shift))
+        layers.append(dataclasses.replace(layer, ffn=dataclasses.replace(mlp, down=Linear(mlp.down.weight, bias))))
+    model = dataclasses.replace(model_ir, layers=tuple(layers), ffn_levels=(),
+                                tensors=tuple(t for t in tensors.values() if not t.role.startswith("ffn.level")))
+    return Program(model, {n: (lambda n=n: weights[n] if n in weights else load(n)) for n in
+                           (t.name for t in model.tensors)})
+
+
+def test_a_level_runs_the_truncated_corrected_ffn_it_describes(compiled):
+    from thin.runtime import FFNLevelError, load
+
+    _, out, _ = compiled
+    model = load(out)
+    full, three_quarters, half = model.ir.ffn_levels
+    assert [lv.keep for lv in model.ir.ffn_levels] == [1.0, 0.75, 0.5]
+    assert all(k % 128 == 0 for lv in (three_quarters, half) for k in lv.channels)
+    ids = torch.tensor(model.encode(TEXT)[:64])
+    logits = {}
+    for level in (full, three_quarters, half):
+        model.set_ffn_keep(level.keep)
+        logits[level.keep] = model.forward(ids)
+        if level.keep < 1:
+            reference = _truncated(model.ir, _raw(model), level)
+            want = Executor(reference.model, reference.load).forward(ids)
+            assert torch.allclose(logits[level.keep], want, atol=1e-4, rtol=1e-4)
+            assert any(s is not None for s in level.scale) and any(s is not None for s in level.shift)
+    assert not torch.allclose(logits[1.0], logits[0.5], atol=1e-3)
+    with pytest.raises(FFNLevelError, match="not a level this artifact certified"):
+        model.set_ffn_keep(0.6)
+    model.set_ffn_keep(0.6, uncertified=True)
+    assert model.ffn_certified is False and model.ffn_level.channels == (384, 384)
+    model.set_ffn_keep(1.0)
+    assert torch.equal(model.forward(ids), logits[1.0])
+
+
+def _raw(model):
+    from thin.runtime.loader import _raw_getter
+
+    return _raw_getter(model.artifact)
+
+
+def test_the_certificate_holds_every_level_within_its_bytes(compiled):
+    from thin.artifacts import open_artifact
+
+    _, out, run = compiled
+    with open_artifact(out) as art:
+        cert = art.section("certificate")
+    block = cert["ffn_levels"]
+    assert block["method"] == {"importance": "output", "per_layer": True, "correction": "scale", "superblock": 128}
+    levels = block["levels"]
+    assert [lv["keep"] for lv in levels] == [1.0, 0.75, 0.5]
+    assert levels[0]["measured"] == cert["measured"]
+    for lv in levels:
+        assert lv["ffn_bytes"] <= lv["keep"] * lv["ffn_bytes_full"]
+        assert lv["measured"]["positions"] == cert["measured"]["positions"] > 0
+    assert levels[0]["bytes_per_token"] > levels[1]["bytes_per_token"] > levels[2]["bytes_per_token"]
+    assert levels[0]["measured"]["mean_kld"] <= levels[2]["measured"]["mean_kld"]
+    assert "ffn level 0.5" in run.stdout and "certify_ffn_levels" in run.stdout
+    shown = _cli("thinc", "inspect", out)
+    assert shown.returncode == 0 and "elastic FFN levels (correction scale" in shown.stdout
+
+
+def test_thin_exec_runs_a_certified_level_and_refuses_others(compiled):
+    _, out, _ = compiled
+    ok = _cli("thin-exec", out, "--raw", "-p", "def f(", "--max-new-tokens", "4", "--ffn-keep", "1/2")
+    assert ok.returncode == 0, ok.stderr
+    assert "FFN level 0.5: mean KLD" in ok.stderr
+    bad = _cli("thin-exec", out, "--raw", "-p", "def f(", "--max-new-tokens", "4", "--ffn-keep", "0.6")
+    assert bad.returncode == 1 and "--uncertified" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+    forced = _cli("thin-exec", out, "--raw", "-p", "def f(", "--max-new-tokens", "4", "--ffn-keep", "0.6",
+                  "--uncertified")
+    assert forced.returncode == 0 and "UNCERTIFIED" in forced.stderr
