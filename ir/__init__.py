@@ -1,5 +1,6 @@
 """thin's semantic IR: frozen dataclasses describing a model, its verifier, serialiser and printer."""
 
+from .errors import IRError, ThinError, one_line
 from .model import (
     MLP,
     Attention,
@@ -15,7 +16,7 @@ from .model import (
     RoPE,
     Tensor,
 )
-from .printer import format_ir
+from .printer import format_ir, printable
 from .program import Program
 from .serialize import IRSchemaError, from_plain, to_plain
 from .verify import IRVerificationError, verify
@@ -24,5 +25,5 @@ from .version import IR_VERSION, __version__
 __all__ = [
     "Attention", "DecoderLayer", "Embedding", "Encoding", "FFNLevel", "Linear", "LMHead", "MLP", "Model", "MoE",
     "Norm", "RoPE", "Tensor", "format_ir", "Program", "IRSchemaError", "from_plain", "to_plain",
-    "IRVerificationError", "verify", "IR_VERSION", "__version__",
+    "IRVerificationError", "verify", "IR_VERSION", "__version__", "IRError", "ThinError", "one_line", "printable",
 ]

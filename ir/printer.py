@@ -7,6 +7,14 @@ import dataclasses
 from . import model as m
 
 
+def printable(text: str) -> str:
+    """`text` with every non-printable character (controls, escapes, bidirectional overrides, line
+    separators) written as a Python escape, so text from an untrusted file is shown, never obeyed."""
+    if text.isprintable():
+        return text
+    return "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in text)
+
+
 def format_ir(model: m.Model) -> str:
     """The whole model as stable, diffable text: the block tree, then the tensor table."""
     lines = [f"model {model.architecture} family={model.family} vocab_size={model.vocab_size} "
@@ -34,7 +42,8 @@ def format_ir(model: m.Model) -> str:
         align = "" if t.align == 64 else f" align={t.align}"
         lines.append(f"  {t.name} role={t.role} layer={layer}{expert} shape={shape} "
                      f"format={t.encoding.format}{params} source={t.source_dtype}{align}")
-    return "\n".join(lines) + "\n"
+    # Names and roles come from files: each line is made printable before the lines are joined.
+    return "\n".join(map(printable, lines)) + "\n"
 
 
 def _scalar(value) -> str:

@@ -13,6 +13,7 @@ import typing
 from functools import cache
 
 from . import model as m
+from .errors import IRError
 from .version import IR_VERSION
 
 _CLASSES = {
@@ -23,7 +24,7 @@ _CLASSES = {
 _MAX_DEPTH = 32
 
 
-class IRSchemaError(ValueError):
+class IRSchemaError(IRError):
     """Plain data that does not describe a valid IR tree."""
 
 

@@ -7,11 +7,12 @@ import math
 from . import formats
 from . import model as m
 from .elastic import SUPERBLOCK
+from .errors import IRError
 
 MAX_ALIGN = 1 << 21  # 2 MiB: a huge page
 
 
-class IRVerificationError(ValueError):
+class IRVerificationError(IRError):
     """The IR breaks one or more invariants; `violations` lists each one."""
 
     def __init__(self, violations: list[str]):
@@ -38,6 +39,11 @@ class _Verifier:
     def err(self, msg: str) -> None:
         self.errors.append(msg)
 
+    def positive(self, value, where: str) -> None:
+        """A number that scales the math must be finite and > 0: NaN or inf would poison every logit."""
+        if not (_finite(value) and value > 0):
+            self.err(f"{where} must be a finite number > 0, got {value!r}")
+
     def run(self) -> None:
         md = self.model
         self.check_tensor_table()
@@ -46,15 +52,15 @@ class _Verifier:
                 self.err(f"model.{name} must be positive, got {getattr(md, name)}")
         V, H = md.vocab_size, md.hidden_size
         self.ref(md.embedding.weight, (V, H), "embedding")
-        if md.embedding.scale is not None and md.embedding.scale <= 0:
-            self.err("embedding.scale must be positive")
+        if md.embedding.scale is not None:
+            self.positive(md.embedding.scale, "embedding.scale")
         self.norm(md.final_norm, (H,), "final_norm")
         head = md.lm_head
         self.ref(head.weight, (V, H), "lm_head")
         if head.tied != (head.weight == md.embedding.weight):
             self.err("lm_head.tied must be true exactly when lm_head.weight is the embedding weight")
-        if head.final_softcap is not None and head.final_softcap <= 0:
-            self.err("lm_head.final_softcap must be positive")
+        if head.final_softcap is not None:
+            self.positive(head.final_softcap, "lm_head.final_softcap")
         if not md.layers:
             self.err("model has no layers")
         for i, layer in enumerate(md.layers):
@@ -106,8 +112,9 @@ class _Verifier:
             return
         if norm.kind not in m.NORM_KINDS:
             self.err(f"{where}: unknown norm kind {norm.kind!r} (known: {', '.join(m.NORM_KINDS)})")
-        if not norm.eps > 0:
-            self.err(f"{where}: eps must be positive, got {norm.eps}")
+        self.positive(norm.eps, f"{where}.eps")
+        if not _finite(norm.weight_offset):
+            self.err(f"{where}.weight_offset must be a finite number, got {norm.weight_offset!r}")
         self.ref(norm.weight, shape, f"{where}.weight")
         self.ref(norm.bias, shape, f"{where}.bias")
 
@@ -128,8 +135,7 @@ class _Verifier:
             return
         if a.num_heads % a.num_kv_heads:
             self.err(f"{where}: num_heads {a.num_heads} is not a multiple of num_kv_heads {a.num_kv_heads}")
-        if not a.scale > 0:
-            self.err(f"{where}: scale must be positive")
+        self.positive(a.scale, f"{where}.scale")
         q_out, kv_out = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
         separate = (a.q, a.k, a.v)
         if a.qkv is not None:
@@ -152,17 +158,15 @@ class _Verifier:
                 self.err(f"{where}.rope: unknown kind {r.kind!r} (known: {', '.join(m.ROPE_KINDS)})")
             if r.rotary_dim <= 0 or r.rotary_dim % 2 or r.rotary_dim > a.head_dim:
                 self.err(f"{where}.rope: rotary_dim {r.rotary_dim} must be even and within head_dim {a.head_dim}")
-            if not r.theta > 0 or not r.factor > 0:
-                self.err(f"{where}.rope: theta and factor must be positive")
-            if r.kind == "llama3" and None in (r.low_freq_factor, r.high_freq_factor,
-                                                r.original_max_position_embeddings):
-                self.err(f"{where}.rope: llama3 scaling needs low/high_freq_factor and "
-                         "original_max_position_embeddings")
+            self.positive(r.theta, f"{where}.rope.theta")
+            self.positive(r.factor, f"{where}.rope.factor")
+            if r.kind == "llama3":
+                self.llama3(r, f"{where}.rope")
             self.yarn(r, f"{where}.rope")
         if a.sliding_window is not None and a.sliding_window <= 0:
             self.err(f"{where}: sliding_window must be positive")
-        if a.logit_softcap is not None and a.logit_softcap <= 0:
-            self.err(f"{where}: logit_softcap must be positive")
+        if a.logit_softcap is not None:
+            self.positive(a.logit_softcap, f"{where}.logit_softcap")
         self.ref(a.sinks, (a.num_heads,), f"{where}.sinks")
 
     def yarn(self, r: m.RoPE, where: str) -> None:
@@ -178,6 +182,17 @@ class _Verifier:
             self.err(f"{where}: yarn's beta_fast, beta_slow and attention_factor must be finite and positive")
         if r.original_max_position_embeddings <= 0:
             self.err(f"{where}: original_max_position_embeddings must be positive")
+
+    def llama3(self, r: m.RoPE, where: str) -> None:
+        if None in (r.low_freq_factor, r.high_freq_factor, r.original_max_position_embeddings):
+            self.err(f"{where}: llama3 scaling needs low/high_freq_factor and original_max_position_embeddings")
+            return
+        self.positive(r.low_freq_factor, f"{where}.low_freq_factor")
+        self.positive(r.high_freq_factor, f"{where}.high_freq_factor")
+        self.positive(r.original_max_position_embeddings, f"{where}.original_max_position_embeddings")
+        if not r.high_freq_factor > r.low_freq_factor:  # the smoothing divides by their difference
+            self.err(f"{where}: high_freq_factor {r.high_freq_factor} must exceed low_freq_factor "
+                     f"{r.low_freq_factor}")
 
     def swiglu(self, mlp: m.MLP, where: str) -> None:
         if not (_finite(mlp.alpha) and mlp.alpha > 0 and _finite(mlp.up_offset)):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from thin.ir import IRVerificationError, Program, format_ir, verify
+from thin.ir import IRVerificationError, Program, ThinError, format_ir, verify
 
 from .scratch import Scratch
 
@@ -64,7 +64,7 @@ class PassContext:
             self.progress(stage, done, total)
 
 
-class PassError(RuntimeError):
+class PassError(ThinError, RuntimeError):
     """A pass raised, or left an IR that does not verify; names the pass and those run before it."""
 
     def __init__(self, name: str, done: list[str], cause: BaseException):
