@@ -5,6 +5,9 @@ structure before mapping the file. No torch here: inspecting a file needs only n
 zstandard. FORMAT.md describes the bytes.
 """
 
+from thin.ir import printable
+
+from .cache import BadCacheEntryError, CompileCache
 from .describe import certificate_summary, describe, ffn_level_summary, human_size, render_description
 from .errors import (
     ArtifactClosedError,
@@ -17,11 +20,12 @@ from .errors import (
     InvalidSectionError,
     InvalidTensorTableError,
     LayoutError,
+    SourceChangedError,
     TensorNotFoundError,
     TruncatedError,
     UnsupportedVersionError,
 )
-from .key import compute_key, default_hash_cache, hash_files, source_files
+from .key import compute_key, default_hash_cache, hash_files
 from .reader import Artifact, open_artifact, verify_file
 from .spec import FORMAT_VERSION, MAGIC, SECTION_NAMES
 from .validate import TensorEntry
@@ -36,6 +40,8 @@ __all__ = [
     "ArtifactError",
     "ArtifactWriteError",
     "ArtifactWriter",
+    "BadCacheEntryError",
+    "CompileCache",
     "BadMagicError",
     "ChecksumMismatchError",
     "CorruptHeaderError",
@@ -55,7 +61,8 @@ __all__ = [
     "human_size",
     "hash_files",
     "open_artifact",
+    "printable",
     "render_description",
-    "source_files",
+    "SourceChangedError",
     "verify_file",
 ]

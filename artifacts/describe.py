@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from math import prod
 
+from thin.ir import printable
+
 from .reader import Artifact, open_artifact
 from .spec import PREAMBLE_SIZE, SECTION_NAMES, pack
 
@@ -197,5 +199,6 @@ def render_description(d: dict) -> str:
     if plan is not None:
         lines += ["", f"precision plan: {plan['bits_per_weight']:.3f} bits per weight, predicted KLD "
                       f"{plan['predicted_kld']:.5f}, {len(plan['choices'])} tensors planned ({plan['method']})"]
-    lines.append(f"\nheader    {human_size(d['header_bytes'])}")
-    return "\n".join(lines)
+    lines += ["", f"header    {human_size(d['header_bytes'])}"]
+    # Every field but the sizes comes from the file: each line is made printable before the join.
+    return "\n".join(map(printable, lines))

@@ -7,8 +7,10 @@ line and say what the user can do.
 
 from __future__ import annotations
 
+from thin.ir import ThinError
 
-class ArtifactError(Exception):
+
+class ArtifactError(ThinError):
     """Base of every error raised while reading, validating or writing a .thin artifact."""
 
 
@@ -61,3 +63,7 @@ class ArtifactClosedError(ArtifactError):
 
 class ArtifactWriteError(ArtifactError):
     """The writer was misused or its inputs disagree (missing tensors, wrong sizes, unknown sections)."""
+
+
+class SourceChangedError(ArtifactError):
+    """A source file changed while it was being hashed for the cache key, or since it was read."""

@@ -1,9 +1,11 @@
 """The cache identity of a compile: a sha256 over everything that decides the artifact's bytes.
 
 Inputs: the content of the source files (weights, configs, tokenizer, chat template), the compile
-options as canonical plain data, the calibration data, the thin version and the target. Hashing a
-large checkpoint takes a while, so file hashes are cached on disk, keyed by the file's identity
-(resolved path, size, mtime_ns, ctime_ns, inode, device): a second key of the same model is fast.
+options as canonical plain data, the calibration data, the thin version and the target. Which
+files those are is the compiler's frontend's decision (its inventory of the model folder), passed
+in by name, so the key covers exactly what a compile reads. Hashing a large checkpoint takes a
+while, so file hashes are cached on disk, keyed by the file's identity (resolved path, size,
+mtime_ns, ctime_ns, inode, device): a second key of the same model is fast.
 """
 
 from __future__ import annotations
@@ -12,16 +14,17 @@ import hashlib
 import json
 import os
 import secrets
+import stat
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from thin.ir import __version__ as THIN_VERSION
 
+from .errors import SourceChangedError
 from .spec import pack
 
-KEY_SCHEMA = 1  # bump when what goes into the key changes
-SOURCE_FILES = ("model.safetensors.index.json", "config.json", "generation_config.json", "tokenizer.json",
-                "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "chat_template.json")
+KEY_SCHEMA = 2  # bump when what goes into the key changes (2: the compiler names the input files)
 _CACHE_SCHEMA = 1
 _CACHE_MAX_ENTRIES = 50_000
 _CACHE_MAX_BYTES = 64 << 20
@@ -37,11 +40,16 @@ def default_hash_cache() -> Path:
     return Path(base) / "thin" / "file-hashes.json"
 
 
-def _hash_file(path: Path) -> str:
+def _hash_file(path: Path, ident: list[int]) -> str:
     h = hashlib.sha256()
     buf = bytearray(_CHUNK)
     view = memoryview(buf)
-    with open(path, "rb", buffering=0) as f:
+    # Non-blocking open: a FIFO put in a file's place must not hang the hash.
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    with open(fd, "rb", buffering=0) as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or _identity(st) != ident:
+            raise SourceChangedError(f"{path} changed while it was being hashed; let the download or copy finish")
         while n := f.readinto(buf):
             h.update(view[:n])
     return h.hexdigest()
@@ -79,24 +87,33 @@ def _save_cache(path: Path, files: dict) -> None:
             pass
 
 
-def hash_files(paths, *, hash_cache: Path | None = None) -> dict[str, str]:
-    """{str(path): sha256 hex} for each file, reusing and updating the on-disk hash cache."""
+def hash_files(paths, *, hash_cache: Path | None = None,
+                expected: Mapping[str, Sequence[int]] | None = None) -> dict[str, str]:
+    """{str(path): sha256 hex} for each file, reusing and updating the on-disk hash cache.
+
+    `expected` maps str(path) to the identity the caller saw when it read the file (see `_identity`);
+    a file whose identity differs now raises SourceChangedError, so the key never describes bytes
+    other than the ones the caller read."""
     cache_path = Path(hash_cache) if hash_cache is not None else default_hash_cache()
     cache = _load_cache(cache_path)
+    expected = expected or {}
     changed = False
     out = {}
     for p in paths:
         resolved = str(Path(p).resolve())
         ident = _identity(os.stat(resolved))
+        seen = expected.get(str(p))
+        if seen is not None and list(seen) != ident:
+            raise SourceChangedError(f"{p} changed after it was read; let the download or copy finish and "
+                                     "compile again")
         hit = cache.get(resolved)
         if hit is not None and hit["id"] == ident:
             out[str(p)] = hit["sha256"]
             continue
         started = time.time_ns()
-        digest = _hash_file(Path(resolved))
-        after = _identity(os.stat(resolved))
-        if after != ident:
-            raise RuntimeError(f"{p} changed while it was being hashed; let the download or copy finish")
+        digest = _hash_file(Path(resolved), ident)
+        if _identity(os.stat(resolved)) != ident:
+            raise SourceChangedError(f"{p} changed while it was being hashed; let the download or copy finish")
         out[str(p)] = digest
         if ident[1] < started - _RACY_NS:
             cache.pop(resolved, None)
@@ -107,38 +124,35 @@ def hash_files(paths, *, hash_cache: Path | None = None) -> dict[str, str]:
     return out
 
 
-def source_files(model_dir: Path) -> list[Path]:
-    """The files of a checkpoint directory that go into the key, in a fixed order."""
-    model_dir = Path(model_dir)
-    if not model_dir.is_dir():
-        raise FileNotFoundError(f"{model_dir} is not a directory")
-    found = sorted(p for p in model_dir.glob("*.safetensors") if p.is_file())
-    found += [model_dir / name for name in SOURCE_FILES if (model_dir / name).is_file()]
-    return found
+def compute_key(inputs: Mapping[str, str | os.PathLike], options: dict, *, calibration: bytes | None,
+                target: str, hash_cache: Path | None = None,
+                identities: Mapping[str, Sequence[int]] | None = None) -> str:
+    """Hex sha256 identifying a compile of the files `inputs` with `options` for `target` by this thin.
 
-
-def compute_key(model_dir, options: dict, *, calibration: bytes | None, target: str,
-                hash_cache: Path | None = None) -> str:
-    """Hex sha256 identifying a compile of `model_dir` with `options` for `target` by this thin.
-
-    Same inputs give the same key; a changed byte in any source file, option, calibration data,
-    target or thin version gives another. The key does not depend on where the model directory is.
+    `inputs` maps each source file's name as the model folder spells it ("config.json",
+    "shards/model-00001-of-00002.safetensors") to its path; `identities`, by the same names, what the
+    compiler saw when it read each file (SourceChangedError when a file has changed since).
+    Same inputs give the same key; a changed byte in any source file, a renamed file, an option,
+    calibration data, target or thin version gives another. The key does not depend on where the
+    model folder is.
     """
+    if not isinstance(inputs, Mapping) or not all(type(name) is str for name in inputs):
+        raise TypeError("inputs must map file names (str) to paths")
     if type(options) is not dict:
         raise TypeError(f"options must be a dict of plain data, got {type(options).__name__}")
     if type(target) is not str or not target:
         raise TypeError("target must be a non-empty string, e.g. 'cuda:sm90' or 'cpu'")
     if calibration is not None and not isinstance(calibration, (bytes, bytearray, memoryview)):
         raise TypeError("calibration must be bytes or None")
-    model_dir = Path(model_dir)
-    files = source_files(model_dir)
-    digests = hash_files(files, hash_cache=hash_cache)
+    paths = {name: str(path) for name, path in inputs.items()}
+    expected = {paths[name]: ident for name, ident in (identities or {}).items() if name in paths}
+    digests = hash_files(list(paths.values()), hash_cache=hash_cache, expected=expected)
     identity = {
         "key_schema": KEY_SCHEMA,
         "thin_version": THIN_VERSION,
         "target": target,
         "options": options,  # pack() canonicalises it and refuses anything that is not plain data
         "calibration": None if calibration is None else hashlib.sha256(calibration).hexdigest(),
-        "files": {p.name: digests[str(p)] for p in files},
+        "files": {name: digests[path] for name, path in paths.items()},
     }
     return hashlib.sha256(pack(identity)).hexdigest()

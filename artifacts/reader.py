@@ -12,6 +12,7 @@ import hashlib
 import mmap
 import os
 import stat
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -130,7 +131,8 @@ def open_artifact(path: str | os.PathLike, *, writable: bool = True) -> Artifact
     write changes only this process's page, never the file. `writable=False` maps read-only.
     """
     path = Path(path)
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+    # Non-blocking: opening a FIFO for reading would otherwise wait for a writer forever.
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
@@ -149,19 +151,20 @@ def open_artifact(path: str | os.PathLike, *, writable: bool = True) -> Artifact
             raise _with_path(e, path) from None
         del blob
         mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY if writable else mmap.ACCESS_READ)
-    finally:
+        if len(mm) != size:
+            mm.close()
+            raise TruncatedError(f"{path} changed size while being opened: re-download or recompile")
+    except BaseException:
         os.close(fd)
-    if len(mm) != size:
-        mm.close()
-        raise TruncatedError(f"{path} changed size while being opened: re-download or recompile")
-    return Artifact(path, pre, header, model, entries, sections, mm)
+        raise
+    return Artifact(path, pre, header, model, entries, sections, mm, fd)
 
 
 class Artifact:
     """An open, validated .thin file. Views it hands out point into the mapping (zero copy)."""
 
     def __init__(self, path: Path, preamble: Preamble, header: dict, model: Model, entries: list[TensorEntry],
-                 sections: dict, mm: mmap.mmap):
+                 sections: dict, mm: mmap.mmap, fd: int):
         self.path = path
         self.preamble = preamble
         self.header = header  # the decoded header, plain data (treat as read-only)
@@ -169,6 +172,8 @@ class Artifact:
         self._entries = {e.name: e for e in entries}
         self._sections = sections
         self._mm: mmap.mmap | None = mm
+        self._fd: int | None = fd  # for pread: reads that survive the file shrinking
+        self._close_fd = weakref.finalize(self, os.close, fd)  # an artifact never closed must not leak it
         self.file_size = preamble.file_size
 
     # -- metadata -----------------------------------------------------------------------------
@@ -213,7 +218,7 @@ class Artifact:
         return self._mm
 
     def buffer(self, name: str) -> memoryview:
-        """The tensor's bytes as a memoryview into the mapping (zero copy)."""
+        """The tensor's bytes as a memoryview into the mapping (zero copy; see the module doc on SIGBUS)."""
         e = self.tensor_entry(name)
         return memoryview(self._map())[e.offset:e.offset + e.size]
 
@@ -224,23 +229,46 @@ class Artifact:
             return np.zeros(0, np.uint8)
         return np.frombuffer(self._map(), dtype=np.uint8, count=e.size, offset=e.offset)
 
+    def read(self, name: str) -> bytearray:
+        """A private copy of the tensor's bytes, read with pread: TruncatedError if the file has shrunk."""
+        e = self.tensor_entry(name)
+        fd = self._descriptor()
+        buf = bytearray(e.size)
+        view, got = memoryview(buf), 0
+        while got < e.size:
+            n = os.preadv(fd, [view[got:]], e.offset + got)
+            if n == 0:
+                raise TruncatedError(f"{self.path} shrank while tensor {name!r} was read; the file was replaced "
+                                     "or truncated underneath: re-download or recompile")
+            got += n
+        return buf
+
+    def _descriptor(self) -> int:
+        if self._fd is None:
+            raise ArtifactClosedError(f"{self.path} is closed")
+        return self._fd
+
     def verify_checksums(self, names=None, *, workers: int | None = None) -> list[str]:
-        """Names of tensors whose bytes fail their sha256 or whose zero padding before them is not zero."""
-        mm = self._map()
+        """Names of tensors whose bytes fail their sha256 or whose zero padding before them is not zero.
+
+        Reads with pread, never through the mapping: a file truncated meanwhile raises TruncatedError."""
+        fd = self._descriptor()
         entries = [self.tensor_entry(n) for n in (self.tensor_names() if names is None else names)]
         total = sum(e.size for e in entries)
         # hashlib releases the GIL on large buffers, so threads hash several tensors at once.
         workers = workers or (min(8, os.cpu_count() or 1) if total > (64 << 20) else 1)
         if workers > 1:
             with ThreadPoolExecutor(workers) as pool:
-                ok = list(pool.map(lambda e: _tensor_ok(mm, e), entries))
+                ok = list(pool.map(lambda e: _tensor_ok(fd, e, self.path), entries))
         else:
-            ok = [_tensor_ok(mm, e) for e in entries]
+            ok = [_tensor_ok(fd, e, self.path) for e in entries]
         return [e.name for e, good in zip(entries, ok) if not good]
 
     def close(self) -> None:
         """Unmap the file; views still alive keep the mapping until they go."""
         mm, self._mm = self._mm, None
+        self._fd = None
+        self._close_fd()
         if mm is not None:
             try:
                 mm.close()
@@ -261,17 +289,19 @@ class Artifact:
         return f"<Artifact {self.path} {self.model.architecture} {len(self._entries)} tensors>"
 
 
-def _tensor_ok(mm: mmap.mmap, e: TensorEntry) -> bool:
-    view = memoryview(mm)
-    try:
-        if view[e.padding_start:e.offset].tobytes().count(0) != e.offset - e.padding_start:
-            return False
-        h = hashlib.sha256()
-        for start in range(e.offset, e.offset + e.size, _HASH_CHUNK):
-            h.update(view[start:min(start + _HASH_CHUNK, e.offset + e.size)])
-        return h.hexdigest() == e.sha256
-    finally:
-        view.release()
+def _tensor_ok(fd: int, e: TensorEntry, path: Path) -> bool:
+    padding = e.offset - e.padding_start
+    if _pread(fd, padding, e.padding_start).count(0) != padding:
+        return False
+    h = hashlib.sha256()
+    for start in range(e.offset, e.offset + e.size, _HASH_CHUNK):
+        want = min(_HASH_CHUNK, e.offset + e.size - start)
+        chunk = _pread(fd, want, start)
+        if len(chunk) != want:
+            raise TruncatedError(f"{path} shrank while it was verified (tensor {e.name!r} ends past the new end); "
+                                 "the file was replaced or truncated underneath: re-download or recompile")
+        h.update(chunk)
+    return h.hexdigest() == e.sha256
 
 
 def verify_file(path: str | os.PathLike, *, workers: int | None = None) -> list[str]:

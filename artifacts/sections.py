@@ -15,7 +15,9 @@ from thin.ir import __version__ as THIN_VERSION
 from .errors import ArtifactWriteError, InvalidSectionError
 from .spec import (
     MAX_TOKENIZER_FILE,
+    MAX_TOKENIZER_FILES,
     MAX_TOKENIZER_RATIO,
+    MAX_TOKENIZER_TOTAL,
     SECTION_NAMES,
     SECTION_SINCE,
     ZSTD_LEVEL,
@@ -245,7 +247,20 @@ def _compress_tokenizer(files) -> dict:
             raise ArtifactWriteError(f"tokenizer file {name!r} is {len(data)} bytes; the limit is "
                                      f"{MAX_TOKENIZER_FILE}")
         out[name] = {"size": len(data), "zstd": compressor.compress(data)}
+    err = _tokenizer_totals_error(out)
+    if err:
+        raise ArtifactWriteError(err)
     return {"files": out}
+
+
+def _tokenizer_totals_error(files: dict) -> str | None:
+    # Each file is bounded on its own; so are their number and the memory they take all decompressed.
+    if len(files) > MAX_TOKENIZER_FILES:
+        return f"the tokenizer has {len(files)} files; the limit is {MAX_TOKENIZER_FILES}"
+    total = sum(entry["size"] for entry in files.values())
+    if total > MAX_TOKENIZER_TOTAL:
+        return f"the tokenizer files decompress to {total} bytes in all; the limit is {MAX_TOKENIZER_TOTAL}"
+    return None
 
 
 def validate_sections(stored, file_minor: int, reader_minor: int) -> dict:
@@ -274,6 +289,8 @@ def validate_sections(stored, file_minor: int, reader_minor: int) -> dict:
 def _tokenizer_error(value) -> str | None:
     if type(value) is not dict or set(value) != {"files"} or type(value["files"]) is not dict:
         return "tokenizer must be a mapping {'files': {name: {'size', 'zstd'}}}"
+    if len(value["files"]) > MAX_TOKENIZER_FILES:
+        return f"tokenizer has {len(value['files'])} files; the limit is {MAX_TOKENIZER_FILES}"
     for name, entry in value["files"].items():
         err = _file_name_error(name)
         if err:
@@ -292,7 +309,7 @@ def _tokenizer_error(value) -> str | None:
         # The frame's own content size decides the allocation when decompressing: it must agree.
         if content != size:
             return f"tokenizer file {name!r} has a zstd frame that does not declare its {size} bytes"
-    return None
+    return _tokenizer_totals_error(value["files"])
 
 
 def decompress_tokenizer(stored: dict) -> dict[str, bytes]:

@@ -30,9 +30,14 @@ assert PREAMBLE_SIZE == 128 and struct.calcsize("<8sHH16s") == FROZEN_PREFIX
 MIN_ALIGN = 16  # every tensor can be viewed as any dtype up to 16 bytes wide
 MAX_ALIGN = 1 << 21  # 2 MiB: a huge page
 MAX_HEADER_BYTES = 1 << 30  # the header is read into memory whole
+# Decoded msgpack costs up to ~70 bytes of memory per object (an empty map or array is one byte
+# of input), so the count of objects is bounded, not only the bytes: ~70 objects per tensor.
+MAX_HEADER_OBJECTS = 8_000_000
 MAX_NESTING = 64  # plain-data depth allowed in the header
 MAX_NAME_CHARS = 1024  # tensor names
-MAX_TOKENIZER_FILE = 256 << 20  # decompressed bytes of one tokenizer file
+MAX_TOKENIZER_FILE = 64 << 20  # decompressed bytes of one tokenizer file (the largest in use: ~35 MB)
+MAX_TOKENIZER_TOTAL = 96 << 20  # decompressed bytes of all of them together
+MAX_TOKENIZER_FILES = 16
 # A tokenizer file may decompress to at most this many times its stored size (plus 1 MiB), so a
 # tiny forged section cannot ask for a large allocation.
 MAX_TOKENIZER_RATIO = 1000
@@ -118,7 +123,10 @@ def _refuse_ext(code, data):
 
 
 def unpack(data: bytes, what: str = "header"):
-    """Decode untrusted msgpack with every length bounded by the input; CorruptHeaderError on failure."""
+    """Decode untrusted msgpack with every length bounded by the input and at most MAX_HEADER_OBJECTS
+    objects; CorruptHeaderError on failure."""
+    if len(data) > MAX_HEADER_OBJECTS:  # smaller inputs cannot hold more objects than bytes
+        count_objects(data, MAX_HEADER_OBJECTS, what)
     n = max(len(data), 1)
     unpacker = msgpack.Unpacker(raw=False, use_list=True, strict_map_key=True, ext_hook=_refuse_ext,
                                 max_buffer_size=n, max_str_len=n, max_bin_len=n, max_array_len=n,
@@ -157,3 +165,61 @@ def plain_error(value, where: str, depth: int = 0) -> str | None:
                 return err
         return None
     return f"{where} holds a {type(value).__name__}, which is not plain data"
+
+
+def _type_table() -> list:
+    """Per msgpack type byte: ("skip", n) fixed payload, ("array"/"map", n) fixed count, or
+    (kind, w) where a w-byte big-endian field holds a payload length ("bytes", "ext") or a count."""
+    table: list = [None] * 256
+    for b in (*range(0x00, 0x80), *range(0xE0, 0x100), 0xC0, 0xC2, 0xC3):
+        table[b] = ("skip", 0)
+    for b in range(0x80, 0x90):
+        table[b] = ("map", b & 15)
+    for b in range(0x90, 0xA0):
+        table[b] = ("array", b & 15)
+    for b in range(0xA0, 0xC0):
+        table[b] = ("skip", b & 31)
+    for b, w in ((0xC4, 1), (0xC5, 2), (0xC6, 4), (0xD9, 1), (0xDA, 2), (0xDB, 4)):
+        table[b] = ("bytes", w)
+    for b, w in ((0xC7, 1), (0xC8, 2), (0xC9, 4)):
+        table[b] = ("ext", w)
+    for b, n in ((0xCA, 4), (0xCB, 8), (0xCC, 1), (0xCD, 2), (0xCE, 4), (0xCF, 8), (0xD0, 1), (0xD1, 2),
+                 (0xD2, 4), (0xD3, 8), (0xD4, 2), (0xD5, 3), (0xD6, 5), (0xD7, 9), (0xD8, 17)):
+        table[b] = ("skip", n)
+    for b, w in ((0xDC, 2), (0xDD, 4)):
+        table[b] = ("arrays", w)
+    for b, w in ((0xDE, 2), (0xDF, 4)):
+        table[b] = ("maps", w)
+    return table  # 0xC1 stays None: never used
+
+
+_TYPES = _type_table()
+
+
+def count_objects(data: bytes, limit: int, what: str = "header") -> int:
+    """The number of msgpack objects in `data`, found without decoding them; CorruptHeaderError past `limit`."""
+    pos, pending, count, size = 0, 1, 0, len(data)
+    while pending:
+        if pos >= size or count >= limit:
+            break
+        kind, n = _TYPES[data[pos]] or ("bad", 0)
+        pos += 1
+        pending -= 1
+        count += 1
+        if kind == "skip":
+            pos += n
+        elif kind == "array":
+            pending += n
+        elif kind == "map":
+            pending += 2 * n
+        elif kind in ("bytes", "ext"):
+            pos += n + int.from_bytes(data[pos:pos + n], "big") + (kind == "ext")
+        elif kind in ("arrays", "maps"):
+            pending += int.from_bytes(data[pos:pos + n], "big") * (2 if kind == "maps" else 1)
+            pos += n
+        else:
+            break  # an invalid type byte: the decoder reports it
+    if pending and count >= limit:
+        raise CorruptHeaderError(f"the {what} holds more than {limit} msgpack objects, beyond what this thin "
+                                 "reads; the file is damaged or hand-made: re-download or recompile")
+    return count

@@ -44,6 +44,25 @@ def _remove(path: str) -> None:
         pass
 
 
+# File names are limited to 255 bytes on common filesystems; a temp name is the target's name plus
+# a dot, ".tmp-" and 12 hex digits, so the target's part is cut to leave room for them.
+_NAME_MAX = 255
+_TEMP_EXTRA = len(".") + len(".tmp-") + 12
+
+
+def create_temp_beside(path: str | os.PathLike) -> tuple[int, str]:
+    """(descriptor, path) of a new, empty temp file in `path`'s folder, named after it.
+
+    Created exclusively with mode 0o666 minus the umask (what the final file will have after the
+    rename); the name fits the 255-byte limit whatever the length of `path`'s own name."""
+    path = Path(path)
+    stem = os.fsencode(path.name)[:_NAME_MAX - _TEMP_EXTRA].decode("utf-8", "ignore")  # whole characters
+    name = f".{stem}.tmp-{secrets.token_hex(6)}"
+    tmp = str(path.parent / name)
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+    return fd, tmp
+
+
 def _byte_view(data, name: str) -> memoryview:
     """A flat unsigned-byte view of `data` without copying it."""
     if isinstance(data, np.ndarray):
@@ -71,8 +90,7 @@ class ArtifactWriter:
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         # The random part keeps concurrent compiles apart; it never enters the file's bytes.
-        self._tmp = str(self.path.parent / f".{self.path.name}.tmp-{secrets.token_hex(6)}")
-        fd = os.open(self._tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0), 0o666)
+        fd, self._tmp = create_temp_beside(self.path)
         self._file = os.fdopen(fd, "w+b", buffering=1 << 20)
         self._cleanup = weakref.finalize(self, _remove, self._tmp)
         self._file.write(bytes(PREAMBLE_SIZE))  # filled in last, once the header's place is known

@@ -1,4 +1,8 @@
-"""The cache key changes exactly when an input changes, and file hashes are cached on disk."""
+"""The cache key changes exactly when an input changes, and file hashes are cached on disk.
+
+Which files are inputs is the compiler's inventory (tests/test_hostile_folder.py checks that the key
+covers exactly those); here the key is given them by name.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +13,7 @@ import shutil
 import pytest
 
 import thin.artifacts.key as key_module
-from thin.artifacts import compute_key, hash_files
+from thin.artifacts import SourceChangedError, compute_key, hash_files
 
 OPTIONS = {"vram": "8G", "formats": ["int4", "fp8_e4m3"], "certify": {"min_cosine": 0.99, "prompts": 16}}
 OLD_NS = 1_600_000_000 * 10**9  # files older than the racy window may be cached
@@ -27,10 +31,14 @@ def _make_checkpoint(d):
     return d
 
 
+def _inputs(d):
+    return {p.name: p for p in sorted(d.iterdir()) if p.name != "README.md"}
+
+
 def _key(d, cache, **changes):
     args = dict(options=OPTIONS, calibration=b"calibration text", target="cuda:sm90", hash_cache=cache)
     args.update(changes)
-    return compute_key(d, args.pop("options"), **args)
+    return compute_key(args.pop("inputs", None) or _inputs(d), args.pop("options"), **args)
 
 
 @pytest.fixture
@@ -45,11 +53,13 @@ def test_key_is_stable_and_location_independent(ckpt, tmp_path):
     assert _key(d, cache) == k
     reordered = {"certify": {"prompts": 16, "min_cosine": 0.99}, "formats": ["int4", "fp8_e4m3"], "vram": "8G"}
     assert _key(d, cache, options=reordered) == k
-    (d / "README.md").write_text("edited, still not an input")
-    assert _key(d, cache) == k
     moved = tmp_path / "elsewhere"
     shutil.copytree(d, moved)
     assert _key(moved, cache) == k
+    # The names are part of the key: the same bytes under another name (a shard moved into a
+    # subfolder the index points at) are another input.
+    renamed = {("shards/" + n if n.endswith(".safetensors") else n): p for n, p in _inputs(d).items()}
+    assert _key(d, cache, inputs=renamed) != k
 
 
 def test_every_input_changes_the_key(ckpt, monkeypatch):
@@ -93,7 +103,7 @@ def test_hash_cache_is_used_on_the_second_call(ckpt, monkeypatch):
     d, cache = ckpt
     calls = []
     real = key_module._hash_file
-    monkeypatch.setattr(key_module, "_hash_file", lambda p: calls.append(p.name) or real(p))
+    monkeypatch.setattr(key_module, "_hash_file", lambda p, ident: calls.append(p.name) or real(p, ident))
     first = _key(d, cache)
     assert sorted(calls) == ["config.json", "model-00001-of-00002.safetensors",
                              "model-00002-of-00002.safetensors", "tokenizer.json"]
@@ -129,4 +139,27 @@ def test_hash_files_and_refusals(ckpt):
     with pytest.raises(TypeError):
         _key(d, cache, target="")
     with pytest.raises(FileNotFoundError):
-        _key(d / "missing", cache)
+        _key(d, cache, inputs={"missing.safetensors": d / "missing.safetensors"})
+    with pytest.raises(TypeError):
+        _key(d, cache, inputs=[d / "config.json"])
+
+
+def test_a_file_changed_since_it_was_read_is_refused(ckpt):
+    """The compiler passes the identity it saw when reading each file: a later change is not hashed
+    into a key for bytes the compile never read."""
+    d, cache = ckpt
+    config = d / "config.json"
+    seen = list(key_module._identity(os.stat(config)))
+    _key(d, cache, identities={"config.json": seen})
+    config.write_text('{"architectures": ["MistralForCausalLM"]}')
+    with pytest.raises(SourceChangedError, match="config.json changed"):
+        _key(d, cache, identities={"config.json": seen})
+
+
+def test_a_fifo_in_place_of_an_input_does_not_hang_the_hash(ckpt):
+    d, cache = ckpt
+    fifo = d / "tokenizer.json"
+    fifo.unlink()
+    os.mkfifo(fifo)
+    with pytest.raises(SourceChangedError):
+        hash_files([fifo], hash_cache=cache)
