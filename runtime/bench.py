@@ -18,10 +18,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from .errors import RunError
 from .sampling import GenerationOptions
 
 
-class BenchCheckError(RuntimeError):
+class BenchCheckError(RunError, RuntimeError):
     """A correctness check of the benchmark failed."""
 
 

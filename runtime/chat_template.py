@@ -1,7 +1,9 @@
 """Chat templates: the checkpoint's Jinja template, rendered as transformers renders it.
 
 Templates come from the Hub and are untrusted code, so they run in jinja2's immutable
-sandbox. To give the same prompt string as transformers' `apply_chat_template(...,
+sandbox, bounded in time and memory (template_limits.py); whatever goes wrong in a template,
+syntax, a refused operation, a bound, or an exception its code raises, is a ChatTemplateError
+with a one-line message. To give the same prompt string as transformers' `apply_chat_template(...,
 tokenize=False)` we reproduce its environment: trim_blocks and lstrip_blocks, loop
 controls, a `{% generation %}` block tag, `raise_exception`, `strftime_now`, a `tojson`
 that does not HTML-escape, a `dict` constructor, a `namespace` that refuses underscore
@@ -21,14 +23,16 @@ from typing import ClassVar
 import jinja2
 import jinja2.ext
 import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from .errors import RunError
+from .template_limits import BoundedSandbox, bounded_filter, check_value, render_budget
 
 # Names under which a message's reasoning may arrive; templates read the first ("reasoning_content"),
 # gpt-oss templates read "thinking". transformers fills both from whichever is set.
 _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
-class ChatTemplateError(jinja2.TemplateError):
+class ChatTemplateError(RunError, jinja2.TemplateError):
     """A template raised (via raise_exception) or cannot be rendered; the message says why."""
 
 
@@ -88,17 +92,37 @@ class _Namespace(jinja2.utils.Namespace):
             raise jinja2.exceptions.SecurityError(f"chat templates cannot set underscore names, got {name!r}")
 
 
-@lru_cache(maxsize=16)
 def compile_template(source: str) -> jinja2.Template:
-    """Compile a chat template in the sandboxed environment transformers uses (cached by source)."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
-    env.filters["tojson"] = _tojson
+    """Compile a chat template in the environment transformers uses, bounded (cached by source).
+
+    Raises ChatTemplateError for a template that is not a string, too large, or does not compile."""
+    if not isinstance(source, str):
+        raise ChatTemplateError(f"a chat template is a string, got {type(source).__name__}")
+    try:
+        return _compile(source)
+    except ChatTemplateError:
+        raise
+    except jinja2.TemplateSyntaxError as e:
+        raise ChatTemplateError(f"line {e.lineno}: {_message(e)}") from None
+    except (jinja2.TemplateError, RecursionError, MemoryError) as e:  # RecursionError: deeply nested syntax
+        raise ChatTemplateError(_message(e)) from None
+
+
+@lru_cache(maxsize=16)
+def _compile(source: str) -> jinja2.Template:
+    env = BoundedSandbox(trim_blocks=True, lstrip_blocks=True,
+                         extensions=[_GenerationBlock, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = bounded_filter("tojson", _tojson)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.globals["dict"] = _DictConstructor()
     env.globals["namespace"] = _Namespace
-    return env.from_string(source)
+    return env.bounded_template(source)
+
+
+def _message(error: BaseException) -> str:
+    text = " ".join(str(error).split())[:500]
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def _plain(value):
@@ -154,9 +178,15 @@ class ChatTemplate:
             raise ValueError("cannot render an empty conversation")
         template = compile_template(self.source)
         variables = {**self.special_tokens, **_plain(kwargs)}
-        return template.render(messages=_prepare_messages(messages), tools=_plain(tools),
-                               documents=_plain(documents), add_generation_prompt=add_generation_prompt,
-                               **variables)
+        try:
+            with render_budget():
+                return check_value(template.render(
+                    messages=_prepare_messages(messages), tools=_plain(tools), documents=_plain(documents),
+                    add_generation_prompt=add_generation_prompt, **variables))
+        except ChatTemplateError:
+            raise
+        except Exception as e:  # noqa: BLE001 -- the template is untrusted code: whatever it raises is its failure
+            raise ChatTemplateError(f"the chat template failed: {_message(e)}") from None
 
 
 def _select_default(source) -> str:

@@ -4,7 +4,8 @@
 Interactive chat when stdin is a terminal; otherwise one completion for --prompt, or for
 the text read from stdin. Generated text streams to stdout; throughput and errors go to
 stderr. Expected failures (missing or damaged file, absent GPU, prompt too long, a model
-over its --vram budget) print one line and exit 1, never a traceback.
+over its --vram budget, a bad option, a template that fails) print one line and exit 1, never
+a traceback; in the interactive chat a failed turn prints its line and the session goes on.
 """
 
 from __future__ import annotations
@@ -22,28 +23,24 @@ class _UserError(Exception):
     """An error the user can fix; printed as one line."""
 
 
-def _fail(message: str):
+def _error_line(error) -> str:
+    """One line, control characters escaped: messages quote names from the file."""
+    from thin.ir import one_line, printable
+
+    return f"thin-exec: error: {printable(one_line(error))}"
+
+
+def _fail(message):
     # Messages stay on one line so scripts can grep them.
-    typer.echo(f"thin-exec: error: {' '.join(str(message).split())}", err=True)
+    typer.echo(_error_line(message), err=True)
     raise typer.Exit(1)
 
 
 def _expected_errors() -> tuple[type[BaseException], ...]:
-    from jinja2 import TemplateError
+    """thin's own errors (the runtime's RunError, ArtifactError, ...), the OS's, and running out of memory."""
+    from thin.ir import ThinError
 
-    from thin.artifacts import ArtifactError
-    from thin.runtime import (
-        ContextTooLongError,
-        DeviceUnavailableError,
-        FFNLevelError,
-        NoChatTemplateError,
-        TokenizerError,
-    )
-    from thin.runtime.bench import BenchCheckError
-    from thin.runtime.memory import VramBudgetError
-
-    return (_UserError, ArtifactError, OSError, TemplateError, ContextTooLongError, DeviceUnavailableError,
-            NoChatTemplateError, TokenizerError, VramBudgetError, BenchCheckError, FFNLevelError)
+    return (_UserError, ThinError, OSError, MemoryError)
 
 
 def _out_of_memory(e: BaseException, vram: str | None) -> str:
@@ -90,6 +87,16 @@ def _check_file(model_path: Path) -> None:
         raise _UserError(f"not a file: {model_path}")
 
 
+def _terminal_text(piece: str) -> str:
+    # Generated text goes to a terminal as is, except control characters (a model's tokens could
+    # spell escape sequences); newlines and tabs are text.
+    from thin.ir import printable
+
+    if piece.isprintable() or not sys.stdout.isatty():
+        return piece
+    return "".join(c if c in "\n\t" else printable(c) for c in piece)
+
+
 def _stream(model, prompt_ids: list[int], options: dict, conversation=None) -> tuple[str, object]:
     """Generate for `prompt_ids`, printing text as it completes; return the text and the stats."""
     from thin.runtime import GenerationStats
@@ -102,12 +109,12 @@ def _stream(model, prompt_ids: list[int], options: dict, conversation=None) -> t
             piece = decoder.put(token)
             if piece:
                 pieces.append(piece)
-                sys.stdout.write(piece)
+                sys.stdout.write(_terminal_text(piece))
                 sys.stdout.flush()
     finally:
         tail = decoder.flush()
         pieces.append(tail)
-        sys.stdout.write(tail + "\n")
+        sys.stdout.write(_terminal_text(tail) + "\n")
         sys.stdout.flush()
     return "".join(pieces), stats
 
@@ -147,6 +154,9 @@ def _chat(model, raw: bool, options: dict):
         except (EOFError, KeyboardInterrupt):
             typer.echo("", err=True)
             return
+        except UnicodeDecodeError as e:  # the terminal sent bytes that are not UTF-8: this turn only
+            typer.echo(_error_line(f"the input is not UTF-8 text ({e.reason})"), err=True)
+            continue
         command = line.strip()
         if command in ("/exit", "/quit"):
             return
@@ -165,7 +175,7 @@ def _chat(model, raw: bool, options: dict):
             continue
         except _expected_errors() as e:
             # One bad turn (too long, template refusal) should not end the session.
-            typer.echo(f"thin-exec: error: {' '.join(str(e).split())}", err=True)
+            typer.echo(_error_line(e), err=True)
             continue
         typer.echo(stats.summary(), err=True)
         if not raw:
@@ -231,7 +241,7 @@ def run(
             _chat(model, raw, options)
         else:
             # `echo text |` ends the prompt with a newline the user did not mean as text.
-            _one_shot(model, sys.stdin.read().removesuffix("\n"), raw, options)
+            _one_shot(model, _read_stdin().removesuffix("\n"), raw, options)
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     except torch.OutOfMemoryError as e:
@@ -287,6 +297,24 @@ def bench(
     except _expected_errors() as e:
         _fail(str(e) or type(e).__name__)
     typer.echo(json.dumps(result.to_dict()) if as_json else result.render())
+
+
+def _read_stdin() -> str:
+    """The prompt piped on stdin: at most MAX_PROMPT_BYTES, strict UTF-8."""
+    from thin.runtime.inputs import MAX_PROMPT_BYTES
+
+    stream = getattr(sys.stdin, "buffer", None)
+    if stream is None:  # a text stream without bytes underneath (embedding, tests)
+        text = sys.stdin.read(MAX_PROMPT_BYTES + 1)
+        data = text.encode("utf-8", "surrogateescape") if len(text) <= MAX_PROMPT_BYTES else b"x" * len(text)
+    else:
+        data = stream.read(MAX_PROMPT_BYTES + 1)  # never more than the limit in memory
+    if len(data) > MAX_PROMPT_BYTES:
+        raise _UserError(f"the prompt on stdin is longer than {MAX_PROMPT_BYTES} bytes, the limit on prompt text")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise _UserError(f"the prompt on stdin is not UTF-8 text (byte {e.start}: {e.reason})") from None
 
 
 def main(argv: list[str] | None = None):

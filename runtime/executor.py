@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from thin.ir import MLP, Attention, DecoderLayer, Linear, Model, MoE, Norm, RoPE, formats
 
 from .ffn import ACTIVATIONS, MLPPlan, MoEPlan, run_ffn
+from .inputs import check_tensor_range
 from .kv_cache import KVCache
 from .linear import Embedding, LinearOp, load_weight, make_linear
 from .rope import RotaryTables, apply_rotary
@@ -237,6 +238,7 @@ class Executor:
         """
         if input_ids.dim() != 1 or input_ids.numel() == 0:
             raise ValueError(f"input_ids must be a non-empty 1-D tensor, got shape {tuple(input_ids.shape)}")
+        check_tensor_range(input_ids, self.model.vocab_size)
         ids = input_ids.to(device=self.device, dtype=torch.long)
         start = 0
         if cache is not None:

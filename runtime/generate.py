@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .errors import RunError
+from .inputs import token_list
 from .sampling import GenerationOptions, make_generator, sample_next
 
 
@@ -44,7 +46,7 @@ class GenerationStats:
                 f"decode: {self.new_tokens} tokens, {self.decode_tokens_per_second:.1f} tok/s")
 
 
-class ContextTooLongError(ValueError):
+class ContextTooLongError(RunError, ValueError):
     """Prompt plus max_new_tokens would run past the positions the model supports."""
 
 
@@ -101,7 +103,8 @@ def generate(executor, prompt_ids: Sequence[int], options: GenerationOptions, *,
     `stats`, when given, receives the token counts, timings and why generation stopped.
     """
     stats = stats if stats is not None else GenerationStats()
-    prompt = [int(t) for t in prompt_ids]
+    model = getattr(executor, "model", None)
+    prompt = token_list(prompt_ids, getattr(model, "vocab_size", None))
     if not prompt:
         raise ValueError("generate needs at least one prompt token")
     check_context(len(prompt), options.max_new_tokens, max_position_embeddings)

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import torch
 
+from .errors import CacheAllocationError, RunError
 
-class CacheFullError(RuntimeError):
+
+class CacheFullError(RunError, RuntimeError):
     """More tokens were fed than the cache was allocated for."""
 
 
@@ -31,8 +33,21 @@ class KVCache:
         if len(self.windows) != len(shapes) or any(w is not None and w <= 0 for w in self.windows):
             raise ValueError(f"windows must give a positive window or None for each of {len(shapes)} layers")
         sizes = [max_seq_len if w is None else min(w, max_seq_len) for w in self.windows]
-        self.keys = [torch.zeros(h, n, d, dtype=dtype, device=device) for (h, d), n in zip(shapes, sizes)]
-        self.values = [torch.zeros(h, n, d, dtype=dtype, device=device) for (h, d), n in zip(shapes, sizes)]
+        device = torch.device(device)
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        need = 2 * itemsize * sum(h * d * n for (h, d), n in zip(shapes, sizes))
+        free = available_memory(device)
+        if free is not None and need > free:
+            raise CacheAllocationError(f"a KV cache for {max_seq_len} tokens needs {need / 2**30:.2f} GiB, but "
+                                       f"{device.type} has {free / 2**30:.2f} GiB free; lower max_new_tokens or "
+                                       "shorten the prompt")
+        try:
+            self.keys = [torch.zeros(h, n, d, dtype=dtype, device=device) for (h, d), n in zip(shapes, sizes)]
+            self.values = [torch.zeros(h, n, d, dtype=dtype, device=device) for (h, d), n in zip(shapes, sizes)]
+        except (RuntimeError, MemoryError) as e:  # torch's allocators raise RuntimeError (OutOfMemoryError)
+            raise CacheAllocationError(f"could not allocate a KV cache for {max_seq_len} tokens "
+                                       f"({need / 2**30:.2f} GiB on {device.type}): {str(e).splitlines()[0][:200]}; "
+                                       "lower max_new_tokens or shorten the prompt") from None
         self.length = 0  # tokens already stored (the position of the next token)
 
     def check_room(self, n: int) -> None:
@@ -86,3 +101,17 @@ class KVCache:
     def reset(self) -> None:
         """Forget the sequence (buffers are reused, not cleared)."""
         self.length = 0
+
+
+def available_memory(device: torch.device) -> int | None:
+    """Bytes that can still be allocated on `device`, or None where that cannot be known."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None

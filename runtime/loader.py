@@ -1,7 +1,9 @@
 """`load(path)`: open a .thin artifact and wrap everything needed to run it in a `ThinModel`.
 
 Weights are not copied here: the executor receives uint8 views of the artifact's mapped bytes
-and its LinearOps decide what lives where (runtime/linear.py).
+and its LinearOps decide what lives where (runtime/linear.py). So a running model keeps reading
+the file: replace an artifact in use by rename (as `thinc compile` does), never by truncating it
+in place (`cp` over it), which makes the mapped pages past the new end fault with SIGBUS.
 """
 
 from __future__ import annotations
@@ -11,21 +13,23 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from .chat_template import ChatTemplate
+from .errors import RunError
 from .generate import ConversationCache, GenerationStats, generate
+from .inputs import check_prompt_text, token_list, token_tensor
 from .perplexity import PerplexityResult, evaluate_perplexity
 from .sampling import GenerationOptions
 from .tokenizer import Tokenizer, TokenizerError
 
 
-class DeviceUnavailableError(RuntimeError):
+class DeviceUnavailableError(RunError, RuntimeError):
     """The requested device does not exist on this machine."""
 
 
-class NoChatTemplateError(ValueError):
+class NoChatTemplateError(RunError, ValueError):
     """The artifact carries no chat template, so messages cannot be rendered."""
 
 
-class FFNLevelError(ValueError):
+class FFNLevelError(RunError, ValueError):
     """An elastic FFN level the artifact did not certify (or an artifact without levels)."""
 
 
@@ -121,8 +125,9 @@ class ThinModel:
         return f"linear weights on {self.device.type}: {served}"
 
     def forward(self, input_ids) -> torch.Tensor:
-        """float32 logits [T, vocab] for a full sequence of ids (no cache)."""
-        ids = torch.as_tensor(input_ids, dtype=torch.long).reshape(-1).to(self.device)
+        """float32 logits [T, vocab] for one sequence of ids [T] (no cache); InputError for ids of another
+        type, shape or range (floats, batches, ids past the vocabulary)."""
+        ids = token_tensor(input_ids, self.ir.vocab_size, "forward").to(self.device)
         with torch.no_grad():
             return self.executor.forward(ids)
 
@@ -142,10 +147,11 @@ class ThinModel:
         return GenerationOptions.from_generation_config(self.generation_config, **overrides)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text` (at most MAX_PROMPT_BYTES of UTF-8, checked before tokenizing)."""
         if self.tokenizer is None:
             raise TokenizerError("this artifact has no tokenizer (its source folder had no tokenizer.json); "
                                  "pass token ids instead of text")
-        return self.tokenizer.encode(text, add_special_tokens=add_special_tokens)
+        return self.tokenizer.encode(check_prompt_text(text), add_special_tokens=add_special_tokens)
 
     def generate(self, prompt: str | Sequence[int], *, stats: GenerationStats | None = None,
                  conversation: ConversationCache | None = None, **options) -> Iterator[int]:
@@ -156,7 +162,7 @@ class ThinModel:
         Timings land in `stats` (default: `self.last_stats`). With `conversation` (from
         `new_conversation()`), keys and values of a prompt prefix seen in an earlier call are reused.
         """
-        ids = self.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        ids = token_list(self.encode(prompt) if isinstance(prompt, str) else prompt, self.ir.vocab_size)
         if stats is None:
             stats = self.last_stats = GenerationStats()
         opts = self.generation_options(**options)
@@ -193,7 +199,8 @@ class ThinModel:
     def perplexity(self, text_or_ids: str | Sequence[int], *, context: int | None = None,
                    stride: int | None = None) -> PerplexityResult:
         """Perplexity and mean NLL of text (encoded with special tokens) or ids, teacher-forced."""
-        ids = self.encode(text_or_ids) if isinstance(text_or_ids, str) else text_or_ids
+        ids = token_list(self.encode(text_or_ids) if isinstance(text_or_ids, str) else text_or_ids,
+                         self.ir.vocab_size, "perplexity")
         return evaluate_perplexity(self, ids, context=context, stride=stride)
 
 

@@ -15,12 +15,14 @@ import torch
 
 from thin.ir import formats
 
+from .errors import RunError
+
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 # Allocator slack, CUDA graph pools, Triton and cuBLAS scratch.
 _OVERHEAD = 256 * 2**20
 
 
-class VramBudgetError(RuntimeError):
+class VramBudgetError(RunError, RuntimeError):
     """The model does not fit in the --vram budget, or the budget does not fit on the card."""
 
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .inputs import token_tensor
+
 
 @dataclass(frozen=True)
 class Window:
@@ -55,7 +57,7 @@ def iter_logprobs(model, token_ids: Sequence[int] | torch.Tensor, *, context: in
     first) must be below `context` and defaults to `context - 1`, the least overlap that still
     gives every scored token some history.
     """
-    ids = torch.as_tensor(token_ids, dtype=torch.long).reshape(-1)
+    ids = token_tensor(token_ids, getattr(_ir(model), "vocab_size", None), "perplexity")
     limit = _max_positions(model)
     context = context or (min(len(ids), limit) if limit else len(ids))
     if len(ids) < 2:
@@ -78,9 +80,12 @@ def iter_logprobs(model, token_ids: Sequence[int] | torch.Tensor, *, context: in
                      logprobs=torch.log_softmax(rows, dim=-1).cpu(), logits=rows.cpu())
 
 
+def _ir(model):
+    return getattr(model, "ir", None) or getattr(model, "model_ir", None) or getattr(model, "model", None)
+
+
 def _max_positions(model) -> int | None:
-    ir = getattr(model, "ir", None) or getattr(model, "model_ir", None) or getattr(model, "model", None)
-    return getattr(ir, "max_position_embeddings", None)
+    return getattr(_ir(model), "max_position_embeddings", None)
 
 
 def token_logprobs(model, token_ids: Sequence[int] | torch.Tensor, *, context: int | None = None,

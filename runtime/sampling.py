@@ -9,14 +9,30 @@ logits of shape [..., vocab] and return new logits with removed tokens set to -i
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 
 import torch
+
+from .errors import InputError
 
 # transformers' GenerationConfig defaults, used when an artifact's generation_config is silent.
 _HF_DEFAULT_TOP_K = 50
 # transformers' default max_length (20 tokens in total) is too short for chat; ours when unset.
 DEFAULT_MAX_NEW_TOKENS = 512
+_INT32 = (1 << 31) - 1
+
+
+class GenerationOptionError(InputError):
+    """A generation option of the wrong type or outside its range (NaN included); names the value."""
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -33,21 +49,27 @@ class GenerationOptions:
     stop_token_ids: tuple[int, ...] = ()
 
     def __post_init__(self):
+        # Each check is written so that NaN fails it: comparisons with NaN are all false.
         problems = []
-        if self.max_new_tokens < 0:
-            problems.append(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            problems.append(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            problems.append(f"top_k must be >= 0, got {self.top_k}")
-        if not 0.0 < self.top_p <= 1.0:
-            problems.append(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0.0 <= self.min_p <= 1.0:
-            problems.append(f"min_p must be in [0, 1], got {self.min_p}")
-        if self.repetition_penalty <= 0:
-            problems.append(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if not (_is_int(self.max_new_tokens) and 0 <= self.max_new_tokens <= _INT32):
+            problems.append(f"max_new_tokens must be an integer in 0..{_INT32}, got {self.max_new_tokens!r}")
+        if not (_is_number(self.temperature) and 0 <= self.temperature < math.inf):
+            problems.append(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (_is_int(self.top_k) and 0 <= self.top_k <= _INT32):
+            problems.append(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not (_is_number(self.top_p) and 0.0 < self.top_p <= 1.0):
+            problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not (_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0):
+            problems.append(f"min_p must be in [0, 1], got {self.min_p!r}")
+        if not (_is_number(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf):
+            problems.append(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 1 << 64):
+            problems.append(f"seed must be an integer in 0..2**64-1, got {str(self.seed)[:40]}")
+        if (not isinstance(self.stop_token_ids, tuple)
+                or not all(_is_int(t) and 0 <= t <= _INT32 for t in self.stop_token_ids)):
+            problems.append(f"stop_token_ids must be a tuple of token ids, got {str(self.stop_token_ids)[:80]}")
         if problems:
-            raise ValueError("invalid generation options: " + "; ".join(problems))
+            raise GenerationOptionError("invalid generation options: " + "; ".join(problems))
 
     @property
     def greedy(self) -> bool:
@@ -61,36 +83,49 @@ class GenerationOptions:
         temperature > 0 turns sampling on with the config's top-k/top-p/min-p.
         """
         config = config or {}
-        sampling = bool(config.get("do_sample", False))
+        if not isinstance(config, dict):
+            raise GenerationOptionError(f"generation_config must be a mapping, got {type(config).__name__}")
+        sampling = _config_value(config, "do_sample", False, bool)
         values = {
-            "temperature": float(_or(config.get("temperature"), 1.0)) if sampling else 0.0,
-            "top_k": int(_or(config.get("top_k"), _HF_DEFAULT_TOP_K)),
-            "top_p": float(_or(config.get("top_p"), 1.0)),
-            "min_p": float(_or(config.get("min_p"), 0.0)),
-            "repetition_penalty": float(_or(config.get("repetition_penalty"), 1.0)),
+            "temperature": float(_config_value(config, "temperature", 1.0, float)) if sampling else 0.0,
+            "top_k": _config_value(config, "top_k", _HF_DEFAULT_TOP_K, int),
+            "top_p": _config_value(config, "top_p", 1.0, float),
+            "min_p": _config_value(config, "min_p", 0.0, float),
+            "repetition_penalty": _config_value(config, "repetition_penalty", 1.0, float),
             "stop_token_ids": eos_ids(config.get("eos_token_id")),
         }
         if config.get("max_new_tokens") is not None:
-            values["max_new_tokens"] = int(config["max_new_tokens"])
+            values["max_new_tokens"] = _config_value(config, "max_new_tokens", None, int)
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise TypeError(f"unknown generation options: {sorted(unknown)}")
         values.update({k: v for k, v in overrides.items() if v is not None})
-        values["stop_token_ids"] = tuple(int(t) for t in values["stop_token_ids"])
+        stop = values["stop_token_ids"]
+        values["stop_token_ids"] = tuple(stop) if isinstance(stop, (list, tuple)) else stop
         return cls(**values)
 
 
-def _or(value, default):
-    return default if value is None else value
+def _config_value(config: dict, key: str, default, kind: type):
+    """config[key] (default when absent or null), refusing a value of another type: no silent coercion."""
+    value = config.get(key)
+    if value is None:
+        return default
+    ok = isinstance(value, bool) if kind is bool else _is_int(value) if kind is int else _is_number(value)
+    if not ok:
+        raise GenerationOptionError(f"generation_config {key} must be {kind.__name__}, got {str(value)[:40]!r}")
+    return value
 
 
 def eos_ids(value) -> tuple[int, ...]:
-    """Normalise a generation_config `eos_token_id` (None, int or list) to a tuple of ints."""
+    """Normalise a generation_config `eos_token_id` (None, int or list of ints) to a tuple of ints."""
     if value is None:
         return ()
-    if isinstance(value, int):
+    if _is_int(value):
         return (value,)
-    return tuple(int(v) for v in value)
+    if isinstance(value, list) and len(value) <= 4096 and all(_is_int(v) for v in value):
+        return tuple(value)
+    raise GenerationOptionError(f"generation_config eos_token_id must be an id or a list of ids, got "
+                                f"{str(value)[:40]!r}")
 
 
 def apply_repetition_penalty(logits: torch.Tensor, seen_ids: torch.Tensor, penalty: float) -> torch.Tensor:

@@ -12,21 +12,24 @@ from __future__ import annotations
 
 import json
 
+from .errors import RunError
+
 # Named special tokens, in transformers' order; these are what chat templates receive.
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
 
-class TokenizerError(ValueError):
+class TokenizerError(RunError, ValueError):
     """The artifact's tokenizer files are missing or unreadable."""
 
 
-def _token_content(value) -> str | None:
+def _token_content(name: str, value) -> str | None:
     # tokenizer_config.json writes a special token either as a string or as a serialised AddedToken.
     if value is None:
         return None
-    if isinstance(value, dict):
-        return value.get("content")
-    return str(value)
+    content = value.get("content") if isinstance(value, dict) else value
+    if not isinstance(content, str):
+        raise TokenizerError(f"special token {name} must be a string or {{'content': str}}, got {str(value)[:60]!r}")
+    return content
 
 
 def _read_json(files: dict[str, bytes], name: str) -> dict:
@@ -34,8 +37,10 @@ def _read_json(files: dict[str, bytes], name: str) -> dict:
         return {}
     try:
         data = json.loads(files[name])
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise TokenizerError(f"{name} in the artifact is not valid JSON: {e}") from None
+    except RecursionError:
+        raise TokenizerError(f"{name} in the artifact is nested too deeply to be JSON config") from None
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError, integers of too many digits
+        raise TokenizerError(f"{name} in the artifact is not valid JSON: {' '.join(str(e).split())[:200]}") from None
     if not isinstance(data, dict):
         raise TokenizerError(f"{name} in the artifact is not a JSON object")
     return data
@@ -52,7 +57,7 @@ class Tokenizer:
         merged.update({k: v for k, v in self.config.items() if k in SPECIAL_TOKEN_NAMES and v is not None})
         self.special_tokens_map: dict[str, str] = {}
         for name in SPECIAL_TOKEN_NAMES:
-            content = _token_content(merged.get(name))
+            content = _token_content(name, merged.get(name))
             if content is not None:
                 self.special_tokens_map[name] = content
         self._register_special_tokens()
