@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-import shutil
+import stat
 import tempfile
 import time
 from collections.abc import Callable
@@ -16,6 +16,7 @@ from thin.ir import __version__
 from thin.passes import PassContext, Scratch, run_passes
 
 from .config import CompileConfig
+from .errors import OutputPathError
 from .inputs import evaluation_identity, evaluation_texts
 from .pipeline import build_pipeline
 
@@ -31,6 +32,7 @@ class CompileReport:
     output: Path
     key: str
     cache_hit: bool
+    cache_note: str = ""  # why a cache entry present for the key was not used (and was replaced)
     parameters: int = 0
     tensor_bytes: int = 0
     file_bytes: int = 0
@@ -58,17 +60,26 @@ def compile_model(model_dir, output, *, cache_dir=None, dump_ir=None, progress: 
                  calib=calib).output
 
 
+def input_key(inputs, identities, config: CompileConfig, calibration: str | None, heldout: str | None) -> str:
+    """The cache key of a compile of the files `inputs` (the frontend's inventory, by name) with
+    `config`, running the model on `calibration` and `heldout` text: the one computation that
+    `thinc compile` and `thinc key` share, so they cannot disagree."""
+    from thin.artifacts import compute_key
+
+    return compute_key(inputs, config.to_plain(), calibration=evaluation_identity(calibration, heldout),
+                       target=config.target, identities=identities)
+
+
 def build(model_dir, output, config: CompileConfig, *, cache_dir=None, dump_ir=None,
           progress: Progress | None = None, calib=None) -> CompileReport:
     """compile_model's worker: the same, returning a CompileReport for the CLI's summary."""
-    from thin.artifacts import compute_key, open_artifact
+    from thin.artifacts import CompileCache, open_artifact
 
     from .evaluate import make_evaluator
     from .hf import load_checkpoint
 
     progress = progress or (lambda stage, done, total: None)
-    model_dir, output = Path(model_dir), Path(output)
-    _check_output(output)
+    model_dir, output = Path(model_dir), check_output(output)
     clock = _Clock()
     # torch is imported on first use; time it here so the stage that happens to need it first
     # (writing tensors) is not charged for interpreter start-up.
@@ -79,19 +90,22 @@ def build(model_dir, output, config: CompileConfig, *, cache_dir=None, dump_ir=N
     # Reading the checkpoint is lazy (headers only), so a bad or unsupported model fails before hashing.
     progress("load checkpoint", 0, 0)
     source = load_checkpoint(model_dir)
+    check_output(output, source.files)
     clock.lap("load checkpoint")
     calibration, heldout = evaluation_texts(config, calib)
     progress("hash inputs", 0, 0)
-    key = compute_key(model_dir, config.to_plain(), calibration=evaluation_identity(calibration, heldout),
-                      target=config.target)
+    key = input_key(source.inputs, source.identities, config, calibration, heldout)
     clock.lap("hash inputs")
-    cached = Path(cache_dir) / f"{key}.thin" if cache_dir is not None else None
-    if cached is not None and cached.is_file():
+    cache = CompileCache(cache_dir) if cache_dir is not None else None
+    missed = cache.fetch(key, output) if cache is not None else "absent"
+    if missed is None:
         progress("cache hit", 0, 0)
-        _atomic_copy(cached, output)
         clock.lap("cache")
         with open_artifact(output) as art:
             return _report(art, output, key, True, clock)
+    note = "" if missed == "absent" else f"cache entry replaced: {missed}"
+    if note:
+        progress(note, 0, 0)
 
     with tempfile.TemporaryDirectory(prefix="thin-scratch-") as scratch:
         evaluator = make_evaluator(config.device, source.tokenizer_files) if config.evaluated else None
@@ -109,12 +123,13 @@ def build(model_dir, output, config: CompileConfig, *, cache_dir=None, dump_ir=N
         clock.lap(clock.stage)
         _write(program, source, config, key, output, progress, model_dir)
     clock.lap("write")
-    if cached is not None:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_copy(output, cached)
+    if cache is not None:
+        cache.store(key, output)
         clock.lap("cache")
     with open_artifact(output) as art:
-        return _report(art, output, key, False, clock)
+        report = _report(art, output, key, False, clock)
+    report.cache_note = note
+    return report
 
 
 def _write(program, source, config: CompileConfig, key: str, output: Path, progress: Progress,
@@ -185,24 +200,35 @@ def _report(art, output: Path, key: str, cache_hit: bool, clock: _Clock) -> Comp
     return report
 
 
-def _check_output(output: Path) -> None:
-    if output.is_dir():
-        raise IsADirectoryError(f"output {output} is a directory; give a file path such as {output}/model.thin")
-    if not output.parent.is_dir():
-        raise FileNotFoundError(f"output directory {output.parent} does not exist; create it first")
+def check_output(output, inputs=()) -> Path:
+    """`output` as a Path, if writing the artifact there destroys nothing; OutputPathError otherwise.
 
-
-def _atomic_copy(src: Path, dst: Path) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{dst.name}.", suffix=".tmp", dir=dst.parent)
+    Refused: a path ending in a separator (a folder was meant), an existing directory, device,
+    FIFO or socket (the rename would replace it by a regular file), a missing parent folder, and
+    any of `inputs`, compared by resolved path and by (device, inode) so links are caught too."""
+    text = os.fspath(output)
+    if not text or text.endswith(tuple(filter(None, ("/", os.sep, os.altsep)))):
+        raise OutputPathError(f"output {text!r} names a folder, not a file; give a file path such as "
+                              f"{os.path.join(text, 'model.thin')}")
+    path = Path(text)
     try:
-        with os.fdopen(fd, "wb") as f, open(src, "rb") as s:
-            shutil.copyfileobj(s, f, 1 << 22)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, dst)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        st = os.stat(path)
+    except FileNotFoundError:
+        st = None
+    if st is not None and stat.S_ISDIR(st.st_mode):
+        raise OutputPathError(f"output {path} is a directory; give a file path such as {path}/model.thin")
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise OutputPathError(f"output {path} exists and is not a regular file (a device, FIFO or socket); "
+                              "thin replaces only regular files")
+    if not path.parent.is_dir():
+        raise OutputPathError(f"output directory {path.parent} does not exist; create it first")
+    real = os.path.realpath(path)
+    for source in inputs:
+        same_file = st is not None and os.path.exists(source) and os.path.samestat(st, os.stat(source))
+        if same_file or real == os.path.realpath(source):
+            raise OutputPathError(f"output {path} is an input of this compile ({source}); writing there would "
+                                  "destroy it: choose another output path")
+    return path
 
 
 class _Clock:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import signal
 import sys
 from pathlib import Path
 
@@ -51,24 +52,57 @@ def _budget(vram, bpw, ctx, calib, calib_tokens, method, max_kld, allow_uncertif
 
 
 def _fail(message: str, code: int = 1) -> None:
-    typer.echo(f"thinc: error: {message}", err=True)
+    from thin.ir import one_line
+
+    typer.echo(f"thinc: error: {terminal_safe(one_line(message))}", err=True)
     raise typer.Exit(code)
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP, raised where the program is so that the writer's cleanup runs as for Ctrl-C."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated(signum)
+
+
 def _guard(fn):
-    """Turn every expected failure into one line on stderr and a non-zero exit; never a traceback."""
-    from thin.artifacts import ArtifactError
-    from thin.passes import PassError
+    """Turn every expected failure into one line on stderr and a non-zero exit; never a traceback.
+
+    Expected: thin's own errors (each layer's base derives from ThinError), compile option errors,
+    the operating system's refusals and running out of memory. Anything else is a bug and keeps
+    its traceback."""
+    from thin.ir import ThinError
 
     from .config import CompileOptionError
-    from .hf import FrontendError
 
     try:
         return fn()
-    except (ArtifactError, FrontendError, PassError, CompileOptionError, OSError) as e:
-        _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    except (ThinError, CompileOptionError, OSError, MemoryError) as e:
+        _fail(e)
+    except _Terminated as e:
+        _fail(f"terminated by {signal.Signals(e.signum).name}; nothing was written at the output path",
+              128 + e.signum)
     except KeyboardInterrupt:
         _fail("interrupted; nothing was written at the output path", 130)
+
+
+def _json_bytes(value):
+    if isinstance(value, bytes):
+        return {"hex": value.hex()}
+    raise TypeError(f"{type(value).__name__} is not plain data")
+
+
+def terminal_safe(text: str) -> str:
+    """`text` with control and bidirectional-override characters escaped, so a string read from a file
+    cannot move the cursor, retitle the terminal or reorder what is shown."""
+    from thin.artifacts import printable
+
+    return printable(text)
 
 
 class _StageProgress:
@@ -96,7 +130,8 @@ class _StageProgress:
 @app.command()
 def compile(
     model_dir: Path = typer.Argument(..., help="Hugging Face model folder (config.json + *.safetensors)."),
-    output: Path = typer.Option(..., "-o", "--output", help="Path of the .thin file to write."),
+    # A str, not a Path: Path("dir/") drops the trailing slash that says a folder was meant.
+    output: str = typer.Option(..., "-o", "--output", help="Path of the .thin file to write."),
     dump_ir: Path | None = typer.Option(None, "--dump-ir", help="Write the IR text after each pass here."),
     cache_dir: Path | None = typer.Option(
         None, "--cache-dir", help="Reuse DIR/<key>.thin when present; store new builds there."),
@@ -133,9 +168,11 @@ def compile(
     report = _guard(run)
     if report.cache_hit:
         typer.echo(f"cache hit: {cache_dir}/{report.key}.thin", err=True)
+    elif report.cache_note:
+        typer.echo(terminal_safe(report.cache_note), err=True)
     formats = ", ".join(f"{k} x{v}" for k, v in sorted(report.formats.items()))
     rows = [
-        ("output", str(report.output)),
+        ("output", terminal_safe(str(report.output))),
         ("parameters", f"{report.parameters:,}"),
         ("tensors", f"{report.tensors} ({formats})"),
         ("tensor bytes", f"{human_size(report.tensor_bytes)} ({8 * report.tensor_bytes / report.parameters:.2f} "
@@ -175,7 +212,9 @@ def inspect(
 
     desc, ir_text = _guard(run)
     if as_json:
-        typer.echo(json.dumps(desc, indent=2, sort_keys=True))
+        # Sections may hold bytes (plain data allows them): shown as hex. ensure_ascii (the default)
+        # escapes every control character, so the JSON is safe on a terminal too.
+        typer.echo(json.dumps(desc, indent=2, sort_keys=True, default=_json_bytes))
     else:
         typer.echo(render_description(desc))
     if ir:
@@ -216,17 +255,16 @@ def key(
 ):
     """Print the cache key `thinc compile` would give MODEL_DIR with these options (calibration text,
     planner options and certificate thresholds included)."""
-    from thin.artifacts import compute_key
-
-    from .inputs import evaluation_identity, evaluation_texts
+    from .build import input_key
+    from .hf.inventory import take_inventory
+    from .inputs import evaluation_texts
 
     def run():
-        if not (model_dir / "config.json").is_file():
-            raise FileNotFoundError(f"{model_dir} has no config.json; give a Hugging Face model folder")
+        inventory = take_inventory(model_dir)  # the same list of files a compile reads and hashes
         config = _config(no_fuse, quant, group_size, asymmetric, keep_lm_head, ffn_levels=ffn_levels, **_budget(
             vram, bpw, ctx, calib, calib_tokens, method, max_kld, allow_uncertified, device, tie_fused))
-        identity = evaluation_identity(*evaluation_texts(config, calib))
-        return compute_key(model_dir, config.to_plain(), calibration=identity, target=config.target)
+        inputs = {name: inventory.folder.path / name for name in inventory.names()}
+        return input_key(inputs, inventory.folder.identities, config, *evaluation_texts(config, calib))
 
     typer.echo(_guard(run))
 
@@ -307,6 +345,11 @@ def _quality_rows(report) -> list[tuple[str, str]]:
 
 
 def main() -> None:
+    # SIGTERM (kill, CI timeouts) and SIGHUP (a closed terminal) clean up like Ctrl-C: the exception
+    # unwinds through the writer, which removes its temp file.
+    for name in ("SIGTERM", "SIGHUP"):
+        if hasattr(signal, name):
+            signal.signal(getattr(signal, name), _raise_terminated)
     app()
 
 

@@ -1,67 +1,25 @@
-"""Read a Hugging Face checkpoint directory: JSON files, tokenizer files, safetensors headers.
+"""Read a checkpoint's safetensors headers and hand out lazy, bounded tensor loaders.
 
 Tensor data is never read here: `TensorStore` parses every shard's safetensors header to
 learn names, shapes, dtypes and byte ranges, and hands out loaders that read one tensor, or
 one expert's block of it, when called. Loaders use plain reads rather than a memory map: a
 mapped checkpoint's touched pages count against the compiler's resident memory, a read
-buffer is freed as soon as the tensor has been written.
+buffer is freed as soon as the tensor has been written. A header is checked as the
+safetensors library checks it (the tensors tile the data area exactly: no overlap, no gap),
+and a loader refuses a shard that changed since its header was read.
 """
 
 from __future__ import annotations
 
-import json
+import os
 from dataclasses import dataclass
 from math import prod
 from pathlib import Path
 
 from thin.ir import formats
 
-from .errors import CheckpointError, PickleCheckpointError
-
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja", "chat_template.json")
-
-
-def read_json(path: Path, *, required: bool) -> dict:
-    """Parse a JSON object file; {} when absent and not required."""
-    if not path.is_file():
-        if required:
-            raise CheckpointError(f"{path.name} not found in {path.parent}")
-        return {}
-    try:
-        value = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise CheckpointError(f"{path} must hold a JSON object, found {type(value).__name__}")
-    return value
-
-
-def read_tokenizer_files(model_dir: Path) -> dict[str, bytes]:
-    """The tokenizer and chat-template files present in `model_dir`, as raw bytes."""
-    return {name: (model_dir / name).read_bytes() for name in TOKENIZER_FILES if (model_dir / name).is_file()}
-
-
-def find_chat_template(files: dict[str, bytes]) -> str | None:
-    """The default chat template. transformers lets chat_template.jinja override tokenizer_config.json."""
-    if "chat_template.jinja" in files:
-        return files["chat_template.jinja"].decode("utf-8")
-    for name in ("chat_template.json", "tokenizer_config.json"):
-        if name not in files:
-            continue
-        try:
-            template = json.loads(files[name]).get("chat_template")
-        except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as e:
-            raise CheckpointError(f"{name} is not a valid JSON object: {e}") from None
-        if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
-            named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
-            template = named.get("default")
-        if isinstance(template, str):
-            return template
-    return None
+from .errors import CheckpointError, InputChangedError
+from .files import ModelFolder, identity, parse_json_object
 
 
 @dataclass(frozen=True)
@@ -69,7 +27,7 @@ class SourceTensor:
     """One tensor in a safetensors shard, known from the header only."""
 
     name: str
-    file: Path
+    file: Path  # the shard as named in the model folder (for messages)
     shape: tuple[int, ...]
     # thin's dense format name for the safetensors dtype ("bf16"), or RAW_BYTES for U8 tensors: the
     # packed bytes of a pre-quantized checkpoint, which no format describes alone (GPT-OSS's mxfp4
@@ -81,60 +39,51 @@ class SourceTensor:
 
 RAW_BYTES = "u8"
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
+_MAX_RANK = 16
+_READ_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 class TensorStore:
     """All tensors of a checkpoint's safetensors files, by name, with lazy loaders."""
 
-    def __init__(self, model_dir: Path):
-        self.model_dir = model_dir
-        self.files: list[Path] = []  # every file read: index and shards
+    def __init__(self, folder: ModelFolder, shards, weight_map: dict[str, str] | None = None):
+        """Read the headers of `shards` (names inside `folder`); `weight_map` is the index's tensor -> shard."""
+        self.folder = folder
         self.tensors: dict[str, SourceTensor] = {}
-        shards, expected = self._shard_list()
+        self._shards: dict[Path, tuple[Path, tuple[int, ...]]] = {}  # shown path -> (real path, identity)
         for shard in shards:
             self._read_header(shard)
-        missing = sorted(n for n, f in expected.items() if n not in self.tensors)
+        expected = weight_map or {}
+        missing = sorted(n for n in expected if n not in self.tensors)
         if missing:
-            raise CheckpointError(f"{len(missing)} tensor(s) listed in {INDEX_FILE} are absent from their "
-                                  f"shards: {', '.join(missing[:8])}")
+            raise CheckpointError(f"{len(missing)} tensor(s) listed in the index are absent from their "
+                                  f"shards: {', '.join(map(repr, missing[:8]))}")
+        misplaced = sorted(n for n, f in expected.items() if self.tensors[n].file != folder.path / f)
+        if misplaced:
+            n = misplaced[0]
+            raise CheckpointError(f"the index puts tensor {n!r} in {expected[n]}, but it is in "
+                                  f"{self.tensors[n].file.name}")
 
-    def _shard_list(self) -> tuple[list[Path], dict[str, str]]:
-        index_path = self.model_dir / INDEX_FILE
-        if index_path.is_file():
-            self.files.append(index_path)
-            weight_map = read_json(index_path, required=True).get("weight_map")
-            if not isinstance(weight_map, dict) or not weight_map:
-                raise CheckpointError(f"{index_path} has no weight_map")
-            shards = sorted({self.model_dir / f for f in weight_map.values()})
-            absent = [s.name for s in shards if not s.is_file()]
-            if absent:
-                raise CheckpointError(f"shard(s) listed in {INDEX_FILE} are missing from {self.model_dir}: "
-                                      f"{', '.join(absent)}")
-            return shards, weight_map
-        single = self.model_dir / SINGLE_FILE
-        if single.is_file():
-            return [single], {}
-        shards = sorted(self.model_dir.glob("*.safetensors"))
-        if shards:
-            return shards, {}
-        pickles = sorted(p.name for p in self.model_dir.iterdir() if p.suffix in PICKLE_SUFFIXES)
-        if pickles:
-            raise PickleCheckpointError(
-                f"{self.model_dir} holds only pickle weights ({', '.join(pickles)}); thin never unpickles "
-                "files. Convert the checkpoint to safetensors first (e.g. load it in transformers and "
-                "save_pretrained(..., safe_serialization=True)).")
-        raise CheckpointError(f"no safetensors weights found in {self.model_dir}")
-
-    def _read_header(self, shard: Path) -> None:
-        header, data_start, size = _parse_safetensors_header(shard)
-        self.files.append(shard)
+    def _read_header(self, shard: str) -> None:
+        shown = self.folder.path / shard
+        fd, st = self.folder.open(shard)
+        try:
+            header, data_start = _parse_safetensors_header(fd, st.st_size, shown)
+            self.folder.note(shard, st, os.fstat(fd))
+        finally:
+            os.close(fd)
+        self._shards[shown] = (self.folder.real_path(shard), identity(st))
+        spans = []
         for name, info in header.items():
             if name == "__metadata__":
                 continue
             if name in self.tensors:
                 raise CheckpointError(f"tensor {name!r} appears in both {self.tensors[name].file.name} "
-                                      f"and {shard.name}")
-            self.tensors[name] = _source_tensor(shard, name, info, data_start, size)
+                                      f"and {shown.name}")
+            tensor = _source_tensor(shown, name, info, data_start, st.st_size)
+            self.tensors[name] = tensor
+            spans.append((tensor.offset, tensor.offset + tensor.nbytes, name))
+        _check_tiling(shown, spans, data_start, st.st_size)
 
     def loader(self, name: str, index: tuple | None = None):
         """A zero-argument callable returning the bytes of tensor `name` (or `tensor[index]`): a flat
@@ -145,22 +94,31 @@ class TensorStore:
         src = self.tensors[name]
         shape, offset, nbytes = src.shape, src.offset, src.nbytes
         if index and isinstance(index[0], int):
+            if not 0 <= index[0] < shape[0]:
+                raise CheckpointError(f"{src.file.name}: tensor {name!r} has {shape[0]} entries along its first "
+                                      f"dimension; the config asks for entry {index[0]}")
             block = nbytes // shape[0]
             shape, offset, nbytes, index = shape[1:], offset + index[0] * block, block, index[1:]
+        real, expected = self._shards[src.file]
 
         def load():
             import torch
 
             buf = bytearray(nbytes)
             try:
-                with open(src.file, "rb") as f:
-                    f.seek(offset)
-                    got = f.readinto(buf)
+                fd = os.open(real, _READ_FLAGS)
+                try:
+                    if identity(os.fstat(fd)) != expected:
+                        raise InputChangedError(f"{src.file} changed after its header was read; let the download "
+                                                "or copy finish and compile again")
+                    got = _pread_into(fd, buf, offset)
+                finally:
+                    os.close(fd)
             except OSError as e:
                 raise CheckpointError(f"cannot read tensor {name!r} from {src.file.name}: {e}") from None
             if got != nbytes:
                 raise CheckpointError(f"{src.file.name} is truncated inside tensor {name!r}")
-            raw = torch.frombuffer(buf, dtype=torch.uint8)
+            raw = torch.frombuffer(buf, dtype=torch.uint8) if nbytes else torch.empty(0, dtype=torch.uint8)
             if not index:
                 return raw
             dtype = torch.uint8 if src.dtype == RAW_BYTES else getattr(torch, formats.get(src.dtype).torch_dtype)
@@ -169,44 +127,51 @@ class TensorStore:
         return load
 
 
-def _parse_safetensors_header(shard: Path) -> tuple[dict, int, int]:
-    """(header dict, absolute offset of the data area, file size) of a safetensors file, checked."""
+def _pread_into(fd: int, buf: bytearray, offset: int) -> int:
+    """Fill `buf` from `offset` (one read returns at most ~2 GiB on Linux); the bytes read."""
+    view, got = memoryview(buf), 0
+    while got < len(buf):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def _parse_safetensors_header(fd: int, size: int, shard: Path) -> tuple[dict, int]:
+    """(header dict, absolute offset of the data area) of an open safetensors file, checked."""
     try:
-        size = shard.stat().st_size
-        with open(shard, "rb") as f:
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise CheckpointError(f"{shard.name} is too short to be a safetensors file ({size} bytes)")
-            n = int.from_bytes(prefix, "little")
-            if n > min(size - 8, _MAX_HEADER):
-                raise CheckpointError(f"{shard.name} has a header length of {n} bytes in a {size}-byte "
-                                      "file: it is truncated or not safetensors")
-            raw = f.read(n)
+        prefix = os.pread(fd, 8, 0)
+        if len(prefix) < 8:
+            raise CheckpointError(f"{shard.name} is too short to be a safetensors file ({size} bytes)")
+        n = int.from_bytes(prefix, "little")
+        if n > min(size - 8, _MAX_HEADER):
+            raise CheckpointError(f"{shard.name} has a header length of {n} bytes in a {size}-byte "
+                                  "file: it is truncated or not safetensors")
+        raw = os.pread(fd, n, 8)
     except OSError as e:
         raise CheckpointError(f"cannot read {shard.name}: {e}") from None
-    try:
-        header = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{shard.name} has a corrupt safetensors header: {e}") from None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{shard.name} has a corrupt safetensors header (not an object)")
-    return header, 8 + n, size
+    if len(raw) != n:
+        raise CheckpointError(f"{shard.name} shrank while its header was read")
+    header = parse_json_object(raw, f"{shard.name}'s safetensors header")
+    return header, 8 + n
 
 
 def _source_tensor(shard: Path, name: str, info, data_start: int, size: int) -> SourceTensor:
     try:
         st_dtype, shape, (begin, end) = info["dtype"], tuple(info["shape"]), info["data_offsets"]
-        valid = all(type(d) is int and d >= 0 for d in (*shape, begin, end))
+        valid = (type(st_dtype) is str and len(shape) <= _MAX_RANK
+                 and all(type(d) is int and d >= 0 for d in (*shape, begin, end)))
     except (TypeError, KeyError, ValueError):
         valid = False
     if not valid:
         raise CheckpointError(f"{shard.name}: tensor {name!r} has a malformed header entry")
-    fmt = formats.from_safetensors_dtype(st_dtype) if type(st_dtype) is str else None
+    fmt = formats.from_safetensors_dtype(st_dtype)
     if st_dtype == "U8":
         dtype, itemsize = RAW_BYTES, 1
     elif fmt is None:
         known = ", ".join(f.safetensors_dtype for f in formats.dense_formats())
-        raise CheckpointError(f"tensor {name!r} has dtype {st_dtype!r}; only {known} checkpoints "
+        raise CheckpointError(f"tensor {name!r} has dtype {st_dtype[:20]!r}; only {known} checkpoints "
                               "(and U8 for pre-quantized mxfp4 experts) are supported")
     else:
         dtype, itemsize = fmt.name, fmt.nbytes((1,))
@@ -218,3 +183,18 @@ def _source_tensor(shard: Path, name: str, info, data_start: int, size: int) -> 
         raise CheckpointError(f"{shard.name} is truncated: tensor {name!r} ends at byte {data_start + end} "
                               f"of a {size}-byte file")
     return SourceTensor(name, shard, shape, dtype, data_start + begin, end - begin)
+
+
+def _check_tiling(shard: Path, spans: list[tuple[int, int, str]], data_start: int, size: int) -> None:
+    """The tensors' byte ranges cover the data area exactly, as the safetensors library requires:
+    overlapping ranges would make two tensors share bytes, gaps would hide unchecked data."""
+    position, previous = data_start, "the header"
+    for begin, end, name in sorted(spans):
+        if begin != position:
+            what = "overlaps" if begin < position else "leaves a gap after"
+            raise CheckpointError(f"{shard.name}: tensor {name!r} at bytes {begin - data_start}..{end - data_start} "
+                                  f"{what} {previous}; the safetensors header is corrupt")
+        position, previous = end, f"tensor {name!r}"
+    if position != size:
+        raise CheckpointError(f"{shard.name} has {size - position} bytes after its last tensor; the file is "
+                              "corrupt or not safetensors")

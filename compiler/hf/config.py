@@ -6,6 +6,8 @@ Handles both spellings transformers has written over time: top-level `rope_theta
 
 from __future__ import annotations
 
+import math
+
 from thin.ir import RoPE
 
 from .errors import CheckpointError, UnsupportedConfigError
@@ -26,23 +28,36 @@ _ROPE_KEYS = {
              "attention_factor", "mscale", "mscale_all_dim"},
 }
 LAYER_TYPES = ("full_attention", "sliding_attention")
+_INT32 = (1 << 31) - 1
+# Integer keys that must be at least 1; other integers must be at least 0. Every integer is at
+# most 2**31 - 1, and counts that each own checkpoint tensors (layers, experts) are at most the
+# number of tensors: a config cannot make the frontend build lists longer than its weights explain.
+_POSITIVE_INTS = {"num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim", "hidden_size",
+                  "vocab_size", "max_position_embeddings", "sliding_window", "num_experts_per_tok",
+                  "decoder_sparse_step", "sliding_window_pattern", "original_max_position_embeddings",
+                  "intermediate_size", "moe_intermediate_size"}
+_TENSOR_COUNTS = {"num_hidden_layers", "num_experts", "num_local_experts"}
 
 
 class Config:
-    """A config.json dict with typed accessors whose errors name the key."""
+    """A config.json dict with typed accessors whose errors name the key and the value."""
 
-    def __init__(self, raw: dict, architecture: str, quant_methods: tuple[str, ...] = ()):
-        """`quant_methods`: the quantization_config methods the adapter reads natively (GPT-OSS: mxfp4)."""
+    def __init__(self, raw: dict, architecture: str, quant_methods: tuple[str, ...] = (),
+                 tensor_count: int = _INT32):
+        """`quant_methods`: the quantization_config methods the adapter reads natively (GPT-OSS: mxfp4);
+        `tensor_count`: how many tensors the checkpoint holds, which bounds the counts read here."""
         self.raw = raw
         self.architecture = architecture
+        self.tensor_count = tensor_count
         quant = raw.get("quantization_config")
         if quant and not (isinstance(quant, dict) and quant.get("quant_method") in quant_methods):
+            method = quant.get("quant_method", "?") if isinstance(quant, dict) else quant
             raise UnsupportedConfigError(
                 f"{architecture}: pre-quantized checkpoints (config.json quantization_config, method "
-                f"{raw['quantization_config'].get('quant_method', '?')!r}) are not supported; "
-                "use the unquantized checkpoint")
+                f"{_show(method)}) are not supported; use the unquantized checkpoint")
 
     def get(self, key: str, default=None):
+        """The raw value (None counts as absent); typed accessors below are what adapters should use."""
         value = self.raw.get(key, default)
         return default if value is None else value
 
@@ -50,36 +65,72 @@ class Config:
         """config[key] where an explicit null means "off" (None) and absence means the family default."""
         return self.raw.get(key, default)
 
-    def optional_float(self, key: str, default: float | None = None) -> float | None:
-        value = self.optional(key, default)
-        return None if value is None else self.float(key, value)
-
     def int(self, key: str, default: int | None = None) -> int:
-        value = self.get(key, default)
+        return self._int(key, self.get(key, default))
+
+    def optional_int(self, key: str, default: int | None = None) -> int | None:
+        """An integer, or None when the config sets null ("off"); absence gives `default`."""
+        value = self.optional(key, default)
+        return None if value is None else self._int(key, value)
+
+    def _int(self, key: str, value) -> int:
         if not isinstance(value, int) or isinstance(value, bool):
-            raise CheckpointError(f"config.json: {key} must be an integer, got {value!r}")
+            raise CheckpointError(f"config.json: {key} must be an integer, got {_show(value)}")
+        low = 1 if key in _POSITIVE_INTS else 0
+        high = min(_INT32, self.tensor_count) if key in _TENSOR_COUNTS else _INT32
+        if not low <= value <= high:
+            why = f" (the checkpoint holds {self.tensor_count} tensors)" if high < _INT32 else ""
+            raise CheckpointError(f"config.json: {key}={_show(value)} is outside {low}..{high}{why}")
         return value
 
     def float(self, key: str, default: float | None = None) -> float:
-        value = self.get(key, default)
+        """A finite number greater than 0 (every float the adapters read is a scale, epsilon or base)."""
+        return self._float(key, self.get(key, default))
+
+    def optional_float(self, key: str, default: float | None = None) -> float | None:
+        value = self.optional(key, default)
+        return None if value is None else self._float(key, value)
+
+    def _float(self, key: str, value) -> float:
         if not isinstance(value, (int, float)) or isinstance(value, bool):
-            raise CheckpointError(f"config.json: {key} must be a number, got {value!r}")
+            raise CheckpointError(f"config.json: {key} must be a number, got {_show(value)}")
+        if not math.isfinite(value) or value <= 0:
+            raise CheckpointError(f"config.json: {key} must be a finite number > 0, got {_show(value)}")
         return float(value)
+
+    def bool(self, key: str, default: bool = False) -> bool:
+        value = self.get(key, default)
+        if not isinstance(value, bool):
+            raise CheckpointError(f"config.json: {key} must be true or false, got {_show(value)}")
+        return value
+
+    def int_list(self, key: str) -> list[int]:
+        """A list of integers (layer indices); [] when absent or null."""
+        value = self.get(key, [])
+        if not isinstance(value, list) or len(value) > _INT32:
+            raise CheckpointError(f"config.json: {key} must be a list of integers, got {_show(value)}")
+        return [self._int(key, v) for v in value]
 
     def refuse(self, key: str, *allowed) -> None:
         """Error unless config[key] is absent or one of `allowed` (values this adapter implements)."""
         value = self.raw.get(key)
-        if value is not None and value not in allowed:
-            raise UnsupportedConfigError(f"{self.architecture}: config.json {key}={value!r} is not supported "
+        if value is not None and (type(value) not in {type(a) for a in allowed} or value not in allowed):
+            raise UnsupportedConfigError(f"{self.architecture}: config.json {key}={_show(value)} is not supported "
                                          f"(supported: {', '.join(map(repr, allowed)) or 'absent'})")
 
     def head_dim(self) -> int:
-        return self.int("head_dim", self.int("hidden_size") // self.int("num_attention_heads"))
+        if self.raw.get("head_dim") is not None:
+            return self.int("head_dim")
+        size = self.int("hidden_size") // self.int("num_attention_heads")
+        if size < 1:
+            raise CheckpointError(f"config.json: hidden_size {self.int('hidden_size')} / num_attention_heads "
+                                  f"{self.int('num_attention_heads')} gives a head_dim of 0")
+        return size
 
     def activation(self, key: str = "hidden_act", default: str = "silu") -> str:
         name = self.get(key, default)
-        if name not in ACTIVATIONS:
-            raise UnsupportedConfigError(f"{self.architecture}: config.json {key}={name!r} is not supported "
+        if not isinstance(name, str) or name not in ACTIVATIONS:
+            raise UnsupportedConfigError(f"{self.architecture}: config.json {key}={_show(name)} is not supported "
                                          f"(supported: {', '.join(sorted(ACTIVATIONS))})")
         return ACTIVATIONS[name]
 
@@ -87,19 +138,23 @@ class Config:
         """Per-layer "full_attention"/"sliding_attention", from config or the family's rule."""
         types = self.get("layer_types", default)
         n = self.int("num_hidden_layers")
-        if len(types) != n or any(t not in LAYER_TYPES for t in types):
-            raise UnsupportedConfigError(f"{self.architecture}: config.json layer_types {types!r} must list "
+        if (not isinstance(types, list) or len(types) != n
+                or any(not isinstance(t, str) or t not in LAYER_TYPES for t in types)):
+            raise UnsupportedConfigError(f"{self.architecture}: config.json layer_types {_show(types)} must list "
                                          f"{n} entries from {', '.join(LAYER_TYPES)}")
         return list(types)
 
     def rope_parameters(self, layer_type: str | None = None, default_theta: float = 10000.0) -> dict:
         """The RoPE parameter dict for all layers, or for `layer_type` when nested (Gemma-3)."""
-        params = self.raw.get("rope_parameters") or self.raw.get("rope_scaling") or {}
+        key = "rope_parameters" if self.raw.get("rope_parameters") else "rope_scaling"
+        params = self.raw.get(key) or {}
+        if not isinstance(params, dict):
+            raise CheckpointError(f"config.json: {key} must be an object, got {_show(params)}")
         if layer_type is not None and isinstance(params.get(layer_type), dict):
             params = params[layer_type]
         elif any(isinstance(v, dict) for v in params.values()):
             raise UnsupportedConfigError(f"{self.architecture}: nested rope_parameters without a layer type "
-                                         f"{layer_type!r} entry: {params!r}")
+                                         f"{layer_type!r} entry: {_show(params)}")
         params = dict(params)
         params.setdefault("rope_theta", self.get("rope_theta", default_theta))
         if "partial_rotary_factor" in self.raw:
@@ -107,53 +162,67 @@ class Config:
         return params
 
     def rope(self, params: dict) -> RoPE:
-        """An IR RoPE from a parameter dict; unknown rope types and keys are errors."""
+        """An IR RoPE from a parameter dict; unknown rope types and keys, and bad values, are errors."""
         kind = params.get("rope_type", params.get("type", "default"))
-        if kind not in _ROPE_KEYS:
-            raise UnsupportedConfigError(f"{self.architecture}: rope_type {kind!r} is not supported "
+        if not isinstance(kind, str) or kind not in _ROPE_KEYS:
+            raise UnsupportedConfigError(f"{self.architecture}: rope_type {_show(kind)} is not supported "
                                          f"(supported: {', '.join(_ROPE_KEYS)})")
         extra = set(params) - _ROPE_KEYS[kind] - {"rope_type", "type", "rope_theta", "partial_rotary_factor"}
         if extra:
             raise UnsupportedConfigError(f"{self.architecture}: rope_type {kind!r} with unsupported "
-                                         f"parameter(s) {', '.join(sorted(extra))}")
+                                         f"parameter(s) {', '.join(sorted(map(str, extra)))[:200]}")
+        rope = Config(params, self.architecture)  # the same typed reads, naming the RoPE key
         head_dim = self.head_dim()
-        rotary_dim = int(head_dim * float(params.get("partial_rotary_factor", 1.0)))
-        theta = float(params["rope_theta"])
+        partial = rope.float("partial_rotary_factor", 1.0)
+        if partial > 1:
+            raise CheckpointError(f"config.json: partial_rotary_factor must be in (0, 1], got {partial}")
+        rotary_dim = int(head_dim * partial)
+        theta = rope.float("rope_theta")
         if kind == "default":
             return RoPE("default", theta, rotary_dim)
-        if kind == "linear":
-            return RoPE("linear", theta, rotary_dim, factor=float(params["factor"]))
         # transformers lets a top-level original_max_position_embeddings override the rope dict's.
-        original = self.raw.get("original_max_position_embeddings",
-                                params.get("original_max_position_embeddings", self.int("max_position_embeddings")))
+        if self.raw.get("original_max_position_embeddings") is not None:
+            original = self.int("original_max_position_embeddings")
+        else:
+            original = rope.int("original_max_position_embeddings", self.int("max_position_embeddings"))
         if kind == "yarn":
-            return _yarn(params, theta, rotary_dim, int(original), self.int("max_position_embeddings"))
-        return RoPE("llama3", theta, rotary_dim, factor=float(params["factor"]),
-                    low_freq_factor=float(params["low_freq_factor"]),
-                    high_freq_factor=float(params["high_freq_factor"]),
-                    original_max_position_embeddings=int(original))
+            return _yarn(rope, theta, rotary_dim, original, self.int("max_position_embeddings"))
+        if "factor" not in params:
+            raise CheckpointError(f"config.json: rope_type {kind!r} needs a factor")
+        if kind == "linear":
+            return RoPE("linear", theta, rotary_dim, factor=rope.float("factor"))
+        return RoPE("llama3", theta, rotary_dim, factor=rope.float("factor"),
+                    low_freq_factor=rope.float("low_freq_factor"), high_freq_factor=rope.float("high_freq_factor"),
+                    original_max_position_embeddings=original)
 
 
-def _yarn(params: dict, theta: float, rotary_dim: int, original: int, max_positions: int) -> RoPE:
+def _yarn(rope: Config, theta: float, rotary_dim: int, original: int, max_positions: int) -> RoPE:
     """YaRN as transformers' _compute_yarn_parameters reads it: factor defaults to the context ratio,
     beta_fast/beta_slow to 32/1 (a 0 also means the default there), truncate to true, and the
     attention factor (scale on cos/sin) to 0.1 ln(factor) + 1, or the ratio of two such terms when
-    mscale and mscale_all_dim are both given."""
+    mscale and mscale_all_dim are both given. Every value is read typed (finite, > 0) from `rope`."""
     import math
 
-    factor = params.get("factor")
-    factor = float(max_positions / original if factor is None else factor)
+    factor = rope.optional_float("factor")
+    factor = max_positions / original if factor is None else factor
 
     def mscale(scale: float, m: float = 1.0) -> float:
         return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
 
-    attention = params.get("attention_factor")
+    def given(key: str) -> float | None:  # absent, null and 0 all mean "the default"
+        return rope.float(key) if rope.raw.get(key) else None
+
+    attention = rope.optional_float("attention_factor")
     if attention is None:
-        m, m_all = params.get("mscale"), params.get("mscale_all_dim")
+        m, m_all = given("mscale"), given("mscale_all_dim")
         attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
-    truncate = params.get("truncate", True)
-    if not isinstance(truncate, bool):
-        raise CheckpointError(f"rope_parameters truncate must be true or false, got {truncate!r}")
     return RoPE("yarn", theta, rotary_dim, factor=factor, original_max_position_embeddings=original,
-                beta_fast=float(params.get("beta_fast") or 32), beta_slow=float(params.get("beta_slow") or 1),
-                truncate=truncate, attention_factor=float(attention))
+                beta_fast=given("beta_fast") or 32.0, beta_slow=given("beta_slow") or 1.0,
+                truncate=rope.bool("truncate", True), attention_factor=float(attention))
+
+
+def _show(value) -> str:
+    """A config value as a short repr for messages: huge strings and lists are cut, not printed whole."""
+    text = repr(value) if not isinstance(value, (list, dict)) or len(value) < 50 else f"<{type(value).__name__} " \
+        f"of {len(value)} items>"
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from thin.ir import ThinError
 
-class FrontendError(Exception):
+
+class FrontendError(ThinError):
     """Any failure to turn a checkpoint directory into IR."""
 
 
@@ -25,3 +27,19 @@ class UnsupportedConfigError(FrontendError):
 
 class LedgerError(FrontendError):
     """Source tensors were neither consumed by the adapter nor declared unused."""
+
+
+class OutsideModelFolderError(CheckpointError):
+    """A file name or symlink leads outside the model folder (absolute path, '..', a link elsewhere)."""
+
+
+class InputChangedError(CheckpointError):
+    """An input file changed while the compile was reading it."""
+
+
+class ConfigMismatchError(FrontendError):
+    """config.json describes a model the weights do not fit (shapes, counts), so the IR does not verify."""
+
+
+class AuxiliaryFileError(CheckpointError):
+    """A tokenizer, chat template or generation config file is not what it claims to be."""

@@ -100,7 +100,7 @@ def pre_norm_layer(b: Builder, cfg: Config, i: int, attn: Attention, ffn, norm_o
 
 def sliding_windows(cfg: Config, layer_types: list[str], default: int | None = None) -> list[int | None]:
     """Per layer: config sliding_window (`default` when absent) on "sliding_attention" layers."""
-    window = cfg.optional("sliding_window", default)
+    window = cfg.optional_int("sliding_window", default)
     return [window if t == "sliding_attention" and window is not None else None for t in layer_types]
 
 
@@ -111,7 +111,7 @@ def assemble(b: Builder, cfg: Config, family: str, layers: list[DecoderLayer], *
     embed = b.take("model.embed_tokens.weight", "embed.weight", "embed", None)
     final_norm = b.rms_norm("model.norm", "final_norm", "norm.final", None,
                             cfg.float("rms_norm_eps", 1e-6), norm_offset)
-    tied = bool(cfg.get("tie_word_embeddings", tied_default))
+    tied = cfg.bool("tie_word_embeddings", tied_default)
     if tied:
         if b.has("lm_head.weight"):
             b.declare_unused("lm_head.weight", "tie_word_embeddings: a copy of the embedding")

@@ -9,7 +9,7 @@ from .decoder import AttentionOptions, assemble, dense_layers, sliding_windows
 def gemma_common(cfg, attn_softcap_default: float | None) -> dict:
     """Attention settings shared by Gemma-2 and Gemma-3 text models (defaults: transformers' configs)."""
     cfg.refuse("use_bidirectional_attention", False)
-    bias = bool(cfg.get("attention_bias", False))
+    bias = cfg.bool("attention_bias")
     return {
         "qkv_bias": bias, "o_bias": bias, "norm_offset": 1.0,
         "scale": cfg.float("query_pre_attn_scalar", 256) ** -0.5,

@@ -11,8 +11,9 @@ from .gemma2 import gemma_common
 
 def _ropes(cfg, types: list[str]) -> list[RoPE]:
     """Global layers use rope_theta (+ rope_scaling); sliding layers rope_local_base_freq, unscaled."""
-    nested = cfg.raw.get("rope_parameters") or {}
-    if isinstance(nested.get("full_attention"), dict) or isinstance(nested.get("sliding_attention"), dict):
+    nested = cfg.raw.get("rope_parameters")
+    if isinstance(nested, dict) and any(isinstance(nested.get(t), dict) for t in ("full_attention",
+                                                                                   "sliding_attention")):
         by_type = {t: cfg.rope(cfg.rope_parameters(t, 1_000_000.0 if t == "full_attention" else 10_000.0))
                    for t in set(types)}
     else:  # transformers v4 spelling: top-level rope_theta/rope_scaling plus rope_local_base_freq

@@ -10,9 +10,9 @@ from .decoder import AttentionOptions, assemble, dense_layers
 def build(cfg, b):
     """Llama-1/2/3.x; attention_bias and mlp_bias are honoured when set."""
     n = cfg.int("num_hidden_layers")
-    attention_bias = bool(cfg.get("attention_bias", False))
+    attention_bias = cfg.bool("attention_bias")
     rope = cfg.rope(cfg.rope_parameters())
     layers = dense_layers(b, cfg, ropes=[rope] * n, windows=[None] * n,
                           opts=AttentionOptions(qkv_bias=attention_bias, o_bias=attention_bias),
-                          activation=cfg.activation(), mlp_bias=bool(cfg.get("mlp_bias", False)))
+                          activation=cfg.activation(), mlp_bias=cfg.bool("mlp_bias"))
     return assemble(b, cfg, "llama", layers, tied_default=False)

@@ -11,7 +11,7 @@ from .decoder import AttentionOptions, assemble, attention, mlp, src_layer
 @register("Olmo2ForCausalLM", "olmo2")
 def build(cfg, b):
     """OLMo-2: x += post_norm(attn(x)); x += post_norm(mlp(x)); no pre-norms."""
-    bias = bool(cfg.get("attention_bias", False))
+    bias = cfg.bool("attention_bias")
     rope = cfg.rope(cfg.rope_parameters())
     eps = cfg.float("rms_norm_eps", 1e-6)
     opts = AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm="full")

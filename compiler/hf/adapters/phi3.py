@@ -11,7 +11,7 @@ def build(cfg, b):
     """Phi-3 / Phi-3.5 / Phi-4 dense models with default RoPE (longrope is refused by cfg.rope)."""
     n = cfg.int("num_hidden_layers")
     rope = cfg.rope(cfg.rope_parameters())
-    window = cfg.get("sliding_window")  # transformers applies it to every layer when set
+    window = cfg.optional_int("sliding_window")  # transformers applies it to every layer when set
     layers = dense_layers(b, cfg, ropes=[rope] * n, windows=[window] * n,
                           opts=AttentionOptions(fused_qkv=True), activation=cfg.activation(), fused_mlp=True)
     return assemble(b, cfg, "phi3", layers, tied_default=False)

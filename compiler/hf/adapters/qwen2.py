@@ -9,7 +9,7 @@ from .decoder import AttentionOptions, assemble, dense_layers, sliding_windows
 def qwen_layer_types(cfg) -> list[str]:
     """Qwen2/Qwen3: layers >= max_window_layers slide when use_sliding_window, unless layer_types says."""
     n = cfg.int("num_hidden_layers")
-    slide = bool(cfg.get("use_sliding_window", False)) and cfg.get("sliding_window") is not None
+    slide = cfg.bool("use_sliding_window") and cfg.optional_int("sliding_window") is not None
     first = cfg.int("max_window_layers", n)
     default = ["sliding_attention" if slide and i >= first else "full_attention" for i in range(n)]
     types = cfg.layer_types(default)

@@ -11,7 +11,7 @@ from .qwen2 import qwen_layer_types
 def build(cfg, b):
     """Qwen3 dense models; attention_bias is honoured when set."""
     n = cfg.int("num_hidden_layers")
-    bias = bool(cfg.get("attention_bias", False))
+    bias = cfg.bool("attention_bias")
     rope = cfg.rope(cfg.rope_parameters())
     layers = dense_layers(b, cfg, ropes=[rope] * n, windows=sliding_windows(cfg, qwen_layer_types(cfg)),
                           opts=AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm="head"),

@@ -12,15 +12,15 @@ from .moe import experts
 def _is_sparse(cfg, i: int, num_experts: int) -> bool:
     """transformers' rule: MoE unless listed in mlp_only_layers or off the decoder_sparse_step grid."""
     step = cfg.int("decoder_sparse_step", 1)
-    return i not in (cfg.get("mlp_only_layers") or []) and num_experts > 0 and (i + 1) % step == 0
+    return i not in cfg.int_list("mlp_only_layers") and num_experts > 0 and (i + 1) % step == 0
 
 
 @register("Qwen3MoeForCausalLM", "qwen3_moe")
 def build(cfg, b):
     """Qwen3-30B-A3B style models; use_sliding_window slides every layer, as in transformers."""
-    bias = bool(cfg.get("attention_bias", False))
+    bias = cfg.bool("attention_bias")
     rope = cfg.rope(cfg.rope_parameters())
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
+    window = cfg.optional_int("sliding_window") if cfg.bool("use_sliding_window") else None
     num_experts = cfg.int("num_experts", cfg.int("num_local_experts", 0))
     activation = cfg.activation()
     opts = AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm="head")
@@ -33,7 +33,7 @@ def build(cfg, b):
                 num_experts=num_experts, top_k=cfg.int("num_experts_per_tok"),
                 router=Linear(b.take(src + "gate.weight", dst + "router.weight", "moe.router", i)),
                 experts=experts(b, src + "experts.", dst + "experts.", i, num_experts, activation),
-                normalize_top_k=bool(cfg.get("norm_topk_prob", False)),
+                normalize_top_k=cfg.bool("norm_topk_prob"),
             )
         else:
             ffn = mlp(b, src, dst, i, activation)
