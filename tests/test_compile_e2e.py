@@ -3,19 +3,16 @@
 import json
 import shutil
 import subprocess
-import sys
 
 import pytest
 
+from commands import command
 from hf_tiny import make_checkpoint
 from tiny_tokenizer import write_tokenizer
 
 
 def _cli(name: str, *args, input: str | None = None):
-    exe = shutil.which(name)
-    cmd = [exe] if exe else [sys.executable, "-m", {"thinc": "thin.compiler.cli",
-                                                       "thin-exec": "thin.runtime.cli"}[name]]
-    return subprocess.run(cmd + [str(a) for a in args], capture_output=True, text=True, input=input,
+    return subprocess.run(command(name) + [str(a) for a in args], capture_output=True, text=True, input=input,
                           timeout=300)
 
 
@@ -170,8 +167,7 @@ def test_interactive_chat_in_a_real_terminal(compiled):
     import select
 
     out, _ = compiled
-    exe = shutil.which("thin-exec")
-    cmd = [exe] if exe else [sys.executable, "-m", "thin.runtime.cli"]
+    cmd = command("thin-exec")
     master, slave = pty.openpty()
     proc = subprocess.Popen(cmd + [str(out), "--max-new-tokens", "4"], stdin=slave, stdout=slave,
                             stderr=slave, close_fds=True)

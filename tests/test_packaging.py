@@ -3,6 +3,7 @@
 import shutil
 import subprocess
 import sys
+import sysconfig
 import venv
 from pathlib import Path
 
@@ -22,9 +23,17 @@ def test_wheel_installs_into_fresh_venv(tmp_path):
                     str(dist), str(src)], check=True, capture_output=True)
     wheel = next(dist.glob("thin-*.whl"))
     env_dir = tmp_path / "venv"
-    # The venv sees the already-installed dependencies (torch etc.) but not thin itself.
+    # The venv must see the dependencies (torch etc.) that the running interpreter has, but not thin.
+    # system_site_packages alone shows the *base* interpreter's packages: when the tests run from a
+    # virtualenv, the dependencies live in that virtualenv, so its site-packages are added by a .pth
+    # (whose lines are appended to sys.path, after the new venv's own site-packages, where the wheel
+    # goes; .pth files inside the added folders, such as an editable thin's, are not processed).
     venv.EnvBuilder(system_site_packages=True, with_pip=True).create(env_dir)
     py = env_dir / "bin" / "python"
+    purelib = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+    ours = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    (Path(purelib) / "_outer_site_packages.pth").write_text("\n".join(sorted(ours)) + "\n")
     subprocess.run([str(py), "-m", "pip", "install", "--no-deps", "--no-index", str(wheel)], check=True,
                    capture_output=True)
     out = subprocess.run([str(env_dir / "bin" / "thinc"), "--help"], check=True, capture_output=True,
