@@ -124,7 +124,11 @@ def build(model_dir, output, config: CompileConfig, *, cache_dir=None, dump_ir=N
         _write(program, source, config, key, output, progress, model_dir)
     clock.lap("write")
     if cache is not None:
-        cache.store(key, output)
+        try:
+            cache.store(key, output)
+        except OSError as e:  # the artifact is written and sound; only the next compile loses the reuse
+            note = f"cache not updated: {e}"
+            progress(note, 0, 0)
         clock.lap("cache")
     with open_artifact(output) as art:
         report = _report(art, output, key, False, clock)

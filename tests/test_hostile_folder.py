@@ -222,6 +222,14 @@ def test_a_shard_that_changes_after_its_header_was_read_is_refused(folder):
             source.program.load(name)
 
 
+def test_a_config_that_disagrees_with_its_weights_names_the_first_violation(folder):
+    config = json.loads((folder / "config.json").read_text())
+    config["num_key_value_heads"] = 4  # the k and v weights hold 2 heads
+    (folder / "config.json").write_text(json.dumps(config))
+    message = _refused(folder, ConfigMismatchError, match="does not fit the weights")
+    assert "attn.k" in message and "more)" in message
+
+
 def test_a_config_that_disagrees_with_its_weights_is_one_line_on_the_cli(folder, tmp_path):
     config = json.loads((folder / "config.json").read_text())
     config["num_key_value_heads"] = 4  # the k and v weights hold 2 heads
