@@ -167,58 +167,65 @@ def plain_error(value, where: str, depth: int = 0) -> str | None:
     return f"{where} holds a {type(value).__name__}, which is not plain data"
 
 
-def _type_table() -> list:
-    """Per msgpack type byte: ("skip", n) fixed payload, ("array"/"map", n) fixed count, or
-    (kind, w) where a w-byte big-endian field holds a payload length ("bytes", "ext") or a count."""
-    table: list = [None] * 256
-    for b in (*range(0x00, 0x80), *range(0xE0, 0x100), 0xC0, 0xC2, 0xC3):
-        table[b] = ("skip", 0)
+def _type_tables() -> tuple[list[int], list[int]]:
+    """Per msgpack type byte, (kind, argument): 0 skips a fixed payload of `argument` bytes; 1 adds
+    `argument` children (a map's count doubled); 2 skips a payload whose length is in the next
+    `argument` bytes (3: plus an ext type byte); 4 adds as many children as the next `argument`
+    bytes say (5: twice that, a map); 6 is the unused byte 0xC1."""
+    kinds, args = [0] * 256, [0] * 256
     for b in range(0x80, 0x90):
-        table[b] = ("map", b & 15)
+        kinds[b], args[b] = 1, 2 * (b & 15)
     for b in range(0x90, 0xA0):
-        table[b] = ("array", b & 15)
+        kinds[b], args[b] = 1, b & 15
     for b in range(0xA0, 0xC0):
-        table[b] = ("skip", b & 31)
-    for b, w in ((0xC4, 1), (0xC5, 2), (0xC6, 4), (0xD9, 1), (0xDA, 2), (0xDB, 4)):
-        table[b] = ("bytes", w)
-    for b, w in ((0xC7, 1), (0xC8, 2), (0xC9, 4)):
-        table[b] = ("ext", w)
+        args[b] = b & 31
     for b, n in ((0xCA, 4), (0xCB, 8), (0xCC, 1), (0xCD, 2), (0xCE, 4), (0xCF, 8), (0xD0, 1), (0xD1, 2),
                  (0xD2, 4), (0xD3, 8), (0xD4, 2), (0xD5, 3), (0xD6, 5), (0xD7, 9), (0xD8, 17)):
-        table[b] = ("skip", n)
+        args[b] = n
+    for b, w in ((0xC4, 1), (0xC5, 2), (0xC6, 4), (0xD9, 1), (0xDA, 2), (0xDB, 4)):
+        kinds[b], args[b] = 2, w
+    for b, w in ((0xC7, 1), (0xC8, 2), (0xC9, 4)):
+        kinds[b], args[b] = 3, w
     for b, w in ((0xDC, 2), (0xDD, 4)):
-        table[b] = ("arrays", w)
+        kinds[b], args[b] = 4, w
     for b, w in ((0xDE, 2), (0xDF, 4)):
-        table[b] = ("maps", w)
-    return table  # 0xC1 stays None: never used
+        kinds[b], args[b] = 5, w
+    kinds[0xC1] = 6
+    return kinds, args
 
 
-_TYPES = _type_table()
+_KINDS, _ARGS = _type_tables()
 
 
 def count_objects(data: bytes, limit: int, what: str = "header") -> int:
-    """The number of msgpack objects in `data`, found without decoding them; CorruptHeaderError past `limit`."""
-    pos, pending, count, size = 0, 1, 0, len(data)
-    while pending:
-        if pos >= size or count >= limit:
-            break
-        kind, n = _TYPES[data[pos]] or ("bad", 0)
-        pos += 1
-        pending -= 1
-        count += 1
-        if kind == "skip":
-            pos += n
-        elif kind == "array":
-            pending += n
-        elif kind == "map":
-            pending += 2 * n
-        elif kind in ("bytes", "ext"):
-            pos += n + int.from_bytes(data[pos:pos + n], "big") + (kind == "ext")
-        elif kind in ("arrays", "maps"):
-            pending += int.from_bytes(data[pos:pos + n], "big") * (2 if kind == "maps" else 1)
-            pos += n
-        else:
-            break  # an invalid type byte: the decoder reports it
+    """The number of msgpack objects in `data`, found without decoding them; CorruptHeaderError past `limit`.
+
+    Malformed input simply stops the count: the decoder that runs next reports it."""
+    kinds, args, from_bytes = _KINDS, _ARGS, int.from_bytes
+    pos = count = 0
+    pending = 1
+    try:
+        while pending and count < limit:
+            b = data[pos]
+            kind = kinds[b]
+            pos += 1
+            pending -= 1
+            count += 1
+            if kind == 0:
+                pos += args[b]
+            elif kind == 1:
+                pending += args[b]
+            elif kind < 4:
+                width = args[b]
+                pos += width + from_bytes(data[pos:pos + width], "big") + (kind == 3)
+            elif kind < 6:
+                width = args[b]
+                pending += from_bytes(data[pos:pos + width], "big") * (kind - 3)
+                pos += width
+            else:
+                break
+    except IndexError:
+        pass
     if pending and count >= limit:
         raise CorruptHeaderError(f"the {what} holds more than {limit} msgpack objects, beyond what this thin "
                                  "reads; the file is damaged or hand-made: re-download or recompile")
