@@ -45,6 +45,11 @@ def token_list(ids, vocab_size: int | None, what: str = "prompt") -> list[int]:
     except TypeError:
         raise InputError(f"{what} token ids must be a sequence of integers, got {type(ids).__name__}") from None
     for i, t in enumerate(values):
+        if getattr(t, "shape", None) == () and hasattr(t, "item"):  # a 0-d tensor or numpy scalar
+            values[i] = t = t.item()
+        if isinstance(t, (list, tuple)) or len(getattr(t, "shape", ())) > 0:
+            raise InputError(f"{what} token ids must be one sequence of shape [T]; item {i} is itself a sequence: "
+                             "batches are not supported, call once per sequence")
         if isinstance(t, bool) or not isinstance(t, numbers.Integral):
             raise InputError(f"{what} token ids must be integers; item {i} is {str(t)[:40]!r} "
                              f"({type(t).__name__})")
