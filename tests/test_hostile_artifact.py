@@ -4,6 +4,7 @@ use, control characters in names and provenance, bytes in sections."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from typer.testing import CliRunner
 import thin.artifacts as art
 from thin.compiler.cli import app
 
+from commands import command
 from ir_fixtures import tiny_model
 from test_artifact_common import SECTIONS, reseal, split, write_artifact
 
@@ -160,3 +162,15 @@ def test_the_object_count_matches_the_decoder():
         assert count_objects(pack(value), 10**9) == objects(value)
     with pytest.raises(art.CorruptHeaderError, match="more than 10 msgpack objects"):
         count_objects(pack(list(range(20))), 10)
+
+
+@pytest.mark.parametrize("tool", [["thinc", "inspect"], ["thinc", "verify"], ["thin-exec"]])
+def test_a_fifo_in_place_of_an_artifact_does_not_hang(tmp_path, tool):
+    fifo = tmp_path / "model.thin"
+    os.mkfifo(fifo)
+    extra = ["--prompt", "x"] if tool == ["thin-exec"] else []
+    run = subprocess.run(command(tool[0]) + tool[1:] + [str(fifo), *extra], capture_output=True, text=True,
+                         timeout=120)
+    lines = run.stderr.strip().splitlines()
+    assert run.returncode == 1 and len(lines) == 1, run.stderr
+    assert "regular file" in lines[0] or "not a file" in lines[0], lines[0]
