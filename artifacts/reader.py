@@ -4,6 +4,12 @@ The file is untrusted. Nothing it says is used before it is checked: the preambl
 CRC, bounds), the header (size limit, sha256, bounded msgpack, schema), the IR (deserialise and
 verify), the tensor table (layout, sizes, agreement with the IR) and the sections. Only then is the
 file mapped. Tensor data is checked on demand by `verify_checksums` (it means reading every byte).
+
+A file can change underneath: `cp` or `curl -o` over an artifact in use truncates it in place, and
+touching a mapped page past the new end kills the process with SIGBUS. `verify_checksums` therefore
+reads with pread, so a file that shrinks while it is verified is a TruncatedError. The views that
+`buffer` and `numpy` hand out (and the runtime's weights) are the mapping itself: the policy is that
+an artifact in use is replaced by rename, as the writer does, never rewritten in place.
 """
 
 from __future__ import annotations
@@ -228,20 +234,6 @@ class Artifact:
         if e.size == 0:
             return np.zeros(0, np.uint8)
         return np.frombuffer(self._map(), dtype=np.uint8, count=e.size, offset=e.offset)
-
-    def read(self, name: str) -> bytearray:
-        """A private copy of the tensor's bytes, read with pread: TruncatedError if the file has shrunk."""
-        e = self.tensor_entry(name)
-        fd = self._descriptor()
-        buf = bytearray(e.size)
-        view, got = memoryview(buf), 0
-        while got < e.size:
-            n = os.preadv(fd, [view[got:]], e.offset + got)
-            if n == 0:
-                raise TruncatedError(f"{self.path} shrank while tensor {name!r} was read; the file was replaced "
-                                     "or truncated underneath: re-download or recompile")
-            got += n
-        return buf
 
     def _descriptor(self) -> int:
         if self._fd is None:

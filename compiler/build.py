@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import os
 import stat
 import tempfile
@@ -181,12 +180,12 @@ def _calibration_summary(note: dict | None) -> dict | None:
 
 
 def _provenance(source, model_dir: Path) -> dict:
-    config_bytes = (model_dir / "config.json").read_bytes()
+    # The hash of the bytes the frontend parsed: reading the file again could see other bytes.
     return {
         "thin_version": __version__,
         "architecture": source.program.model.architecture,
         "family": source.program.model.family,
-        "source_config_sha256": hashlib.sha256(config_bytes).hexdigest(),
+        "source_config_sha256": source.config_sha256,
     }
 
 

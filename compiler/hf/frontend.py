@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from .builder import Builder
 from .checkpoint import TensorStore
 from .config import Config
 from .errors import ConfigMismatchError, UnsupportedArchitectureError
+from .files import parse_json_object
 from .inventory import CONFIG_FILE, GENERATION_FILE, take_inventory
 
 
@@ -29,6 +31,7 @@ class Source:
     inputs: dict[str, Path] = field(default_factory=dict)
     # Each input's (size, mtime_ns, ctime_ns, inode, device) when it was read.
     identities: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    config_sha256: str = ""  # of the config.json bytes parsed above, for the artifact's provenance
 
     @property
     def files(self) -> tuple[Path, ...]:
@@ -43,7 +46,8 @@ def load_checkpoint(model_dir) -> Source:
     """
     inventory = take_inventory(model_dir)
     folder = inventory.folder
-    config = folder.read_json(CONFIG_FILE, required=True)
+    config_bytes = folder.read(CONFIG_FILE)
+    config = parse_json_object(config_bytes, str(folder.path / CONFIG_FILE))
     architectures = config.get("architectures") or []
     if (not isinstance(architectures, list) or len(architectures) != 1
             or not isinstance(architectures[0], str)):
@@ -76,4 +80,5 @@ def load_checkpoint(model_dir) -> Source:
         chat_template=chat_template,
         inputs={name: folder.path / name for name in names},
         identities=dict(folder.identities),
+        config_sha256=hashlib.sha256(config_bytes).hexdigest(),
     )
