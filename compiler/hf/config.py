@@ -105,10 +105,11 @@ class Config:
         return value
 
     def int_list(self, key: str) -> list[int]:
-        """A list of integers (layer indices); [] when absent or null."""
+        """A list of layer indices, no longer than the checkpoint has tensors; [] when absent or null."""
         value = self.get(key, [])
-        if not isinstance(value, list) or len(value) > _INT32:
-            raise CheckpointError(f"config.json: {key} must be a list of integers, got {_show(value)}")
+        if not isinstance(value, list) or len(value) > self.tensor_count:
+            raise CheckpointError(f"config.json: {key} must be a list of at most {self.tensor_count} layer "
+                                  f"indices, got {_show(value)}")
         return [self._int(key, v) for v in value]
 
     def refuse(self, key: str, *allowed) -> None:

@@ -9,10 +9,12 @@ from .decoder import AttentionOptions, assemble, attention, mlp, pre_norm_layer,
 from .moe import experts
 
 
-def _is_sparse(cfg, i: int, num_experts: int) -> bool:
+def _sparse_layers(cfg, num_experts: int) -> set[int]:
     """transformers' rule: MoE unless listed in mlp_only_layers or off the decoder_sparse_step grid."""
     step = cfg.int("decoder_sparse_step", 1)
-    return i not in cfg.int_list("mlp_only_layers") and num_experts > 0 and (i + 1) % step == 0
+    dense = set(cfg.int_list("mlp_only_layers"))  # read once: the list is as long as the config makes it
+    n = cfg.int("num_hidden_layers")
+    return {i for i in range(n) if i not in dense and num_experts > 0 and (i + 1) % step == 0}
 
 
 @register("Qwen3MoeForCausalLM", "qwen3_moe")
@@ -25,10 +27,11 @@ def build(cfg, b):
     activation = cfg.activation()
     opts = AttentionOptions(qkv_bias=bias, o_bias=bias, qk_norm="head")
     layers = []
+    sparse = _sparse_layers(cfg, num_experts)
     for i in range(cfg.int("num_hidden_layers")):
         src, dst = src_layer(i) + "mlp.", f"layers.{i}.ffn."
         attn = attention(b, cfg, i, rope, window, opts)
-        if _is_sparse(cfg, i, num_experts):
+        if i in sparse:
             ffn = MoE(
                 num_experts=num_experts, top_k=cfg.int("num_experts_per_tok"),
                 router=Linear(b.take(src + "gate.weight", dst + "router.weight", "moe.router", i)),
