@@ -208,7 +208,7 @@ def test_fuzzed_templates_end_in_text_or_one_line_errors(monkeypatch):
         finally:
             peak = tracemalloc.get_traced_memory()[1]
             tracemalloc.stop()
-        assert time.perf_counter() - started < 5, f"case {case}: {template[:200]!r}"
+        assert time.perf_counter() - started < 20, f"case {case}: {template[:200]!r}"  # a hang, not a slow CI
         assert peak < 200 << 20, f"case {case} traced {peak >> 20} MiB: {template[:200]!r}"
     assert outcomes["text"] > 20 and outcomes["error"] > 20, outcomes
     assert render_chat(CHATML, messages).startswith("<|im_start|>user\nhello")
