@@ -197,7 +197,7 @@ def write_mxfp4_gpt_oss(path) -> dict[str, torch.Tensor]:
     """A random tiny GPT-OSS checkpoint whose experts are stored as OpenAI publishes them; returns its tensors."""
     from safetensors.torch import save_file
 
-    model = build_model("gpt_oss")
+    model = build_model("gpt_oss", vocab_size=320)  # room for the 300 ids of the tokenizer written beside it
     model.save_pretrained(path, safe_serialization=True)
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
     for name in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
