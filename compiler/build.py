@@ -89,7 +89,7 @@ def build(model_dir, output, config: CompileConfig, *, cache_dir=None, dump_ir=N
     # Reading the checkpoint is lazy (headers only), so a bad or unsupported model fails before hashing.
     progress("load checkpoint", 0, 0)
     source = load_checkpoint(model_dir)
-    check_output(output, source.files)
+    check_output(output, [*source.files, *([calib] if calib is not None else [])])
     clock.lap("load checkpoint")
     calibration, heldout = evaluation_texts(config, calib)
     progress("hash inputs", 0, 0)

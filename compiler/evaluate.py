@@ -26,8 +26,10 @@ from thin.runtime.linear import DenseLinear
 from thin.runtime.quality import compare_prompts
 from thin.runtime.sampling import GenerationOptions
 
+from .errors import CompileError
 
-class EvaluatorError(RuntimeError):
+
+class EvaluatorError(CompileError, RuntimeError):
     """The model cannot be evaluated as asked (no tokenizer for text, a device that isn't there)."""
 
 

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 from pathlib import Path
 
 from .config import CompileConfig, CompileOptionError
@@ -14,6 +16,7 @@ from .corpus import calibration_text, heldout_text
 # Characters drawn from the standard library per calibration token asked for: code tokenizes at
 # 2-4 characters a token, so this leaves room for any tokenizer; the pass keeps the first N tokens.
 CHARS_PER_TOKEN = 8
+MAX_CALIBRATION_BYTES = 256 << 20
 
 
 def read_calibration_file(path) -> str:
@@ -21,7 +24,7 @@ def read_calibration_file(path) -> str:
     (joined by blank lines). Raises CompileOptionError naming the problem."""
     path = Path(path)
     try:
-        raw = path.read_bytes().decode("utf-8")
+        raw = _read_regular(path, MAX_CALIBRATION_BYTES).decode("utf-8")
     except FileNotFoundError:
         raise CompileOptionError(f"--calib {path}: no such file") from None
     except UnicodeDecodeError:
@@ -41,6 +44,19 @@ def read_calibration_file(path) -> str:
     if not raw.strip():
         raise CompileOptionError(f"--calib {path}: the file holds no text")
     return raw
+
+
+def _read_regular(path: Path, limit: int) -> bytes:
+    """A regular file's bytes, at most `limit` of them; opened without blocking, so a FIFO is refused, not waited on."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise CompileOptionError(f"--calib {path}: not a regular file")
+    with os.fdopen(fd, "rb") as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise CompileOptionError(f"--calib {path}: more than {limit} bytes, the limit on calibration text")
+    return data
 
 
 def evaluation_texts(config: CompileConfig, calib_file=None) -> tuple[str | None, str | None]:

@@ -191,3 +191,18 @@ def test_a_verified_entry_is_not_hashed_again_until_it_changes(folder, tmp_path,
     time.sleep(0.01)
     os.utime(entry, ns=(OLD_NS + 1, OLD_NS + 1))  # touched: checked again
     assert _compile(folder, tmp_path, "d.thin").cache_hit and len(calls) == 2
+
+
+def test_the_calibration_file_is_an_input_and_a_regular_file(folder, tmp_path):
+    from thin.compiler.config import CompileOptionError
+    from thin.compiler.inputs import read_calibration_file
+
+    text = tmp_path / "calib.txt"
+    text.write_text("def f(x):\n    return x\n" * 50)
+    with pytest.raises(OutputPathError, match="input of this compile"):
+        build(folder, text, CompileConfig(), calib=text)
+    assert text.read_text().startswith("def f")
+    os.mkfifo(tmp_path / "calib.fifo")
+    for bad in (tmp_path / "calib.fifo", tmp_path):
+        with pytest.raises(CompileOptionError, match="not a regular file"):
+            read_calibration_file(bad)

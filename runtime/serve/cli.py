@@ -60,6 +60,7 @@ def serve(
     from jinja2 import TemplateError
 
     from thin.artifacts import ArtifactError
+    from thin.ir import ThinError
     from thin.runtime import DeviceUnavailableError, load
 
     if not model_path.is_file():
@@ -68,7 +69,7 @@ def serve(
         model = load(model_path, device=device, verify=verify)
         server = create_app(model, name=name, limits=Limits(max_batch=max_batch, max_queue=max_queue),
                             api_key=api_key)
-    except (ArtifactError, OSError, DeviceUnavailableError, TemplateError, ValueError) as e:
+    except (ThinError, ArtifactError, OSError, DeviceUnavailableError, TemplateError, ValueError, MemoryError) as e:
         _fail(str(e) or type(e).__name__)
     if not is_loopback(host) and not api_key:
         typer.echo(f"thin-exec serve: warning: binding {host} without --api-key: anyone who can reach this "
