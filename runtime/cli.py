@@ -128,7 +128,9 @@ def _prompt_ids(model, text: str, raw: bool, history: list[dict] | None = None) 
     return model.encode(model.render_chat(messages, add_generation_prompt=True), add_special_tokens=False)
 
 
-def _one_shot(model, text: str, raw: bool, options: dict):
+def _one_shot(model, text: str, raw: bool, options: dict, notes: tuple[str, ...] = ()):
+    """Generate once for `text`; `notes` (quality, implementations) are printed with the speed at the end,
+    so that a refused prompt or option is the one line on stderr."""
     if not raw and model.chat_template is None:
         typer.echo("thin-exec: the artifact has no chat template; using the prompt as raw text", err=True)
         raw = True
@@ -136,11 +138,15 @@ def _one_shot(model, text: str, raw: bool, options: dict):
     if not ids:
         raise _UserError("the prompt is empty")
     _, stats = _stream(model, ids, options)
+    for note in notes:
+        typer.echo(note, err=True)
     typer.echo(stats.summary(), err=True)
 
 
-def _chat(model, raw: bool, options: dict):
+def _chat(model, raw: bool, options: dict, notes: tuple[str, ...] = ()):
     """Read-eval loop: history is kept between turns; /reset clears it, /exit (or Ctrl-D) leaves."""
+    for note in notes:
+        typer.echo(note, err=True)
     if not raw and model.chat_template is None:
         typer.echo("thin-exec: the artifact has no chat template; each line is a raw prompt", err=True)
         raw = True
@@ -224,24 +230,19 @@ def run(
             raise _UserError("--uncertified goes with --ffn-keep F")
         model = load(model_path, device=device, verify=verify, vram=_vram_bytes(vram), graphs=not no_graph,
                      ffn_keep=_ffn_keep(ffn_keep), uncertified=uncertified)
-        try:
-            model.generation_options(**options)  # reject bad values before any prompt is read
-        except ValueError as e:
-            raise _UserError(str(e)) from None
+        model.generation_options(**options)  # reject bad values before any prompt is read
         certificate = model.artifact.section("certificate")
-        if ffn_keep is None:
-            typer.echo(f"thin-exec: quality: {certificate_summary(certificate)}", err=True)
-        else:
-            typer.echo(f"thin-exec: quality: {ffn_level_summary(certificate, model.ffn_keep)}", err=True)
-        if verbose:
-            typer.echo(f"thin-exec: {model.describe_implementations()}", err=True)
+        quality = (certificate_summary(certificate) if ffn_keep is None
+                   else ffn_level_summary(certificate, model.ffn_keep))
+        notes = (f"thin-exec: quality: {quality}",
+                 *([f"thin-exec: {model.describe_implementations()}"] if verbose else []))
         if prompt is not None:
-            _one_shot(model, prompt, raw, options)
+            _one_shot(model, prompt, raw, options, notes)
         elif sys.stdin.isatty():
-            _chat(model, raw, options)
+            _chat(model, raw, options, notes)
         else:
             # `echo text |` ends the prompt with a newline the user did not mean as text.
-            _one_shot(model, _read_stdin().removesuffix("\n"), raw, options)
+            _one_shot(model, _read_stdin().removesuffix("\n"), raw, options, notes)
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
     except torch.OutOfMemoryError as e:

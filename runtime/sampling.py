@@ -55,7 +55,7 @@ class GenerationOptions:
             problems.append(f"max_new_tokens must be an integer in 0..{_INT32}, got {self.max_new_tokens!r}")
         if not (_is_number(self.temperature) and 0 <= self.temperature < math.inf):
             problems.append(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not (_is_int(self.top_k) and 0 <= self.top_k <= _INT32):
+        if not (_is_int(self.top_k) and self.top_k >= 0):  # at or past the vocabulary: no filtering
             problems.append(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if not (_is_number(self.top_p) and 0.0 < self.top_p <= 1.0):
             problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
@@ -63,8 +63,8 @@ class GenerationOptions:
             problems.append(f"min_p must be in [0, 1], got {self.min_p!r}")
         if not (_is_number(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf):
             problems.append(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
-        if self.seed is not None and not (_is_int(self.seed) and 0 <= self.seed < 1 << 64):
-            problems.append(f"seed must be an integer in 0..2**64-1, got {str(self.seed)[:40]}")
+        if self.seed is not None and not (_is_int(self.seed) and -(1 << 63) <= self.seed < 1 << 64):
+            problems.append(f"seed must be a 64-bit integer (-2**63..2**64-1), got {str(self.seed)[:40]}")
         if (not isinstance(self.stop_token_ids, tuple)
                 or not all(_is_int(t) and 0 <= t <= _INT32 for t in self.stop_token_ids)):
             problems.append(f"stop_token_ids must be a tuple of token ids, got {str(self.stop_token_ids)[:80]}")

@@ -79,7 +79,7 @@ def test_bounded_templates_render_ordinary_loops_and_large_prompts():
     {"temperature": math.nan}, {"temperature": math.inf}, {"temperature": -1}, {"temperature": "0.7"},
     {"repetition_penalty": math.nan}, {"repetition_penalty": 0}, {"top_p": math.nan}, {"min_p": math.nan},
     {"top_k": 2.5}, {"top_k": True}, {"max_new_tokens": 3.5}, {"max_new_tokens": -1},
-    {"seed": 2**64}, {"seed": -1}, {"seed": 1.5}, {"stop_token_ids": (1.5,)}, {"stop_token_ids": ("2",)},
+    {"seed": 2**64}, {"seed": -(2**63) - 1}, {"seed": 1.5}, {"stop_token_ids": (1.5,)}, {"stop_token_ids": ("2",)},
 ], ids=str)
 def test_generation_options_refuse_nan_and_coercion(options):
     with pytest.raises(InputError, match=next(iter(options))):
