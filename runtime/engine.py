@@ -15,8 +15,11 @@ So the captured step runs with no host synchronisation inside the loop, and the 
 n back (pinned buffer + event) only after launching step n + 1. Greedy tokens do not depend on
 whether the graph is used: the same kernels run either way.
 
-Models it does not take (mixtures of experts, layer norms, norms with a bias) raise
-EngineUnsupported; ThinModel then generates through the executor as before.
+A mixture-of-experts layer decodes through kernels/experts.py (router top-k and the chosen experts'
+fused gate/up and weighted down, expert indices kept on the device, so the step stays one graph);
+its prefill runs the executor's torch path (ffn.run_moe) over the same LinearOps. Models it does
+not take (layer norms, norms with a bias, expert formats or router kinds the expert kernels lack)
+raise EngineUnsupported; ThinModel then generates through the executor as before.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .ffn import ACTIVATIONS, MLPPlan, activate
+from .ffn import ACTIVATIONS, MLPPlan, MoEPlan, activate, run_moe
 from .generate import GenerationStats, check_context
 from .linear import LinearOp
 from .paged_kv import PagedKVCache
@@ -58,11 +61,16 @@ class DecodeEngine:
         for layer in executor.layers:
             if layer.attention.rope is not None:  # grown once: captured steps hold the tables' addresses
                 layer.attention.rope.get(0, self.max_positions)
-        intermediate = max(_mlp_width(layer.ffn) for layer in executor.layers)
+        self.moe = _moe_kernels(executor)  # layer index -> MoEKernels
+        intermediate = max([_mlp_width(layer.ffn) for layer in executor.layers if isinstance(layer.ffn, MLPPlan)]
+                           + [1])
         qkv_width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
-        # Split-K partial sums come from the projections back into the residual (o and down).
-        summed = [op for layer in executor.layers for op in (layer.attention.o, layer.ffn.down)]
-        splits = max([op.split for op in summed if hasattr(op, "split")] + [1])
+        # Split-K partial sums come from the projections back into the residual (o and down), and
+        # a mixture of experts leaves one row per chosen expert there.
+        summed = [layer.attention.o for layer in executor.layers]
+        summed += [layer.ffn.down for layer in executor.layers if isinstance(layer.ffn, MLPPlan)]
+        splits = max([op.split for op in summed if hasattr(op, "split")] + [m.top_k for m in self.moe.values()]
+                     + [1])
 
         def new(*shape, dtype=self.dtype):
             return torch.zeros(*shape, dtype=dtype, device=self.device)
@@ -135,6 +143,11 @@ class DecodeEngine:
             add_rmsnorm(residual, normed, dense=a.o(out), post=_norm(layer.attn_post_norm),
                         norm=_norm(layer.ffn_norm))
             mlp = layer.ffn
+            if isinstance(mlp, MoEPlan):  # token by token over the chosen experts (host-side routing)
+                h = run_moe(normed, mlp)
+                following = layers[index + 1].attn_norm if index + 1 < len(layers) else self.ex.final_norm
+                add_rmsnorm(residual, normed, dense=h, post=_norm(layer.ffn_post_norm), norm=_norm(following))
+                continue
             if mlp.gated and len(mlp.up) == 1:
                 h = glu(mlp.up[0](normed), mlp.activation)
             elif mlp.gated:
@@ -179,10 +192,14 @@ class DecodeEngine:
             with mark("residual + norm"):
                 add_rmsnorm(self.residual, self.normed, partials=parts, bias=bias,
                             post=_norm(layer.attn_post_norm), norm=_norm(layer.ffn_norm))
-            with mark("gate/up + act"):
-                width = self._mlp(layer.ffn, self.normed)
-            with mark("down"):
-                parts, bias = self._partial_sums(layer.ffn.down, self.mlp[:width])
+            if index in self.moe:
+                with mark("router + experts"):
+                    parts, bias = self.moe[index](self.normed, self.partials), None
+            else:
+                with mark("gate/up + act"):
+                    width = self._mlp(layer.ffn, self.normed)
+                with mark("down"):
+                    parts, bias = self._partial_sums(layer.ffn.down, self.mlp[:width])
             following = layers[index + 1].attn_norm if index + 1 < len(layers) else self.ex.final_norm
             with mark("residual + norm"):
                 add_rmsnorm(self.residual, self.normed, partials=parts, bias=bias,
@@ -264,11 +281,14 @@ class DecodeEngine:
     def warm_up(self) -> None:
         """Choose every matvec's launch configuration now (timed on this device, or read from the
         cache of choices) rather than in the first generate call: the modes the decode step uses."""
+        for kernels in self.moe.values():
+            kernels.warm_up()
         for layer in self.ex.layers:
             uses = [(op, "direct") for op in layer.attention.qkv] + [(layer.attention.o, "partial")]
             mlp = layer.ffn
-            fused = mlp.gated and len(mlp.up) == 1
-            uses += [(op, "glu" if fused else "direct") for op in mlp.up] + [(mlp.down, "partial")]
+            if isinstance(mlp, MLPPlan):
+                fused = mlp.gated and len(mlp.up) == 1
+                uses += [(op, "glu" if fused else "direct") for op in mlp.up] + [(mlp.down, "partial")]
             for op, mode in uses:
                 if hasattr(op, "config"):
                     op.config(mode if mode != "partial" or op.out_features == self.hidden else "direct")
@@ -389,11 +409,7 @@ def generate(engine: DecodeEngine, prompt_ids: Sequence[int], options: Generatio
 
 
 def _check_supported(executor) -> None:
-    from .ffn import MoEPlan
-
     problems = []
-    if any(isinstance(layer.ffn, MoEPlan) for layer in executor.layers):
-        problems.append("mixture-of-experts layers")
     norms = [executor.final_norm] + [n for layer in executor.layers for n in
                                      (layer.attn_norm, layer.attn_post_norm, layer.ffn_norm, layer.ffn_post_norm)]
     if any(n is not None and (n.kind != "rms" or n.bias is not None) for n in norms):
@@ -414,6 +430,22 @@ def _check_supported(executor) -> None:
 
 def _mlp_width(ffn) -> int:
     return ffn.down.in_features
+
+
+def _moe_kernels(executor) -> dict:
+    """{layer index: MoEKernels} for the mixture-of-experts layers; EngineUnsupported (naming what)
+    for a layer the expert kernels cannot take."""
+    from .kernels.experts import MoEKernels
+
+    out = {}
+    for index, layer in enumerate(executor.layers):
+        if isinstance(layer.ffn, MoEPlan):
+            try:
+                out[index] = MoEKernels(layer.ffn, executor.device, executor.dtype)
+            except NotImplementedError as e:
+                raise EngineUnsupported(f"the decode engine does not run {e} in mixture-of-experts layers yet") \
+                    from None
+    return out
 
 
 def _norm(plan):

@@ -1,0 +1,97 @@
+"""The decode engine on mixtures of experts (Mixtral, Qwen3-MoE, GPT-OSS) against the executor.
+
+As in test_engine: on a CPU machine the engine's kernels (and the linear kernels) run through
+Triton's interpreter, without CUDA graphs; with a GPU the same tests run there.
+"""
+
+import pytest
+import torch
+from kernel_support import DEVICE, HAS_CUDA
+
+from thin.compiler import compile_model
+from thin.runtime import generate, load
+from thin.runtime.sampling import GenerationOptions
+
+from hf_tiny import make_checkpoint
+
+KERNEL_FAMILIES = {"dense": ("f32", "f16", "bf16"), "rowwise8": ("int8", "fp8_e4m3"),
+                   "grouped_int": ("int3", "int4", "int5", "int6"), "mxfp4": ("mxfp4",), "q2": ("q2",), "q1": ("q1",)}
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """(family, quant) -> loaded model, its linears served by the Triton kernels on this device."""
+    from thin.runtime import linear
+
+    added = []
+    if not HAS_CUDA:
+        for family, names in KERNEL_FAMILIES.items():
+            for name in names:
+                linear.register(name, "cpu", linear.Implementation("triton", f"thin.runtime.kernels.{family}:make"))
+                added.append(name)
+    tmp = tmp_path_factory.mktemp("engine_moe")
+    out = {}
+
+    def get(family, quant=None):
+        if (family, quant) not in out:
+            src = tmp / f"{family}-{len(out)}"
+            make_checkpoint(family, src)
+            options = {"quant": quant, **({"group_size": 32} if quant == "int4" else {})} if quant else {}
+            out[family, quant] = load(compile_model(src, tmp / f"{family}-{len(out)}.thin", **options),
+                                      device=DEVICE.type)
+        return out[family, quant]
+
+    yield get
+    for name in added:
+        linear.unregister(name, "cpu", "triton")
+
+
+def _tokens(model, prompt, n, engine=None):
+    opts = GenerationOptions(max_new_tokens=n, stop_token_ids=())
+    if engine is None:
+        return list(generate(model.executor, prompt, opts))
+    from thin.runtime.engine import generate as engine_generate
+
+    return list(engine_generate(engine, prompt, opts))
+
+
+def _prompt(n, seed):
+    return torch.randint(3, 250, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.mark.parametrize("family,quant", [("mixtral", None), ("mixtral", "int4"), ("qwen3_moe", None),
+                                          ("gpt_oss", None), ("gpt_oss", "mxfp4")])
+def test_greedy_tokens_match_the_executor(models, family, quant):
+    """Sinks, sliding windows, router and expert biases and the clamped SwiGLU (GPT-OSS) included;
+    12 positions past a window of 8, so the window bounds what the decode steps attend to."""
+    from thin.runtime.engine import DecodeEngine
+
+    model = models(family, quant)
+    engine = DecodeEngine(model.executor)
+    assert engine.moe, "the engine runs the MoE layers on its expert kernels"
+    prompt = _prompt(9, seed=len(family))
+    assert _tokens(model, prompt, 6, engine) == _tokens(model, prompt, 6)
+
+
+def test_decode_step_logits_match_the_executor(models):
+    """Beyond greedy tokens: the engine's last logits after a few decode steps are the executor's."""
+    from thin.runtime.engine import DecodeEngine
+
+    model = models("gpt_oss")
+    engine = DecodeEngine(model.executor)
+    prompt = _prompt(10, seed=3)
+    tokens = _tokens(model, prompt, 4, engine)
+    want = model.executor.forward(torch.tensor(prompt + tokens[:-1]))[-1]
+    got = engine.logits.float().cpu()
+    if model.executor.final_softcap is not None:
+        got = torch.tanh(got / model.executor.final_softcap) * model.executor.final_softcap
+    assert torch.allclose(got, want.cpu(), rtol=1e-3, atol=1e-3 * want.abs().max().item())
+
+
+def test_unsupported_expert_formats_leave_the_executor(models, tmp_path):
+    from thin.runtime.engine import DecodeEngine, EngineUnsupported
+
+    src = make_checkpoint("mixtral", tmp_path / "src")
+    model = load(compile_model(src, tmp_path / "m.thin", quant="int3", group_size=32), device=DEVICE.type)
+    with pytest.raises(EngineUnsupported, match="int3 experts"):
+        DecodeEngine(model.executor)

@@ -1,0 +1,129 @@
+"""The mixture-of-experts decode kernels (router top-k, selected experts' gate/up + activation, weighted
+down) against the executor's torch path (ffn.run_moe) on the same plan, for every expert format they
+read; on the CPU through Triton's interpreter at tiny shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_support import DEVICE, HAS_CUDA, poisoned, rel_err, tolerance
+
+from thin.ir import Encoding, Tensor, formats
+from thin.runtime.ffn import MLPPlan, MoEPlan, run_moe
+from thin.runtime.linear import make_linear
+
+HIDDEN, INTER = 64, 32
+
+
+def _op(fmt: str, shape, params, gen, dtype, bias: bool):
+    """A LinearOp (the device's own implementation: Triton on CUDA, torch on the CPU) of a random weight."""
+    params = formats.get(fmt).normalize(params)
+    w = 0.3 * torch.randn(*shape, generator=gen)
+    record = Tensor("layers.0.mlp.experts.0.w", "moe.expert.up", 0, tuple(shape), Encoding(fmt, params), "f32")
+    b = (0.1 * torch.randn(shape[0], generator=gen)).to(dtype).to(DEVICE) if bias else None
+    return make_linear(record, formats.encode(fmt, w, params), b, DEVICE, dtype)
+
+
+def _plan(fmts, *, dtype=torch.float32, top_k=2, fused=True, bias=False, clamp=False, normalize=True,
+          router_bias=False, seed=0, hidden=HIDDEN, inter=INTER):
+    """A MoEPlan of len(fmts) random experts, expert e stored in fmts[e] = (format, params)."""
+    gen = torch.Generator().manual_seed(seed)
+    experts = []
+    for fmt, params in fmts:
+        up = [_op(fmt, (2 * inter, hidden), params, gen, dtype, bias)] if fused else \
+            [_op(fmt, (inter, hidden), params, gen, dtype, bias) for _ in range(2)]
+        down = _op(fmt, (hidden, inter), params, gen, dtype, bias)
+        extra = dict(alpha=1.702, limit=1.5, up_offset=1.0) if clamp else {}
+        experts.append(MLPPlan("silu", True, up, down, **extra))
+    router = torch.randn(len(fmts), hidden, generator=gen).to(DEVICE)
+    rbias = (0.5 * torch.randn(len(fmts), generator=gen)).to(DEVICE) if router_bias else None
+    return MoEPlan(top_k, normalize, "softmax", router, rbias, experts, None, None)
+
+
+def _check(plan, dtype=torch.float32, seed=1, tol=None):
+    from thin.runtime.kernels.experts import MoEKernels
+
+    kernels = MoEKernels(plan, DEVICE, dtype)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(3):  # different tokens route to different experts
+        x = torch.randn(kernels.hidden, generator=gen).to(dtype).to(DEVICE)
+        partials = poisoned(kernels.top_k + 1, kernels.hidden, dtype=torch.float32)
+        got = kernels(x, partials)
+        assert got.shape == (plan.top_k, kernels.hidden)
+        want = run_moe(x[None], plan)[0].float()
+        err = rel_err(got.sum(0), want)
+        assert err < (tol or 4 * tolerance(dtype)), f"{err}"
+        # The chosen experts are torch's top-k, in its order (best first).
+        probs = torch.softmax(torch.nn.functional.linear(x.float(), plan.router_weight, plan.router_bias), -1)
+        chosen = torch.topk(probs, plan.top_k).indices.tolist()
+        for slot, e in enumerate(chosen):
+            alone = run_moe_single(x, plan, e)
+            assert rel_err(got[slot], alone * _weight(probs, chosen, slot, plan)) < (tol or 4 * tolerance(dtype))
+
+
+def run_moe_single(x, plan, e):
+    from thin.runtime.ffn import run_mlp
+
+    return run_mlp(x[None], plan.experts[e])[0].float()
+
+
+def _weight(probs, chosen, slot, plan):
+    top = probs[chosen]
+    return float(top[slot] / top.sum()) if plan.normalize_top_k else float(top[slot])
+
+
+FORMATS = {
+    "f32": {}, "int8": {}, "fp8_e4m3": {}, "int4": {"group_size": 32}, "int4-asym": {"group_size": 32, "asymmetric": 1},
+    "mxfp4": {}, "q2": {"group_size": 16}, "q1": {"group_size": 32},
+}
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_experts_match_the_torch_path(name):
+    fmt = name.split("-")[0]
+    _check(_plan([(fmt, FORMATS[name])] * 4, seed=list(FORMATS).index(name)))
+
+
+def test_clamped_swiglu_with_biases_and_router_bias():
+    """GPT-OSS: biases on every expert projection and the router, silu with a gain, clamps, up + 1."""
+    _check(_plan([("mxfp4", {})] * 4, bias=True, clamp=True, router_bias=True, seed=3))
+    _check(_plan([("f32", {})] * 4, bias=True, clamp=True, router_bias=True, seed=4))
+
+
+def test_separate_gate_and_up_without_renormalising():
+    _check(_plan([("int4", {"group_size": 32})] * 6, fused=False, normalize=False, top_k=3, seed=5))
+
+
+def test_experts_of_different_formats_in_one_layer():
+    """Routing-aware bits: one launch per format, each writing only the slots of its experts."""
+    fmts = [("int4", {"group_size": 32}), ("q2", {"group_size": 16}), ("mxfp4", {}), ("f32", {}),
+            ("q1", {"group_size": 32}), ("int8", {})]
+    _check(_plan(fmts, top_k=4, seed=6))
+
+
+def test_bf16_experts_round_like_the_torch_path():
+    _check(_plan([("bf16", {})] * 4, dtype=torch.bfloat16, bias=True, seed=7), dtype=torch.bfloat16)
+
+
+def test_uneven_shapes_mask_their_tails():
+    """Rows and columns that the tiles do not divide (gpt-oss-20b's 2880 is 90 groups of 32)."""
+    _check(_plan([("mxfp4", {})] * 3, hidden=96, inter=160, seed=8))
+    _check(_plan([("f32", {})] * 3, hidden=96, inter=48, seed=9))
+
+
+def test_unsupported_expert_formats_are_refused():
+    from thin.runtime.kernels.experts import MoEKernels
+
+    with pytest.raises(NotImplementedError, match="int3 experts"):
+        MoEKernels(_plan([("int3", {"group_size": 32})] * 2), DEVICE, torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+@pytest.mark.parametrize("fmt,params", [("bf16", {}), ("int4", {"group_size": 128}), ("mxfp4", {})])
+def test_real_shapes_on_the_gpu(fmt, params):
+    """moe-a3b's expert shape (hidden 2048, FFN 768, top-8 of 32 here) and gpt-oss-20b's (2880)."""
+    _check(_plan([(fmt, params)] * 32, dtype=torch.bfloat16, top_k=8, hidden=2048, inter=768, seed=10),
+           dtype=torch.bfloat16)
+    _check(_plan([(fmt, params if fmt != "int4" else {"group_size": 32})] * 8, dtype=torch.bfloat16, top_k=4,
+                 hidden=2880, inter=2880, bias=True, clamp=True, router_bias=True, seed=11), dtype=torch.bfloat16)
