@@ -45,6 +45,7 @@ class BenchResult:
     peak_vram_bytes: int
     graph: bool
     ffn_keep: float = 1.0  # the elastic FFN level decoded (thin-exec bench --ffn-keep)
+    expert_bytes_per_token: int = 0  # of bytes_per_token: the routed experts a token reads (top-k of each layer)
     checks: dict[str, str] = field(default_factory=dict)
     kernels: list[dict] = field(default_factory=list)  # --profile: time per decode step by kernel
 
@@ -57,7 +58,9 @@ class BenchResult:
             f"model          {self.model} ({', '.join(f'{k} x{v}' for k, v in sorted(self.formats.items()))})",
             f"device         {self.device}, copy bandwidth {self.bandwidth_bytes_per_second / gb:.0f} GB/s",
             f"weights read   {self.bytes_per_token / gb:.3f} GB per token"
-            + ("" if self.ffn_keep == 1.0 else f" (FFN level {self.ffn_keep:g})"),
+            + ("" if self.ffn_keep == 1.0 else f" (FFN level {self.ffn_keep:g})")
+            + (f", {self.expert_bytes_per_token / gb:.3f} GB of it routed experts (top-k of each layer)"
+               if self.expert_bytes_per_token else ""),
             f"prefill        {self.prompt_tokens} tokens: {self.prefill_tokens_per_second:.0f} tok/s",
             f"decode         {self.new_tokens} tokens x {self.runs} runs: {self.decode_tokens_per_second:.1f} tok/s "
             f"median ({self.decode_min:.1f}-{self.decode_max:.1f}){'' if self.graph else ', no CUDA graph'}",
@@ -94,7 +97,8 @@ def copy_bandwidth(device: torch.device, nbytes: int = 2**31) -> float:
 
 def bytes_per_token(artifact, level=None) -> int:
     """Bytes of weights one decoded token reads: every tensor once, the embedding one row (a tied
-    LM head reads the whole table once more); with elastic FFN levels, the FFN prefix and correction
+    LM head reads the whole table once more), and of a mixture of experts the k experts a token is
+    routed to (expert_bytes_per_token); with elastic FFN levels, the FFN prefix and correction
     tensors of `level` (a thin.ir.FFNLevel; None: the whole model) instead."""
     model = artifact.model
     if model.ffn_levels:
@@ -102,14 +106,37 @@ def bytes_per_token(artifact, level=None) -> int:
 
         return elastic_bytes(model, level)
     embedding = model.embedding.weight
+    experts = set(_expert_shares(model))
     total = 0
     for t in model.tensors:
         size = artifact.tensor_entry(t.name)["size"]
         if t.name == embedding:
             total += size // t.shape[0] + (size if model.lm_head.tied else 0)
-        else:
+        elif t.name not in experts:
             total += size
-    return total
+    return total + expert_bytes_per_token(artifact)
+
+
+def expert_bytes_per_token(artifact) -> int:
+    """Bytes of routed experts one decoded token reads: top_k / num_experts of each MoE layer's expert
+    bytes (the k experts it picks, as an average over experts: formats may differ between them)."""
+    shares = _expert_shares(artifact.model)
+    return round(sum(artifact.tensor_entry(name)["size"] * share for name, share in shares.items()))
+
+
+def _expert_shares(model) -> dict[str, float]:
+    """{tensor name: top_k / num_experts} for every routed expert's weights and biases."""
+    from thin.ir import MoE
+
+    out = {}
+    for layer in model.layers:
+        if isinstance(layer.ffn, MoE):
+            share = layer.ffn.top_k / len(layer.ffn.experts)
+            for expert in layer.ffn.experts:
+                for lin in (expert.gate, expert.up, expert.gate_up, expert.down):
+                    if lin is not None:
+                        out.update({name: share for name in (lin.weight, lin.bias) if name is not None})
+    return out
 
 
 def run(model, *, prompt_len: int = 512, new_tokens: int = 128, runs: int = 5, profile: bool = False,
@@ -177,7 +204,8 @@ def run(model, *, prompt_len: int = 512, new_tokens: int = 128, runs: int = 5, p
         prefill_tokens_per_second=prompt_len / statistics.median(prefill_times), decode_tokens_per_second=median,
         decode_min=rates[0], decode_max=rates[-1], bytes_per_token=weight_bytes, bandwidth_bytes_per_second=bandwidth,
         roofline_tokens_per_second=roofline, roofline_fraction=median / roofline, peak_vram_bytes=peak,
-        graph=engine.use_graphs, ffn_keep=model.ffn_keep, checks=checks, kernels=kernels)
+        graph=engine.use_graphs, ffn_keep=model.ffn_keep, checks=checks, kernels=kernels,
+        expert_bytes_per_token=expert_bytes_per_token(model.artifact))
 
 
 def profile_step(engine, cache, sampler, steps: int = 3) -> list[dict]:

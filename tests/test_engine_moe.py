@@ -95,3 +95,18 @@ def test_unsupported_expert_formats_leave_the_executor(models, tmp_path):
     model = load(compile_model(src, tmp_path / "m.thin", quant="int3", group_size=32), device=DEVICE.type)
     with pytest.raises(EngineUnsupported, match="int3 experts"):
         DecodeEngine(model.executor)
+
+
+def test_bench_counts_only_the_routed_experts_a_token_reads(models):
+    """bytes per token: every other tensor once (the embedding one row), experts top_k / num_experts."""
+    from thin.runtime.bench import bytes_per_token, expert_bytes_per_token
+
+    model = models("mixtral")
+    art, ir = model.artifact, model.ir
+    entries = [art.tensor_entry(t.name) for t in ir.tensors]
+    experts = sum(e.size for e in entries if e.expert is not None)
+    embedding = art.tensor_entry(ir.embedding.weight)
+    others = sum(e.size for e in entries if e.expert is None) - embedding.size + embedding.size // ir.vocab_size
+    moe = ir.layers[0].ffn
+    assert experts > 0 and expert_bytes_per_token(art) == round(experts * moe.top_k / moe.num_experts)
+    assert bytes_per_token(art) == others + expert_bytes_per_token(art)

@@ -218,15 +218,16 @@ def print_table(name, results, baselines, args) -> None:
     bw = next((r["bandwidth_bytes_per_second"] for r in results.values() if "bandwidth_bytes_per_second" in r), 0)
     print(f"\n{name}, {args.prompt_len}-token prompt, {args.gen} new tokens, median of {args.runs}; "
           f"copy bandwidth {bw / 1e9:.0f} GB/s")
-    print("| system | format | GB read/token | decode tok/s (min-max) | roofline tok/s | of roofline | "
-          "vs transformers static | vs static+compile | prefill tok/s | peak VRAM |")
+    print("| system | format | GB read/token (routed experts) | decode tok/s (min-max) | roofline tok/s "
+          "| of roofline | vs transformers static | vs static+compile | prefill tok/s | peak VRAM |")
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for fmt, r in results.items():
         if "error" in r:
             print(f"| thin | {fmt} | failed ({r['error']}) | | | | | | | |")
             continue
         rate = r["decode_tokens_per_second"]
-        print(f"| thin | {fmt} | {r['bytes_per_token'] / 1e9:.2f} | {rate:.1f} ({r['decode_min']:.1f}-"
+        experts = f" ({r['expert_bytes_per_token'] / 1e9:.2f})" if r.get("expert_bytes_per_token") else ""
+        print(f"| thin | {fmt} | {r['bytes_per_token'] / 1e9:.2f}{experts} | {rate:.1f} ({r['decode_min']:.1f}-"
               f"{r['decode_max']:.1f}) | {r['roofline_tokens_per_second']:.0f} | {100 * r['roofline_fraction']:.1f}% | "
               f"{rate / base if base else float('nan'):.2f}x | {rate / compiled if compiled else float('nan'):.2f}x | "
               f"{r['prefill_tokens_per_second']:.0f} | {r['peak_vram_bytes'] / 2**30:.1f} GiB |")

@@ -12,6 +12,8 @@ Everything else a decode step runs:
     attention.py    split-KV decode attention over the paged cache (GQA, window, softcap, sinks),
                     prefill attention through scaled_dot_product_attention
     activation.py   the IR's activations, and act(gate) * up for prefill
+    experts.py      mixture of experts: router top-k, the chosen experts' gate/up + activation and
+                    weighted down, reading each expert's packed bytes (indices stay on the device)
     sampling.py     greedy argmax and temperature / top-k / top-p / min-p draws on the device
 
 Nothing here is imported by `thin.runtime` itself: `runtime/linear.py` registers the linear
