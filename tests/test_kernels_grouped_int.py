@@ -3,7 +3,7 @@
 import pytest
 import torch
 from kernel_support import DEVICE
-from linear_kernel_cases import check_all, check_matvec, make_op
+from linear_kernel_cases import check_all, check_glu, check_matvec, make_op
 
 FORMATS = ["int3", "int4", "int5", "int6"]
 
@@ -30,4 +30,22 @@ def test_rows_not_a_multiple_of_the_block():
 def test_real_shapes_on_gpu(fmt, shape):
     assert DEVICE.type == "cuda"
     op, dense, _ = make_op(fmt, shape, {"group_size": 128}, dtype=torch.bfloat16)
+    check_matvec(op, dense, None, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int4", "int5"])
+def test_glu_real_shape_on_gpu(fmt):
+    op, dense, _ = make_op(fmt, (28672, 4096), {"group_size": 128}, dtype=torch.bfloat16)
+    check_glu(op, dense, None, torch.bfloat16, "silu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,asymmetric", [("int4", 0), ("int3", 1), ("int6", 0)])
+def test_plain_path_on_gpu(fmt, asymmetric, monkeypatch):
+    """The path without inline assembly (the interpreter's) compiled for the GPU gives the same."""
+    from thin.runtime.kernels import common
+
+    monkeypatch.setattr(common, "INLINE_ASM", False)
+    op, dense, _ = make_op(fmt, (4096, 14336), {"group_size": 128, "asymmetric": asymmetric}, dtype=torch.bfloat16)
     check_matvec(op, dense, None, torch.bfloat16)

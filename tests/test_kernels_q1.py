@@ -18,3 +18,13 @@ def test_matches_decode_bfloat16():
 def test_real_shape_on_gpu():
     op, dense, _ = make_op("q1", (4096, 14336), dtype=torch.bfloat16)
     check_matvec(op, dense, None, torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_plain_path_on_gpu(monkeypatch):
+    """Without inline assembly (the interpreter's path), compiled for the GPU."""
+    from thin.runtime.kernels import common
+
+    monkeypatch.setattr(common, "INLINE_ASM", False)
+    op, dense, _ = make_op("q1", (4096, 14336), dtype=torch.bfloat16)
+    check_matvec(op, dense, None, torch.bfloat16)

@@ -18,3 +18,14 @@ def test_matches_decode_bfloat16():
 def test_real_shape_on_gpu():
     op, dense, _ = make_op("q2", (4096, 14336), dtype=torch.bfloat16)
     check_matvec(op, dense, None, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("group_size", [16, 64])
+def test_plain_path_on_gpu(group_size, monkeypatch):
+    """Without inline assembly (the interpreter's path), compiled for the GPU."""
+    from thin.runtime.kernels import common
+
+    monkeypatch.setattr(common, "INLINE_ASM", False)
+    op, dense, _ = make_op("q2", (4096, 14336), {"group_size": group_size}, dtype=torch.bfloat16)
+    check_matvec(op, dense, None, torch.bfloat16)

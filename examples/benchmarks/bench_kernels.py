@@ -45,32 +45,30 @@ def build(fmt: str, n: int, k: int, copies: int = 1):
 
 
 def sweep_grid(op, mode: str):
-    """A wide grid of configurations for `op`'s family (for --sweep)."""
+    """A wide grid of configurations for `op`'s family (for --sweep): chunk is columns per step."""
     from thin.runtime.kernels.common import MatvecConfig
     from thin.runtime.kernels.tiles import split_candidates
 
     family = type(op).__name__
     n = op.out_features // 2 if mode == "glu" else op.out_features
+    k = op.in_features
     if family == "DenseKernelLinear":
         grid = [(bn, bk, w) for bn in (2, 4, 8, 16, 32) for bk in (256, 512, 1024, 2048) for w in (4, 8)
-                if bn * bk <= 16384 and bn * bk >= 1024]
-        units = lambda bk: op.in_features // bk  # noqa: E731
-    elif family == "Rowwise8Linear":
-        grid = [(bn, c, w) for bn in (4, 8, 16, 32, 64) for c in (256, 512, 1024, 2048) for w in (4, 8)
-                if bn * c <= 32768 and bn * c >= 2048]
-        units = lambda c: op.in_features // c  # noqa: E731
-    else:  # grouped int, mxfp4, q2, q1: chunk = groups per step
-        group = getattr(op, "group", 32)
-        grid = [(bn, g, w) for bn in (8, 16, 32, 64, 128) for g in (1, 2, 4, 8, 16) for w in (4, 8)
-                if 1024 <= bn * g * group <= 32768]
-        units = lambda g: op.in_features // group // g  # noqa: E731
+                if 1024 <= bn * bk <= 16384]
+    elif family == "Rowwise8Linear" and op.fp8:  # 8 columns a lane
+        grid = [(bn, 256 * w, w) for bn in (2, 4, 8, 16) for w in (1, 2, 4, 8)]
+    else:  # the chunk scheme: 32 chunks a warp
+        columns = 16 if family == "Rowwise8Linear" else getattr(op, "columns", 32)
+        grid = [(bn, 32 * columns * w, w) for bn in (2, 4, 8, 16, 32) for w in (1, 2, 4)]
     out = []
     for bn, chunk, warps in grid:
-        if units(chunk) < 1 or units(chunk) * chunk * (1 if family in ("DenseKernelLinear", "Rowwise8Linear")
-                                                       else getattr(op, "group", 32)) != op.in_features:
-            continue
-        splits = [1] if mode != "partial" else split_candidates(n, bn, units(chunk), 132)
-        out += [MatvecConfig(bn, chunk, s, warps) for s in splits]
+        block_n = max(1, bn // 2) if mode == "glu" else bn
+        units = -(-k // chunk)
+        splits = [1] if mode != "partial" else split_candidates(n, block_n, units, 132)
+        for s in splits:
+            config = MatvecConfig(block_n, chunk, s, warps)
+            if config not in out:
+                out.append(config)
     return out
 
 

@@ -31,11 +31,21 @@ def _tanh(x):
 
 @triton.jit
 def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, n_ptr, scale, softcap, window,
-                   HQ, HKV, D, SPLITS, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr,
-                   BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr, IEEE: tl.constexpr):
+                   HQ, HKV, D, SPLITS, table_stride, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
+                   BT: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+                   IEEE: tl.constexpr):
+    """Program (kv head h, split s, sequence r): sequence r's query heads of group h over split s of
+    its visible positions (its own position and row of the block table)."""
     h = tl.program_id(0)
     s = tl.program_id(1)
-    length = tl.load(pos_ptr) + 1  # the current token's key was appended at position pos
+    r = tl.program_id(2)
+    table_ptr += r * table_stride
+    q_ptr += r * HQ * D
+    o_ptr += r * SPLITS * HQ * D
+    m_ptr += r * SPLITS * HQ
+    l_ptr += r * SPLITS * HQ
+    n_ptr += r * SPLITS
+    length = tl.load(pos_ptr + r) + 1  # the current token's key was appended at position pos
     lo = 0
     if WINDOW:
         lo = tl.maximum(length - window, 0)
@@ -86,8 +96,14 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, o_ptr, m_ptr, l_ptr,
 @triton.jit
 def _merge_kernel(o_ptr, m_ptr, l_ptr, n_ptr, sink_ptr, out_ptr, log_ptr, step_ptr, HQ, D, SPLITS,
                   SP: tl.constexpr, BLOCK_D: tl.constexpr, SINKS: tl.constexpr, LOG: tl.constexpr):
-    """Query head i: softmax-weighted sum of the splits' partial outputs."""
+    """Query head i of sequence r: softmax-weighted sum of the splits' partial outputs."""
     i = tl.program_id(0)
+    r = tl.program_id(1)
+    o_ptr += r * SPLITS * HQ * D
+    m_ptr += r * SPLITS * HQ
+    l_ptr += r * SPLITS * HQ
+    n_ptr += r * SPLITS
+    out_ptr += r * HQ * D
     s = tl.arange(0, SP)
     d = tl.arange(0, BLOCK_D)
     ms = tl.load(m_ptr + s * HQ + i, mask=s < SPLITS, other=float("-inf"))
@@ -103,40 +119,49 @@ def _merge_kernel(o_ptr, m_ptr, l_ptr, n_ptr, sink_ptr, out_ptr, log_ptr, step_p
     out = tl.sum(o * w[:, None], axis=0) / total
     tl.store(out_ptr + i * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
     if LOG:  # noqa: SIM102  (a constexpr condition, then a run-time one)
-        if i == 0:
+        if (i == 0) & (r == 0):
             n = tl.sum(tl.load(n_ptr + s, mask=s < SPLITS, other=0), axis=0)
             tl.store(log_ptr + tl.load(step_ptr), n)
 
 
 class DecodeAttention:
-    """Scratch and launch parameters of the decode attention for one model shape and cache size."""
+    """Scratch and launch parameters of the decode attention for one model shape, cache size and
+    number of sequences (`rows`: a batched decode step attends for each sequence at once, each at
+    its own position through its own row of a block table)."""
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, max_len: int, device, sms: int = 132,
-                 tile: int = 32):
+                 tile: int = 32, rows: int = 1):
         self.num_heads, self.num_kv_heads, self.head_dim = num_heads, num_kv_heads, head_dim
         self.group = num_heads // num_kv_heads
-        self.tile = tile
+        self.tile, self.rows = tile, rows
         # Enough splits to fill the device at the longest context; idle splits exit at once.
-        self.splits = max(1, min(-(-max_len // tile), -(-2 * sms // num_kv_heads), 64))
-        self.o = torch.empty(self.splits, num_heads, head_dim, dtype=torch.float32, device=device)
-        self.m = torch.empty(self.splits, num_heads, dtype=torch.float32, device=device)
-        self.l = torch.empty(self.splits, num_heads, dtype=torch.float32, device=device)
-        self.n = torch.empty(self.splits, dtype=torch.int32, device=device)
+        self.splits = max(1, min(-(-max_len // tile), -(-2 * sms // (num_kv_heads * rows)), 64))
+        self.o = torch.empty(rows, self.splits, num_heads, head_dim, dtype=torch.float32, device=device)
+        self.m = torch.empty(rows, self.splits, num_heads, dtype=torch.float32, device=device)
+        self.l = torch.empty(rows, self.splits, num_heads, dtype=torch.float32, device=device)
+        self.n = torch.empty(rows, self.splits, dtype=torch.int32, device=device)
 
     def __call__(self, q, k_cache, v_cache, block_table, pos, out, *, scale: float, window: int | None = None,
                  softcap: float | None = None, sinks: torch.Tensor | None = None, log: torch.Tensor | None = None,
                  step: torch.Tensor | None = None) -> None:
         """q [num_heads, head_dim] of the token at position pos[0] (its key already appended) ->
-        out [num_heads * head_dim]; with `log`, log[step[0]] = positions attended (head 0)."""
+        out [num_heads * head_dim]; with `log`, log[step[0]] = positions attended (head 0).
+
+        With rows > 1: q [rows, num_heads, head_dim], pos [>= rows], block_table [>= rows, blocks]
+        (sequence r at pos[r] through block_table[r]) -> out [rows, num_heads * head_dim]."""
         block_d = next_power_of_2(self.head_dim)
         gp = max(16, next_power_of_2(self.group))
         ieee = q.dtype == torch.float32 or _interpreting()
-        _decode_kernel[(self.num_kv_heads, self.splits)](
+        if self.rows > 1 and (block_table.dim() != 2 or q.numel() != self.rows * self.num_heads * self.head_dim):
+            raise ValueError(f"a decode attention over {self.rows} sequences takes q [{self.rows}, heads, dim] and a "
+                             "block table of one row per sequence")
+        table_stride = block_table.stride(0) if block_table.dim() == 2 else 0
+        _decode_kernel[(self.num_kv_heads, self.splits, self.rows)](
             q, k_cache, v_cache, block_table, pos, self.o, self.m, self.l, self.n, float(scale),
             float(softcap or 1.0), int(window or 0), self.num_heads, self.num_kv_heads, self.head_dim, self.splits,
-            G=self.group, GP=gp, BS=k_cache.shape[2], BT=self.tile, BLOCK_D=block_d, SOFTCAP=softcap is not None,
-            WINDOW=window is not None, IEEE=ieee, num_warps=4)
-        _merge_kernel[(self.num_heads,)](
+            table_stride, G=self.group, GP=gp, BS=k_cache.shape[2], BT=self.tile, BLOCK_D=block_d,
+            SOFTCAP=softcap is not None, WINDOW=window is not None, IEEE=ieee, num_warps=4)
+        _merge_kernel[(self.num_heads, self.rows)](
             self.o, self.m, self.l, self.n, sinks if sinks is not None else self.m, out,
             log if log is not None else self.n, step if step is not None else self.n, self.num_heads, self.head_dim,
             self.splits, SP=next_power_of_2(self.splits), BLOCK_D=block_d, SINKS=sinks is not None,

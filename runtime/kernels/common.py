@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 import torch
@@ -66,14 +66,21 @@ class KernelLinear(LinearOp):
         them) or "glu" (act(gate) * up of a [gate; up] weight)."""
         raise NotImplementedError
 
-    def _matvec(self, x: torch.Tensor, out: torch.Tensor, config: MatvecConfig, act: int, partial: bool) -> None:
+    def _matvec(self, x: torch.Tensor, out: torch.Tensor, config: MatvecConfig, act: int, partial: bool,
+                rows: int | None = None, cols: int | None = None) -> int | None:
         """Launch the matvec: x [K] -> out, which is [n] in the compute dtype (`act` < 0: plain,
         bias added; else act(gate) * up over the two halves of the rows, n = N / 2) or, when
-        `partial`, [split, N] float32 partial sums of x @ W.T without the bias."""
+        `partial`, [split, N] float32 partial sums of x @ W.T without the bias. An elastic FFN
+        prefix (LinearOp.prefix): only the first `rows` rows (of each half with `act`; a multiple
+        of 128) and the first `cols` columns (x is then [cols]; a multiple of 128), read in place
+        (`prefix_rows`, `prefix_split`). Returns the partial sums written when that is fewer than
+        the configuration's split (None: all of them)."""
         raise NotImplementedError
 
-    def _matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [T, K] -> [T, N] in the compute dtype, bias added."""
+    def _matmul(self, x: torch.Tensor, rows: int | None = None, cols: int | None = None,
+                halves: int = 1) -> torch.Tensor:
+        """x [T, K] -> [T, N] in the compute dtype, bias added; with a prefix (LinearOp.prefix) the
+        first `rows` rows of each of `halves` blocks, side by side, and the first `cols` columns."""
         raise NotImplementedError
 
     # ---- calling ---------------------------------------------------------------------------------
@@ -95,26 +102,44 @@ class KernelLinear(LinearOp):
         return self.config("partial").split
 
     def matvec(self, x: torch.Tensor, *, out: torch.Tensor | None = None, partials: torch.Tensor | None = None,
-               activation: str | None = None) -> torch.Tensor:
+               activation: str | None = None, rows: int | None = None, cols: int | None = None) -> torch.Tensor:
         """x [K] -> [N] (compute dtype, bias added), written into `out` when given.
 
         With `partials` ([>= split, N] float32), write the split-K partial sums there instead (no
-        bias) and return the first `split` rows: whoever consumes them adds them up (the fused
-        residual norm does). With `activation`, return act(gate) * up [N / 2] for a fused
-        [gate; up] weight."""
-        x = x.reshape(self.in_features)
+        bias) and return the rows written: whoever consumes them adds them up (the fused residual
+        norm does). With `activation`, return act(gate) * up [N / 2] for a fused [gate; up] weight.
+        `rows` / `cols` run a prefix of the weight in place (an elastic FFN level, see `prefix`):
+        the first `rows` outputs (of each half with `activation`), the first `cols` columns (x is
+        [cols])."""
+        x = x.reshape(self.in_features if cols is None else cols)
         if activation is not None:
-            out = out if out is not None else torch.empty(self.out_features // 2, dtype=self.dtype, device=x.device)
-            self._matvec(x, out, self.config("glu"), ACTIVATION_CODES[activation], False)
+            width = self.out_features // 2 if rows is None else rows
+            out = out if out is not None else torch.empty(width, dtype=self.dtype, device=x.device)
+            self._matvec(x, out, self.config("glu"), ACTIVATION_CODES[activation], False, rows, cols)
             return out
         if partials is not None:
             config = self.config("partial")
             view = partials[:config.split]
-            self._matvec(x, view, config, -1, True)
-            return view
-        out = out if out is not None else torch.empty(self.out_features, dtype=self.dtype, device=x.device)
-        self._matvec(x, out, self.config("direct"), -1, False)
+            used = self._matvec(x, view, config, -1, True, rows, cols)
+            return view if used is None else view[:used]
+        out = out if out is not None else torch.empty(self.out_features if rows is None else rows, dtype=self.dtype,
+                                                      device=x.device)
+        self._matvec(x, out, self.config("direct"), -1, False, rows, cols)
         return out
+
+    def prefix(self, x, *, rows=None, cols=None, halves=1):
+        # One row of activations and one block of rows: the decode matvec; else the prefill matmul.
+        from ..linear import row_blocks
+
+        row_blocks(self.out_features, rows, halves)  # checks the prefix fits
+        if cols is not None and not 0 < cols <= self.in_features:
+            raise ValueError(f"a prefix of {cols} columns does not fit {self.in_features}")
+        x2 = x.reshape(-1, self.in_features if cols is None else cols)
+        if x2.shape[0] == 1 and halves == 1:
+            y = self.matvec(x2[0], rows=rows, cols=cols).unsqueeze(0)
+        else:
+            y = self._matmul(x2.contiguous(), rows, cols, halves)
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def dense_weight(self) -> torch.Tensor:
         return self.fmt.decode(self.raw, self.shape, self.params, self.dtype)
@@ -220,6 +245,56 @@ class _TuneCache:
             pass  # a read-only home still runs, it only tunes again next time
 
 
+def prefix_rows(op: KernelLinear, config: MatvecConfig, act: int, rows: int | None) -> tuple[int, int, MatvecConfig]:
+    """(the kernel's n, programs along the rows, configuration) of a matvec over the first `rows` rows
+    (None: all). Plain: n is the rows. Gate/up (act >= 0): n stays the half, the up rows' offset,
+    and only the programs whose tiles hold prefix rows run (the tile rows cut to divide `rows`)."""
+    n = op.out_features // 2 if act >= 0 else op.out_features
+    if rows is None:
+        return n, -(-n // config.block_n), config
+    if not 0 < rows <= n:
+        raise ValueError(f"a prefix of {rows} rows does not fit {n}")
+    if act < 0:
+        return rows, -(-rows // config.block_n), config
+    block_n = config.block_n
+    while rows % block_n:
+        block_n //= 2
+    config = replace(config, block_n=block_n)
+    return n, rows // block_n, config
+
+
+def prefix_split(config: MatvecConfig, units: int) -> MatvecConfig:
+    """`config` over a reduction of `units` loop units (an elastic prefix of the columns): the largest
+    split-K, at most the configuration's, that divides them, so no program reads past the prefix."""
+    split = config.split
+    while units % split:
+        split //= 2
+    return config if split == config.split else replace(config, split=max(1, split))
+
+
+def chunk_prefix(config: MatvecConfig, K: int, cols: int | None, columns: int = 32) -> tuple[MatvecConfig, ChunkLaunch]:
+    """(configuration, launch) of a chunk-scheme matvec over the first `cols` of its K columns (None:
+    all): the kernels keep K for the row strides and stop at the last program's end, so the split
+    must divide the prefix's chunks."""
+    units = (K if cols is None else cols) // columns
+    if cols is not None:
+        config = prefix_split(config, units)
+    return config, chunk_launch(units, config, columns)
+
+
+def matmul_prefix(op: KernelLinear, rows: int | None, cols: int | None, halves: int) -> tuple[int, int, int, int]:
+    """(N, K, n1, block) of a prefill matmul over a prefix (LinearOp.prefix): N output rows, K columns
+    (x's row length; the weight's rows keep their length), and output row r reads weight row
+    (r // n1) * block + r % n1: the first n1 rows of each block of `block` rows, side by side."""
+    from ..linear import row_blocks
+
+    row_blocks(op.out_features, rows, halves)
+    K = op.in_features if cols is None else cols
+    if rows is None:
+        return op.out_features, K, op.out_features, 0
+    return rows * halves, K, rows, op.out_features // halves
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, (int(n) - 1).bit_length())
 
@@ -229,35 +304,64 @@ def interpreter_block(n: int, cap: int = 1024) -> int:
     return min(next_power_of_2(n), cap)
 
 
-# (rows per program, packed half-words per row and loop step) of the bit-plane matvecs, from wide
-# tiles (few rows, long runs: each thread keeps several rows of one column run, so the activations
-# it loads serve them all) to tall ones (many rows, short runs: more programs).
-PLANE_TILES = ((2, 1024), (4, 512), (4, 1024), (8, 256), (8, 512), (16, 128), (16, 256), (32, 64), (64, 32))
+# The chunk-scheme matvecs use a little inline PTX on the GPU (tiles.shr16, tiles.opaque); False
+# selects their plain-Triton path there too (the interpreter always takes it): the tests run both.
+INLINE_ASM = True
+
+MAGIC_BITS = 0x4B000000  # 2^23's float32 bits (tiles.MAGIC), passed as an argument: kept in a register, not
+# re-materialised next to every mask
 
 
-def plane_candidates(n: int, groups: int, halves_per_group: int, mode: str, sms: int) -> list[MatvecConfig]:
-    """Configurations of a bit-plane matvec over `n` output rows and `groups` groups of
-    `halves_per_group` half-words a row: chunk = groups per loop step (a power of two dividing the
-    groups), split-K only for partial sums."""
+@dataclass(frozen=True)
+class ChunkLaunch:
+    """How a chunk-scheme matvec (tiles.py) runs one configuration: `chunks` per loop step (C),
+    each program's share of the row's chunks, whether no step needs a mask, whether the
+    GPU-only inline assembly is used (not under the interpreter)."""
+
+    chunks: int
+    split_chunks: int
+    even: bool
+    asm: bool
+
+
+def chunk_launch(total_chunks: int, config: MatvecConfig, columns: int = 32) -> ChunkLaunch:
+    """The launch of `config` (its `chunk`: columns per step) over rows of `total_chunks` chunks of
+    `columns` columns."""
+    chunks = max(1, config.chunk // columns)
+    per = -(-total_chunks // config.split)
+    even = total_chunks % config.split == 0 and per % chunks == 0
+    return ChunkLaunch(chunks, per, even, INLINE_ASM and not interpreting())
+
+
+# Rows per program of the chunk-scheme matvecs, by the words a lane loads per row and chunk (all
+# planes): a tile's words, activations and sums live in registers, ~4 words x 16 rows at most.
+CHUNK_ROWS = {1: (8, 16, 32), 2: (4, 8, 16), 3: (4, 8, 16), 4: (4, 8, 16), 5: (2, 4, 8), 6: (2, 4, 8)}
+
+
+def chunk_candidates(n: int, k: int, columns: int, mode: str, words: int) -> list[MatvecConfig]:
+    """Configurations of a chunk-scheme matvec (tiles.py) over `n` output rows and `k` columns in
+    chunks of `columns`, whose lanes load `words` 32-bit words per row and chunk: chunk = columns
+    per step (32 chunks a warp), warps 1, 2 or 4, split-K only for partial sums. GLU tiles hold
+    two weight rows per output row, so they take half the rows."""
     from .tiles import split_candidates
 
+    total = k // columns
+    if interpreting():
+        return [MatvecConfig(interpreter_block(n, 128), columns * min(next_power_of_2(total), 64), 1, 4)]
     out: list[MatvecConfig] = []
-    for block_n, halves in PLANE_TILES:
-        gpi = groups_per_step(groups, max(1, halves // halves_per_group))
-        splits = split_candidates(n, block_n, groups // gpi, sms) if mode == "partial" else [1]
-        for split in splits[-2:]:
-            config = MatvecConfig(block_n, gpi, split, 4)
-            if config not in out:
-                out.append(config)
+    for warps in (1, 2, 4):
+        chunks = 32 * warps
+        if chunks > total and warps > 1:
+            continue
+        for rows in CHUNK_ROWS[min(words, 6)]:
+            block_n = rows // 2 if mode == "glu" else rows
+            units = -(-total // chunks)
+            splits = split_candidates(n, block_n, units, sm_count()) if mode == "partial" else [1]
+            for split in splits[-2:]:
+                config = MatvecConfig(block_n, columns * chunks, split, warps)
+                if config not in out:
+                    out.append(config)
     return out
-
-
-def groups_per_step(groups: int, most: int) -> int:
-    """The largest power of two <= `most` dividing `groups`: groups a matvec loop step covers."""
-    gpi = 1
-    while 2 * gpi <= most and groups % (2 * gpi) == 0:
-        gpi *= 2
-    return gpi
 
 
 def sm_count() -> int:

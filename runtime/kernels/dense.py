@@ -17,20 +17,20 @@ import triton.language as tl
 
 from ..linear import load_weight
 from . import interpreting
-from .common import KernelLinear, MatvecConfig, interpreter_block, next_power_of_2
+from .common import KernelLinear, MatvecConfig, interpreter_block, next_power_of_2, prefix_rows, prefix_split
 from .tiles import split_candidates, store_glu, store_rows
 
 
 @triton.jit
-def _rows_dot(w_ptr, x_ptr, rows, row_mask, K, split_index, BN: tl.constexpr, BK: tl.constexpr,
+def _rows_dot(w_ptr, x_ptr, rows, row_mask, K, KS, split_index, BN: tl.constexpr, BK: tl.constexpr,
               SPLIT: tl.constexpr, PREFETCH: tl.constexpr, EVEN_K: tl.constexpr):
-    """sum_k W[rows, k] * x[k] over this program's share of the columns, float32 [BN]."""
+    """sum_k W[rows, k] * x[k] over this program's share of the first K columns (rows of KS), float32 [BN]."""
     per_split = K // SPLIT
     begin = split_index * per_split
     end = begin + per_split
     ks = tl.arange(0, BK)
     acc = tl.zeros([BN, BK], dtype=tl.float32)
-    ptrs = w_ptr + rows[:, None].to(tl.int64) * K + ks[None, :]
+    ptrs = w_ptr + rows[:, None].to(tl.int64) * KS + ks[None, :]
     if PREFETCH:
         # Software double buffering: the next tile's loads are issued before this tile's math.
         w_next = tl.load(ptrs + begin, mask=row_mask[:, None] & (begin + ks < end)[None, :], other=0.0)
@@ -52,16 +52,17 @@ def _rows_dot(w_ptr, x_ptr, rows, row_mask, K, split_index, BN: tl.constexpr, BK
 
 
 @triton.jit
-def _matvec_kernel(w_ptr, bias_ptr, x_ptr, out_ptr, n, K, BN: tl.constexpr, BK: tl.constexpr,
+def _matvec_kernel(w_ptr, bias_ptr, x_ptr, out_ptr, n, K, KS, BN: tl.constexpr, BK: tl.constexpr,
                    SPLIT: tl.constexpr, PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr,
                    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
-    """Program (i, s): output rows i*BN.., columns of split s; ACT >= 0: [gate; up] rows r and n + r."""
+    """Program (i, s): output rows i*BN.., columns of split s (the first K of rows of KS: an elastic
+    prefix reads leading columns in place); ACT >= 0: [gate; up] rows r and n + r."""
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     row_mask = rows < n
     split_index = tl.program_id(1)
-    acc = _rows_dot(w_ptr, x_ptr, rows, row_mask, K, split_index, BN, BK, SPLIT, PREFETCH, EVEN_K)
+    acc = _rows_dot(w_ptr, x_ptr, rows, row_mask, K, KS, split_index, BN, BK, SPLIT, PREFETCH, EVEN_K)
     if ACT >= 0:
-        up = _rows_dot(w_ptr, x_ptr, rows + n, row_mask, K, split_index, BN, BK, SPLIT, PREFETCH, EVEN_K)
+        up = _rows_dot(w_ptr, x_ptr, rows + n, row_mask, K, KS, split_index, BN, BK, SPLIT, PREFETCH, EVEN_K)
         store_glu(out_ptr, bias_ptr, rows, row_mask, acc, up, n, HAS_BIAS, ACT)
     else:
         store_rows(out_ptr, bias_ptr, rows, row_mask, acc, split_index, n, HAS_BIAS, PARTIAL)
@@ -88,19 +89,27 @@ class DenseKernelLinear(KernelLinear):
             out += [MatvecConfig(block_n, block_k, s, warps) for s in splits[-2:]]
         return out or [MatvecConfig(16, 128, 1, 4)]
 
-    def _matvec(self, x, out, config, act, partial):
-        n = self.out_features // 2 if act >= 0 else self.out_features
-        K = self.in_features
-        grid = (-(-n // config.block_n), config.split)
+    def _matvec(self, x, out, config, act, partial, rows=None, cols=None):
+        n, programs, config = prefix_rows(self, config, act, rows)
+        K = self.in_features if cols is None else cols
+        if K % config.split:  # an elastic prefix of the columns: a split that divides it
+            config = prefix_split(config, K)
         even = K % (config.split * config.chunk) == 0
         prefetch = not interpreting() and even
-        _matvec_kernel[grid](self.weight, self.bias if self.bias is not None else x, x, out, n, K,
-                             BN=config.block_n, BK=config.chunk, SPLIT=config.split, PREFETCH=prefetch,
-                             EVEN_K=even, ACT=act, HAS_BIAS=self.bias is not None, PARTIAL=partial,
-                             num_warps=config.num_warps)
+        _matvec_kernel[(programs, config.split)](
+            self.weight, self.bias if self.bias is not None else x, x, out, n, K, self.in_features, BN=config.block_n,
+            BK=config.chunk, SPLIT=config.split, PREFETCH=prefetch, EVEN_K=even, ACT=act,
+            HAS_BIAS=self.bias is not None, PARTIAL=partial, num_warps=config.num_warps)
+        return config.split
 
-    def _matmul(self, x):
-        return F.linear(x, self.weight, self.bias)
+    def _matmul(self, x, rows=None, cols=None, halves=1):
+        # cuBLAS reads a prefix as a view with the full row stride: no copy.
+        from ..linear import row_blocks
+
+        weight = self.weight if cols is None else self.weight[:, :cols]
+        outs = [F.linear(x, weight[r], None if self.bias is None else self.bias[r])
+                for r in row_blocks(self.out_features, rows, halves)]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
     def dense_weight(self):
         return self.weight

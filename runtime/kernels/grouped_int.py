@@ -3,10 +3,11 @@ whole family, the code width a constexpr.
 
 A b-bit code is a low plane of width WL (4, or 2 for int3) plus an optional high plane of width
 WH (1 or 2); value = (u - 2^(b-1)) * scale (symmetric) or u * scale + offset (asymmetric), one
-float16 scale (and offset) per group of G columns of a row. The matvec reads each plane's packed
-half-words in 16-byte runs and turns codes into floats with the magic-number trick (tiles.py);
-the zero point and the scale are applied once per half-word of codes, through the sum of x over
-its columns: sum_k (u_k - mid) s x_k = s (sum_k u_k x_k - mid sum_k x_k).
+float16 scale (and offset) per group of G columns of a row. The matvec runs the chunk scheme
+(tiles.py): a lane owns 32 columns of each row of its tile (16 bytes of a 4-bit plane), turns
+each code into a float in place with the zero point folded into the same add (one logic op, one
+add, one fused multiply-add a code and plane), and applies the group scale once per chunk
+(asymmetric: offset * sum of the chunk's x as well).
 """
 
 from __future__ import annotations
@@ -18,81 +19,109 @@ import triton.language as tl
 from thin.ir.formats.grouped_int import PLANES
 
 from . import interpreting
-from .common import KernelLinear, MatvecConfig, interpreter_block, next_power_of_2, plane_candidates, sm_count
-from .tiles import dot_tile, plane_codes, plane_dot, store_glu, store_rows
+from .common import (
+    MAGIC_BITS,
+    KernelLinear,
+    MatvecConfig,
+    chunk_candidates,
+    chunk_prefix,
+    interpreter_block,
+    matmul_prefix,
+    next_power_of_2,
+    prefix_rows,
+)
+from .tiles import (
+    chunk_side,
+    dot_tile,
+    octet_dot,
+    plane_codes,
+    plane_words,
+    store_tile,
+    tile_rows,
+    upper_halves,
+    x_octet,
+    x_sum8,
+)
 
 
 @triton.jit
-def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, rows, row_mask, K, low_stride, high_stride,
-              split_index,
-              WL: tl.constexpr, WH: tl.constexpr, MID: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr,
-              GPI: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr):
-    """sum_k W[rows, k] * x[k] over this program's share (1 / SPLIT) of the columns, float32 [BN]."""
-    HL: tl.constexpr = G * WL // 16
-    HH: tl.constexpr = G * WH // 16 if WH > 0 else 1
+def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K, split_chunks, magic, WL: tl.constexpr,
+              WH: tl.constexpr, MID: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr, C: tl.constexpr,
+              BN: tl.constexpr, GLU: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
+    """sum_k W[rows, k] * x[k] over the tile's rows (tiles.tile_rows) and this program's chunks
+    (split `program_id(1)`), float32 [rows].
+
+    One step covers C chunks of 32 columns of every row (tiles.py, "chunk" scheme): each plane's
+    words and the chunk's activations are loaded once per lane, the codes of an octet of columns
+    become floats in place (zero point folded in) and go into a per-chunk dot product, which is
+    scaled by the chunk's group scale once (a chunk never straddles a group: G >= 32)."""
+    pid = tl.program_id(0)
+    rows, row_mask = tile_rows(pid, n, BN, GLU)
+    total = K // 32
+    begin = tl.program_id(1) * split_chunks
+    end = tl.minimum(begin + split_chunks, total)
+    ci = tl.arange(0, C)
     groups = K // G
-    per_split = groups // SPLIT
-    begin = split_index * per_split
-    gi = tl.arange(0, GPI)
-    acc_low = tl.zeros([BN, GPI, HL], dtype=tl.float32)
-    acc_high = tl.zeros([BN, GPI, HH], dtype=tl.float32)
-    for g0 in range(begin, begin + per_split, GPI):
-        # Group scales (and offsets): [BN, GPI], applied per half-word of codes.
-        side = rows[:, None] * groups + (g0 + gi)[None, :]
-        scale = tl.load(scale_ptr + side, mask=row_mask[:, None], other=0.0).to(tl.float32)[:, :, None]
-        dot, xsum = plane_dot(low_ptr, rows, row_mask, low_stride, g0, x_ptr, WL, G, GPI, False, 1.0)
-        if ASYM:
-            offset = tl.load(offset_ptr + side, mask=row_mask[:, None], other=0.0).to(tl.float32)[:, :, None]
-            acc_low += scale * dot + offset * xsum[None, :, :]
-        else:
-            acc_low += scale * (dot - MID * xsum[None, :, :])
+    acc = tl.zeros([rows.shape[0], C], dtype=tl.float32)
+    for c0 in range(begin, end, C):
+        chunk = c0 + ci
+        cmask = chunk < end
+        low = plane_words(low_ptr, rows, row_mask, total, c0, end, C, WL, EVEN_N, EVEN_K, ASM)
+        low_up = upper_halves(low, WL, ASM)
         if WH > 0:
-            # The high plane's codes weigh 2^WL: fold that into its x scaling.
-            high, _ = plane_dot(high_ptr, rows, row_mask, high_stride, g0, x_ptr, WH, G, GPI, False, 1 << WL)
-            acc_high += scale * high
-    total = tl.sum(tl.sum(acc_low, axis=2), axis=1)
-    if WH > 0:
-        total += tl.sum(tl.sum(acc_high, axis=2), axis=1)
-    return total
+            high = plane_words(high_ptr, rows, row_mask, total, c0, end, C, WH, EVEN_N, EVEN_K, ASM)
+            high_up = upper_halves(high, WH, ASM)
+        dot = tl.zeros([rows.shape[0], C], dtype=tl.float32)
+        xsum = tl.zeros([C], dtype=tl.float32)
+        for o in tl.static_range(4):
+            xs = x_octet(x_ptr, 32 * chunk + 8 * o, cmask, EVEN_K)
+            # Symmetric: u - MID through the low plane's add; the high plane's codes weigh 2^WL.
+            dot = octet_dot(dot, low, low_up, xs, o, WL, 0 if ASYM else MID, 1.0, False, magic)
+            if WH > 0:
+                dot = octet_dot(dot, high, high_up, xs, o, WH, 0, 1 << WL, False, magic)
+            if ASYM:
+                xsum += x_sum8(xs)
+        scale = chunk_side(scale_ptr, pid, n, groups, c0, end, G // 32, C, BN, GLU, EVEN_N, ASM).to(tl.float32)
+        if ASYM:
+            offset = chunk_side(offset_ptr, pid, n, groups, c0, end, G // 32, C, BN, GLU, EVEN_N, ASM)
+            acc += scale * dot + offset.to(tl.float32) * xsum[None, :]
+        else:
+            acc += scale * dot
+    return tl.sum(acc, axis=1)
 
 
 @triton.jit
-def _matvec_kernel(low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, x_ptr, out_ptr, n, K, low_stride, high_stride,
+def _matvec_kernel(low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, x_ptr, out_ptr, n, K, split_chunks, magic,
                    WL: tl.constexpr, WH: tl.constexpr, MID: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr,
-                   GPI: tl.constexpr, BN: tl.constexpr, SPLIT: tl.constexpr, ACT: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
-    """Program (i, s): rows i*BN.. of the output, columns of split s. With ACT >= 0 the weight is
-    [gate; up] and the program computes both halves' rows (gate row r pairs with up row n + r)."""
-    rows = tl.program_id(0) * BN + tl.arange(0, BN)
-    row_mask = rows < n
-    split_index = tl.program_id(1)
-    acc = _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, rows, row_mask, K, low_stride, high_stride,
-                    split_index, WL, WH, MID, ASYM, G, GPI, BN, SPLIT)
-    if ACT >= 0:
-        up = _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, rows + n, row_mask, K, low_stride,
-                       high_stride, split_index, WL, WH, MID, ASYM, G, GPI, BN, SPLIT)
-        store_glu(out_ptr, bias_ptr, rows, row_mask, acc, up, n, HAS_BIAS, ACT)
-    else:
-        store_rows(out_ptr, bias_ptr, rows, row_mask, acc, split_index, n, HAS_BIAS, PARTIAL)
+                   C: tl.constexpr, BN: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
+                   ACT: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
+    """Program (i, s): output rows i*BN.., chunks of split s. With ACT >= 0 the weight is [gate; up]
+    and the tile holds both rows of each output (gate row r, up row n + r), one pass over x."""
+    total = _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K, split_chunks, magic, WL, WH, MID, ASYM,
+                      G, C, BN, ACT >= 0, EVEN_N, EVEN_K, ASM)
+    store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL)
 
 
 @triton.jit
-def _matmul_kernel(x_ptr, low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, T, N, K,
+def _matmul_kernel(x_ptr, low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, T, N, K, KS, n1, block,
                    WL: tl.constexpr, WH: tl.constexpr, MID: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr,
                    IEEE: tl.constexpr):
-    """Prefill: out[T, N] = x[T, K] @ W.T, a [BN, BK] tile of W dequantized per step, then tl.dot."""
+    """Prefill: out[T, N] = x[T, K] @ W.T, a [BN, BK] tile of W dequantized per step, then tl.dot.
+    An elastic prefix (common.matmul_prefix): output row r is weight row (r // n1) * block + r % n1,
+    the first K columns of rows of KS."""
     tok = tl.program_id(0) * BM + tl.arange(0, BM)
-    rows = tl.program_id(1) * BN + tl.arange(0, BN)
-    tok_mask, row_mask = tok < T, rows < N
+    out_rows = tl.program_id(1) * BN + tl.arange(0, BN)
+    tok_mask, row_mask = tok < T, out_rows < N
+    rows = (out_rows // n1) * block + out_rows % n1
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         x = tl.load(x_ptr + tok[:, None] * K + cols[None, :], mask=tok_mask[:, None], other=0.0)
-        codes = plane_codes(low_ptr, rows, cols, row_mask, K * WL // 8, WL)
+        codes = plane_codes(low_ptr, rows, cols, row_mask, KS * WL // 8, WL)
         if WH > 0:
-            codes |= plane_codes(high_ptr, rows, cols, row_mask, K * WH // 8, WH) << WL
-        side = rows[:, None] * (K // G) + (cols // G)[None, :]
+            codes |= plane_codes(high_ptr, rows, cols, row_mask, KS * WH // 8, WH) << WL
+        side = rows[:, None] * (KS // G) + (cols // G)[None, :]
         scale = tl.load(scale_ptr + side, mask=row_mask[:, None], other=0.0).to(tl.float32)
         if ASYM:
             offset = tl.load(offset_ptr + side, mask=row_mask[:, None], other=0.0).to(tl.float32)
@@ -102,7 +131,7 @@ def _matmul_kernel(x_ptr, low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, ou
         acc += dot_tile(x, w.to(x.dtype), IEEE)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + tok[:, None] * N + rows[None, :], acc.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + tok[:, None] * N + out_rows[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=tok_mask[:, None] & row_mask[None, :])
 
 
@@ -116,37 +145,37 @@ class GroupedIntLinear(KernelLinear):
         self.wl, self.wh = planes[0], (planes[1] if len(planes) == 2 else 0)
         self.mid, self.asym, self.group = 2 ** (bits - 1), self.p["asymmetric"], self.p["group_size"]
         names = self.fmt.plane_names()
-        # Half-word views of the planes (the matvec's unit); byte views for the matmul.
+        # Word views of the planes (the matvec's unit); byte views for the matmul.
         self.low = self.parts[names[0]]
         self.high = self.parts[names[1]] if self.wh else self.low
         self.scales = self.parts["scales"]
         self.offsets = self.parts["offsets"] if self.asym else self.scales
-        self.low16, self.high16 = self.low.view(torch.int16), self.high.view(torch.int16)
+        self.low32, self.high32 = self.low.view(torch.int32), self.high.view(torch.int32)
 
     def candidates(self, mode: str) -> list[MatvecConfig]:
         n = self.out_features // 2 if mode == "glu" else self.out_features
-        groups = self.in_features // self.group
-        if interpreting():
-            return [MatvecConfig(interpreter_block(n, 256), 1, 1, 4)]
-        return plane_candidates(n, groups, self.group * self.wl // 16, mode, sm_count())
+        return chunk_candidates(n, self.in_features, 32, mode, self.wl + self.wh)
 
-    def _matvec(self, x, out, config, act, partial):
-        n = self.out_features // 2 if act >= 0 else self.out_features
-        grid = (-(-n // config.block_n), config.split)
+    def _matvec(self, x, out, config, act, partial, rows=None, cols=None):
+        n, programs, config = prefix_rows(self, config, act, rows)
+        config, launch = chunk_prefix(config, self.in_features, cols)
         bias = self.bias if self.bias is not None else x
-        K = self.in_features
-        _matvec_kernel[grid](self.low16, self.high16, self.scales, self.offsets, bias, x, out, n, K, K * self.wl // 16,
-                             K * self.wh // 16, WL=self.wl, WH=self.wh, MID=self.mid, ASYM=self.asym, G=self.group,
-                             GPI=config.chunk, BN=config.block_n, SPLIT=config.split, ACT=act,
-                             HAS_BIAS=self.bias is not None, PARTIAL=partial, num_warps=config.num_warps)
+        _matvec_kernel[(programs, config.split)](
+            self.low32, self.high32, self.scales, self.offsets, bias, x, out, n, self.in_features, launch.split_chunks,
+            MAGIC_BITS, WL=self.wl, WH=self.wh, MID=self.mid, ASYM=self.asym, G=self.group, C=launch.chunks,
+            BN=config.block_n, EVEN_N=n % config.block_n == 0, EVEN_K=launch.even, ASM=launch.asm, ACT=act,
+            HAS_BIAS=self.bias is not None, PARTIAL=partial, num_warps=config.num_warps)
+        return config.split
 
-    def _matmul(self, x):
-        T, (N, K) = x.shape[0], self.shape
+    def _matmul(self, x, rows=None, cols=None, halves=1):
+        T = x.shape[0]
+        N, K, n1, block = matmul_prefix(self, rows, cols, halves)
         out = torch.empty(T, N, dtype=self.dtype, device=x.device)
         bm, bn, bk = matmul_blocks(T, N, K)
         bias = self.bias if self.bias is not None else x
         _matmul_kernel[(-(-T // bm), -(-N // bn))](
-            x, self.low, self.high, self.scales, self.offsets, bias, out, T, N, K, WL=self.wl, WH=self.wh,
+            x, self.low, self.high, self.scales, self.offsets, bias, out, T, N, K, self.in_features, n1, block,
+            WL=self.wl, WH=self.wh,
             MID=self.mid, ASYM=self.asym, G=self.group, BM=bm, BN=bn, BK=bk, HAS_BIAS=self.bias is not None,
             IEEE=x.dtype == torch.float32 or interpreting(), num_warps=4)
         return out
@@ -162,8 +191,7 @@ def matmul_blocks(T: int, N: int, K: int) -> tuple[int, int, int]:
 
 def make(record, raw, bias, device, dtype):
     """The registry's factory: a GroupedIntLinear, or None for a shape the kernels can't tile."""
-    k = record.shape[1]
-    if k % 64 and k % 32:
+    if record.shape[1] % 32:
         return None
     return GroupedIntLinear(record, raw.to(device), bias, dtype, device)
 

@@ -1,9 +1,9 @@
 """q1 (ir/formats/q1.py): sign bits, an e4m3 magnitude per group under a float32 row scale.
 
 value = (2b - 1) * step, so a group's dot product is step * (2 * sum_k b_k x_k - sum_k x_k): the
-matvec reads the sign plane in 16-byte runs (tiles.py: sixteen bits a half-word, converted in
-place) and needs one multiply-add per weight plus one per half-word. Prefill dequantizes tiles
-for tl.dot.
+matvec runs the chunk scheme (tiles.py): a lane owns 32 columns of its rows (one word of sign
+bits each), turns each bit into a float in place (a logic op and an add) and multiplies-adds
+it; the group's step is applied once per chunk. Prefill dequantizes tiles for tl.dot.
 """
 
 from __future__ import annotations
@@ -13,65 +13,72 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .common import KernelLinear, MatvecConfig, groups_per_step, interpreter_block, plane_candidates, sm_count
+from .common import MAGIC_BITS, KernelLinear, MatvecConfig, chunk_candidates, chunk_prefix, matmul_prefix, prefix_rows
 from .grouped_int import matmul_blocks
-from .q2 import _e4m3
-from .tiles import dot_tile, plane_codes, plane_dot, store_glu, store_rows
+from .q2 import _e4m3, group_e4m3
+from .tiles import dot_tile, octet_dot, plane_codes, plane_words, store_tile, tile_rows, upper_halves, x_octet, x_sum8
 
 
 @triton.jit
-def _rows_dot(b_ptr, s_ptr, rs_ptr, x_ptr, rows, row_mask, K, stride, split_index, G: tl.constexpr, GPI: tl.constexpr,
-              BN: tl.constexpr, SPLIT: tl.constexpr):
-    """sum_k W[rows, k] x[k] over this program's share of the columns, float32 [BN]."""
-    HPG: tl.constexpr = G // 16
-    groups = K // G
-    per_split = groups // SPLIT
-    begin = split_index * per_split
-    gi = tl.arange(0, GPI)
+def _rows_dot(b_ptr, s_ptr, rs_ptr, x_ptr, n, K, split_chunks, magic, G: tl.constexpr, C: tl.constexpr,
+              BN: tl.constexpr, GLU: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
+    """sum_k W[rows, k] x[k] over the tile's rows and this program's chunks of 32 columns (one word
+    of sign bits a row and lane), float32 [rows]: step * (2 sum(x where b) - sum(x)) per chunk."""
+    pid = tl.program_id(0)
+    rows, row_mask = tile_rows(pid, n, BN, GLU)
+    total = K // 32
+    begin = tl.program_id(1) * split_chunks
+    end = tl.minimum(begin + split_chunks, total)
+    ci = tl.arange(0, C)
     row_scale = tl.load(rs_ptr + rows, mask=row_mask, other=0.0)[:, None]
-    acc = tl.zeros([BN, GPI, HPG], dtype=tl.float32)
-    for g0 in range(begin, begin + per_split, GPI):
-        step = (row_scale * _e4m3(s_ptr, rows[:, None] * groups + (g0 + gi)[None, :], row_mask[:, None]))
-        dot, xsum = plane_dot(b_ptr, rows, row_mask, stride, g0, x_ptr, 1, G, GPI, False, 2.0)
-        acc += step[:, :, None] * (dot - xsum[None, :, :])
-    return tl.sum(tl.sum(acc, axis=2), axis=1)
+    acc = tl.zeros([rows.shape[0], C], dtype=tl.float32)
+    for c0 in range(begin, end, C):
+        chunk = c0 + ci
+        cmask = chunk < end
+        words = plane_words(b_ptr, rows, row_mask, total, c0, end, C, 1, EVEN_N, EVEN_K, ASM)
+        uppers = upper_halves(words, 1, ASM)
+        dot = tl.zeros([rows.shape[0], C], dtype=tl.float32)
+        xsum = tl.zeros([C], dtype=tl.float32)
+        for o in tl.static_range(4):
+            xs = x_octet(x_ptr, 32 * chunk + 8 * o, cmask, EVEN_K)
+            dot = octet_dot(dot, words, uppers, xs, o, 1, 0, 2.0, False, magic)
+            xsum += x_sum8(xs)
+        step = row_scale * group_e4m3(s_ptr, pid, n, K // G, c0, end, G // 32, C, BN, GLU, EVEN_N, ASM)
+        acc += step * (dot - xsum[None, :])
+    return tl.sum(acc, axis=1)
 
 
 @triton.jit
-def _matvec_kernel(b_ptr, s_ptr, rs_ptr, bias_ptr, x_ptr, out_ptr, n, K, stride, G: tl.constexpr, GPI: tl.constexpr,
-                   BN: tl.constexpr, SPLIT: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   PARTIAL: tl.constexpr):
-    """Program (i, s): output rows i*BN.., columns of split s; ACT >= 0: [gate; up] rows r and n + r."""
-    rows = tl.program_id(0) * BN + tl.arange(0, BN)
-    row_mask = rows < n
-    split_index = tl.program_id(1)
-    acc = _rows_dot(b_ptr, s_ptr, rs_ptr, x_ptr, rows, row_mask, K, stride, split_index, G, GPI, BN, SPLIT)
-    if ACT >= 0:
-        up = _rows_dot(b_ptr, s_ptr, rs_ptr, x_ptr, rows + n, row_mask, K, stride, split_index, G, GPI, BN, SPLIT)
-        store_glu(out_ptr, bias_ptr, rows, row_mask, acc, up, n, HAS_BIAS, ACT)
-    else:
-        store_rows(out_ptr, bias_ptr, rows, row_mask, acc, split_index, n, HAS_BIAS, PARTIAL)
+def _matvec_kernel(b_ptr, s_ptr, rs_ptr, bias_ptr, x_ptr, out_ptr, n, K, split_chunks, magic, G: tl.constexpr,
+                   C: tl.constexpr, BN: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
+                   ACT: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
+    """Program (i, s): output rows i*BN.., chunks of split s; ACT >= 0: gate and up rows in one tile."""
+    total = _rows_dot(b_ptr, s_ptr, rs_ptr, x_ptr, n, K, split_chunks, magic, G, C, BN, ACT >= 0, EVEN_N, EVEN_K, ASM)
+    store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL)
 
 
 @triton.jit
-def _matmul_kernel(x_ptr, b_ptr, s_ptr, rs_ptr, bias_ptr, out_ptr, T, N, K, G: tl.constexpr, BM: tl.constexpr,
-                   BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
-    """Prefill: out[T, N] = x[T, K] @ W.T with [BN, BK] tiles of W dequantized per step."""
+def _matmul_kernel(x_ptr, b_ptr, s_ptr, rs_ptr, bias_ptr, out_ptr, T, N, K, KS, n1, block, G: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
+    """Prefill: out[T, N] = x[T, K] @ W.T with [BN, BK] tiles of W dequantized per step. An elastic
+    prefix (common.matmul_prefix): output row r is weight row (r // n1) * block + r % n1, the first
+    K columns of rows of KS."""
     tok = tl.program_id(0) * BM + tl.arange(0, BM)
-    rows = tl.program_id(1) * BN + tl.arange(0, BN)
-    tok_mask, row_mask = tok < T, rows < N
+    out_rows = tl.program_id(1) * BN + tl.arange(0, BN)
+    tok_mask, row_mask = tok < T, out_rows < N
+    rows = (out_rows // n1) * block + out_rows % n1
     row_scale = tl.load(rs_ptr + rows, mask=row_mask, other=0.0)[:, None]
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         x = tl.load(x_ptr + tok[:, None] * K + cols[None, :], mask=tok_mask[:, None], other=0.0)
-        bits = plane_codes(b_ptr, rows, cols, row_mask, K // 8, 1)
-        step = row_scale * _e4m3(s_ptr, rows[:, None] * (K // G) + (cols // G)[None, :], row_mask[:, None])
+        bits = plane_codes(b_ptr, rows, cols, row_mask, KS // 8, 1)
+        step = row_scale * _e4m3(s_ptr, rows[:, None] * (KS // G) + (cols // G)[None, :], row_mask[:, None])
         w = tl.where(bits != 0, step, -step)
         acc += dot_tile(x, w.to(x.dtype), IEEE)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + tok[:, None] * N + rows[None, :], acc.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + tok[:, None] * N + out_rows[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=tok_mask[:, None] & row_mask[None, :])
 
 
@@ -82,32 +89,32 @@ class Q1Linear(KernelLinear):
         super().__init__(record, raw, bias, dtype, device)
         self.group = self.p["group_size"]
         self.signs = self.parts["signs"]
-        self.signs16 = self.signs.view(torch.int16)
+        self.signs32 = self.signs.view(torch.int32)
         self.scales = self.parts["scales"].view(torch.uint8)
         self.row_scale = self.parts["row_scale"]
 
     def candidates(self, mode: str) -> list[MatvecConfig]:
         n = self.out_features // 2 if mode == "glu" else self.out_features
-        groups = self.in_features // self.group
-        if interpreting():
-            return [MatvecConfig(interpreter_block(n, 256), groups_per_step(groups, 256 // self.group), 1, 4)]
-        return plane_candidates(n, groups, self.group // 16, mode, sm_count())
+        return chunk_candidates(n, self.in_features, 32, mode, 1)
 
-    def _matvec(self, x, out, config, act, partial):
-        n = self.out_features // 2 if act >= 0 else self.out_features
-        grid = (-(-n // config.block_n), config.split)
-        _matvec_kernel[grid](self.signs16, self.scales, self.row_scale, self.bias if self.bias is not None else x, x,
-                             out, n, self.in_features, self.in_features // 16, G=self.group, GPI=config.chunk,
-                             BN=config.block_n, SPLIT=config.split, ACT=act, HAS_BIAS=self.bias is not None,
-                             PARTIAL=partial, num_warps=config.num_warps)
+    def _matvec(self, x, out, config, act, partial, rows=None, cols=None):
+        n, programs, config = prefix_rows(self, config, act, rows)
+        config, launch = chunk_prefix(config, self.in_features, cols)
+        _matvec_kernel[(programs, config.split)](
+            self.signs32, self.scales, self.row_scale, self.bias if self.bias is not None else x, x, out, n,
+            self.in_features, launch.split_chunks, MAGIC_BITS, G=self.group, C=launch.chunks, BN=config.block_n,
+            EVEN_N=n % config.block_n == 0, EVEN_K=launch.even, ASM=launch.asm, ACT=act,
+            HAS_BIAS=self.bias is not None, PARTIAL=partial, num_warps=config.num_warps)
+        return config.split
 
-    def _matmul(self, x):
-        T, (N, K) = x.shape[0], self.shape
+    def _matmul(self, x, rows=None, cols=None, halves=1):
+        T = x.shape[0]
+        N, K, n1, block = matmul_prefix(self, rows, cols, halves)
         out = torch.empty(T, N, dtype=self.dtype, device=x.device)
         bm, bn, bk = matmul_blocks(T, N, K)
         _matmul_kernel[(-(-T // bm), -(-N // bn))](
             x, self.signs, self.scales, self.row_scale, self.bias if self.bias is not None else x, out, T, N, K,
-            G=self.group, BM=bm, BN=bn, BK=bk, HAS_BIAS=self.bias is not None,
+            self.in_features, n1, block, G=self.group, BM=bm, BN=bn, BK=bk, HAS_BIAS=self.bias is not None,
             IEEE=x.dtype == torch.float32 or interpreting(), num_warps=4)
         return out
 

@@ -45,14 +45,20 @@ def _head(x_ptr, w_ptr, eps, cos_ptr, sin_ptr, position, D, R, d, NORM: tl.const
 
 @triton.jit
 def _rope_append_kernel(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, pos_ptr, cos_ptr, sin_ptr,
-                        qn_ptr, kn_ptr, q_eps, k_eps, HQ, HKV, D, R,
-                        BS: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr):
+                        qn_ptr, kn_ptr, q_eps, k_eps, HQ, HKV, D, R, table_stride,
+                        BS: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
+                        ROWS: tl.constexpr):
     """Program (t, h): token t of this call; h < HQ a query head (-> q), else key/value head h - HQ
-    (-> the cache slot of position pos + t, through the block table)."""
+    (-> the cache slot of position pos + t, through the block table). ROWS: token t is the next
+    token of sequence t of a batch, at position pos[t], through row t of the block table."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
-    position = tl.load(pos_ptr) + t
+    if ROWS:
+        position = tl.load(pos_ptr + t)
+        table_ptr += t * table_stride
+    else:
+        position = tl.load(pos_ptr) + t
     row = qkv_ptr + t * (HQ + 2 * HKV) * D
     if h < HQ:
         x = _head(row + h * D, qn_ptr, q_eps, cos_ptr, sin_ptr, position, D, R, d, NORM, ROPE)
@@ -73,8 +79,12 @@ def rope_append(qkv: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor, v
     """qkv [T, (num_heads + 2 num_kv_heads) * head_dim] at positions pos[0] .. pos[0] + T - 1:
     q (normed, rotated) into q_out [T, num_heads, head_dim]; k (normed, rotated) and v into their
     cache slots. `k_cache`/`v_cache` are [blocks, num_kv_heads, block_size, head_dim]; `rope` is
-    (cos, sin) tables [positions, rotary_dim] or None; q_norm/k_norm are (weight [head_dim], eps)."""
+    (cos, sin) tables [positions, rotary_dim] or None; q_norm/k_norm are (weight [head_dim], eps).
+
+    A 2-D `block_table` [>= T, blocks] makes the T tokens the next tokens of T sequences: token t at
+    position pos[t], stored through block_table[t] (a batched decode step)."""
     T = qkv.numel() // ((num_heads + 2 * num_kv_heads) * head_dim)
+    rows = block_table.dim() == 2
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q_norm and k_norm come together")
     cos, sin = rope if rope is not None else (qkv, qkv)
@@ -83,5 +93,6 @@ def rope_append(qkv: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor, v
     kn, k_eps = k_norm if k_norm is not None else (qkv, 0.0)
     _rope_append_kernel[(T, num_heads + num_kv_heads)](
         qkv, q_out, k_cache, v_cache, block_table, pos, cos, sin, qn, kn, float(q_eps), float(k_eps), num_heads,
-        num_kv_heads, head_dim, rotary_dim, BS=k_cache.shape[2], BLOCK_D=next_power_of_2(head_dim),
-        NORM=q_norm is not None, ROPE=rope is not None, num_warps=1 if head_dim <= 128 else 2)
+        num_kv_heads, head_dim, rotary_dim, block_table.stride(0) if rows else 0, BS=k_cache.shape[2],
+        BLOCK_D=next_power_of_2(head_dim), NORM=q_norm is not None, ROPE=rope is not None, ROWS=rows,
+        num_warps=1 if head_dim <= 128 else 2)

@@ -1,9 +1,12 @@
 """int8 and fp8_e4m3 (ir/formats/int8.py, fp8.py): one byte a weight, one float32 scale a row.
 
-Both matvecs stream a row's bytes in 16-byte loads and apply the row's scale once, after the dot
-product. int8 goes through the bit-plane path (tiles.py, an 8-bit plane: two codes a half-word,
-read as u = v + 128 and corrected by 128 * sum(x)); fp8 converts with the hardware's e4m3
-conversion. Prefill dequantizes [BN, BK] tiles to the compute dtype and multiplies with tl.dot.
+fp8: each lane of a [BN, BK] tile holds 8 consecutive bytes of every row (BK = 256 per warp),
+the same 8 columns as its 16-byte load of the activations, so nothing moves between lanes; the
+hardware converts e4m3 pairs to half pairs, then to float32, and a float32 tile accumulates the
+products. int8 goes through the bit-plane chunk scheme (tiles.py: 16-column chunks, four words a
+lane, codes read as u = v + 128 with the 128 folded into the add). Both apply the row's scale
+once, after the dot product. Prefill dequantizes [BN, BK] tiles to the compute dtype and
+multiplies with tl.dot.
 """
 
 from __future__ import annotations
@@ -13,68 +16,106 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .common import KernelLinear, MatvecConfig, interpreter_block, next_power_of_2, plane_candidates
+from .common import (
+    MAGIC_BITS,
+    KernelLinear,
+    MatvecConfig,
+    chunk_candidates,
+    chunk_prefix,
+    interpreter_block,
+    matmul_prefix,
+    next_power_of_2,
+    prefix_rows,
+    prefix_split,
+)
 from .grouped_int import matmul_blocks
-from .tiles import dot_tile, plane_dot, split_candidates, store_glu, store_rows
-
-GROUP = 128  # int8: columns per xsum correction (any divisor of K works; there is no group scale)
+from .tiles import (
+    dot_tile,
+    masked_load,
+    octet_dot,
+    plane_words,
+    split_candidates,
+    store_tile,
+    tile_rows,
+    upper_halves,
+    x_octet,
+)
 
 
 @triton.jit
-def _rows_dot(v_ptr, scale_ptr, x_ptr, rows, row_mask, K, stride, split_index, FP8: tl.constexpr, G: tl.constexpr,
-              BN: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr):
-    """scale[rows] * sum_k W[rows, k] x[k] over this program's share of the columns, float32 [BN]."""
-    per_split = K // SPLIT
-    begin = split_index * per_split
+def _fp8_dot(v_ptr, x_ptr, rows, row_mask, K, split_cols, BK: tl.constexpr, EVEN_N: tl.constexpr,
+             EVEN_K: tl.constexpr):
+    """sum_k W[rows, k] x[k] over this program's columns (split `program_id(1)`), float32 [rows]."""
+    begin = tl.program_id(1) * split_cols
+    end = tl.minimum(begin + split_cols, K)
+    # 8 contiguous columns a lane (not 16): the activations' 16-byte loads are 8 columns a lane.
+    ks = tl.max_contiguous(tl.arange(0, BK), 8)
+    row_off = rows.to(tl.int64) * K
+    acc = tl.zeros([rows.shape[0], BK], dtype=tl.float32)
+    for k0 in range(begin, end, BK):
+        cols = k0 + ks
+        w = masked_load(v_ptr, row_off[:, None] + cols[None, :], row_mask[:, None], (cols < end)[None, :], EVEN_N,
+                        EVEN_K)
+        if EVEN_K:  # noqa: SIM108  (constexpr branches: only one is compiled)
+            x = tl.load(x_ptr + cols)
+        else:
+            x = tl.load(x_ptr + cols, mask=cols < end, other=0.0)
+        acc += w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * x.to(tl.float32)[None, :]
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _int8_dot(v_ptr, x_ptr, rows, row_mask, K, split_chunks, flip_lo, flip_hi, C: tl.constexpr, EVEN_N: tl.constexpr,
+              EVEN_K: tl.constexpr, ASM: tl.constexpr):
+    """sum_k W[rows, k] x[k] over this program's 16-column chunks, float32 [rows]."""
+    total = K // 16
+    begin = tl.program_id(1) * split_chunks
+    end = tl.minimum(begin + split_chunks, total)
+    ci = tl.arange(0, C)
+    acc = tl.zeros([rows.shape[0], C], dtype=tl.float32)
+    for c0 in range(begin, end, C):
+        chunk = c0 + ci
+        cmask = chunk < end
+        words = plane_words(v_ptr, rows, row_mask, total, c0, end, C, 4, EVEN_N, EVEN_K, ASM)
+        uppers = upper_halves(words, 4, ASM)
+        for o in tl.static_range(2):
+            xs = x_octet(x_ptr, 16 * chunk + 8 * o, cmask, EVEN_K)
+            acc = octet_dot(acc, words, uppers, xs, o, 8, 128, 1.0, True, (flip_lo, flip_hi))
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, split, flip_lo, flip_hi, FP8: tl.constexpr,
+                   BN: tl.constexpr, STEP: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                   ASM: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
+    """Program (i, s): output rows i*BN.., the columns of split s (`split` of them: columns for
+    fp8, chunks for int8; STEP per loop step). ACT >= 0: the weight is [gate; up] and the tile
+    holds both rows of each output (gate row r, up row n + r), one pass over x."""
+    rows, row_mask = tile_rows(tl.program_id(0), n, BN, ACT >= 0)
     if FP8:
-        ks = tl.arange(0, CHUNK)
-        acc = tl.zeros([BN, CHUNK], dtype=tl.float32)
-        ptrs = v_ptr + rows[:, None].to(tl.int64) * stride + ks[None, :]
-        for k0 in range(begin, begin + per_split, CHUNK):
-            w = tl.load(ptrs + k0, mask=row_mask[:, None], other=0)
-            x = tl.load(x_ptr + k0 + ks).to(tl.float32)
-            acc += w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * x[None, :]
-        total = tl.sum(acc, axis=1)
+        total = _fp8_dot(v_ptr, x_ptr, rows, row_mask, K, split, STEP, EVEN_N, EVEN_K)
     else:
-        GPI: tl.constexpr = CHUNK // G
-        HPG: tl.constexpr = G // 2
-        acc = tl.zeros([BN, GPI, HPG], dtype=tl.float32)
-        for g0 in range(begin // G, (begin + per_split) // G, GPI):
-            dot, xsum = plane_dot(v_ptr, rows, row_mask, stride, g0, x_ptr, 8, G, GPI, True, 1.0)
-            acc += dot - 128.0 * xsum[None, :, :]
-        total = tl.sum(tl.sum(acc, axis=2), axis=1)
-    return total * tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
+        total = _int8_dot(v_ptr, x_ptr, rows, row_mask, K, split, flip_lo, flip_hi, STEP, EVEN_N, EVEN_K, ASM)
+    total *= tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
+    store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL)
 
 
 @triton.jit
-def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, stride, FP8: tl.constexpr, G: tl.constexpr,
-                   BN: tl.constexpr, CHUNK: tl.constexpr, SPLIT: tl.constexpr, ACT: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
-    """Program (i, s): output rows i*BN.., columns of split s; ACT >= 0: [gate; up] rows r and n + r."""
-    rows = tl.program_id(0) * BN + tl.arange(0, BN)
-    row_mask = rows < n
-    split_index = tl.program_id(1)
-    acc = _rows_dot(v_ptr, scale_ptr, x_ptr, rows, row_mask, K, stride, split_index, FP8, G, BN, CHUNK, SPLIT)
-    if ACT >= 0:
-        up = _rows_dot(v_ptr, scale_ptr, x_ptr, rows + n, row_mask, K, stride, split_index, FP8, G, BN, CHUNK, SPLIT)
-        store_glu(out_ptr, bias_ptr, rows, row_mask, acc, up, n, HAS_BIAS, ACT)
-    else:
-        store_rows(out_ptr, bias_ptr, rows, row_mask, acc, split_index, n, HAS_BIAS, PARTIAL)
-
-
-@triton.jit
-def _matmul_kernel(x_ptr, v_ptr, scale_ptr, bias_ptr, out_ptr, T, N, K, FP8: tl.constexpr, BM: tl.constexpr,
-                   BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
-    """Prefill: out[T, N] = x[T, K] @ W.T with [BN, BK] tiles of W dequantized per step."""
+def _matmul_kernel(x_ptr, v_ptr, scale_ptr, bias_ptr, out_ptr, T, N, K, KS, n1, block, FP8: tl.constexpr,
+                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
+    """Prefill: out[T, N] = x[T, K] @ W.T with [BN, BK] tiles of W dequantized per step. An elastic
+    prefix (common.matmul_prefix): output row r is weight row (r // n1) * block + r % n1, the first
+    K columns of rows of KS."""
     tok = tl.program_id(0) * BM + tl.arange(0, BM)
-    rows = tl.program_id(1) * BN + tl.arange(0, BN)
-    tok_mask, row_mask = tok < T, rows < N
+    out_rows = tl.program_id(1) * BN + tl.arange(0, BN)
+    tok_mask, row_mask = tok < T, out_rows < N
+    rows = (out_rows // n1) * block + out_rows % n1
     scale = tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         x = tl.load(x_ptr + tok[:, None] * K + cols[None, :], mask=tok_mask[:, None], other=0.0)
-        v = tl.load(v_ptr + rows[:, None].to(tl.int64) * K + cols[None, :], mask=row_mask[:, None], other=0)
+        v = tl.load(v_ptr + rows[:, None].to(tl.int64) * KS + cols[None, :], mask=row_mask[:, None], other=0)
         if FP8:  # noqa: SIM108  (constexpr branches: only one is compiled)
             w = v.to(tl.float8e4nv, bitcast=True).to(tl.float32)
         else:
@@ -82,7 +123,7 @@ def _matmul_kernel(x_ptr, v_ptr, scale_ptr, bias_ptr, out_ptr, T, N, K, FP8: tl.
         acc += dot_tile(x, (w * scale[:, None]).to(x.dtype), IEEE)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + tok[:, None] * N + rows[None, :], acc.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + tok[:, None] * N + out_rows[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=tok_mask[:, None] & row_mask[None, :])
 
 
@@ -93,52 +134,55 @@ class Rowwise8Linear(KernelLinear):
         super().__init__(record, raw, bias, dtype, device)
         self.fp8 = self.format == "fp8_e4m3"
         self.values = self.parts["values"].view(torch.uint8)
-        self.values16 = self.values.view(torch.int16)
+        self.words = self.values.view(torch.int32)
         self.scales = self.parts["scales"]
-        K = self.in_features
-        self.group = next(g for g in (GROUP, 64, 32, 16) if K % g == 0)
 
     def candidates(self, mode: str) -> list[MatvecConfig]:
         n = self.out_features // 2 if mode == "glu" else self.out_features
         K = self.in_features
+        if not self.fp8:  # the chunk scheme over 16-column chunks, four words a lane
+            return chunk_candidates(n, K, 16, mode, 4)
         if interpreting():
-            if self.fp8:
-                chunk = min(next_power_of_2(K), 256)
-                while K % chunk:
-                    chunk //= 2
-            else:
-                gpi = 1
-                while 2 * gpi * self.group <= 256 and (K // self.group) % (2 * gpi) == 0:
-                    gpi *= 2
-                chunk = gpi * self.group
-            return [MatvecConfig(interpreter_block(n, 256), chunk, 1, 4)]
-        if not self.fp8:  # the bit-plane tiles, chunk in columns
-            plane = plane_candidates(n, K // self.group, self.group // 2, mode, _sms())
-            return [MatvecConfig(c.block_n, c.chunk * self.group, c.split, c.num_warps) for c in plane]
+            return [MatvecConfig(interpreter_block(n, 128), min(next_power_of_2(K), 512), 1, 4)]
         out = []
-        for block_n, chunk in ((4, 2048), (8, 1024), (16, 512), (8, 2048), (32, 256)):
-            if K % chunk:
-                continue
-            splits = [1] if mode != "partial" else split_candidates(n, block_n, K // chunk, _sms())
-            out += [MatvecConfig(block_n, chunk, s, 4) for s in splits[-2:]]
-        return out or [MatvecConfig(16, self.group, 1, 4)]
+        for rows, warps in ((4, 4), (8, 4), (4, 2), (8, 2), (16, 2), (8, 1), (16, 1)):
+            block_n = rows // 2 if mode == "glu" else rows
+            bk = 256 * warps
+            units = -(-K // bk)
+            splits = split_candidates(n, block_n, units, _sms()) if mode == "partial" else [1]
+            out += [MatvecConfig(block_n, bk, s, warps) for s in splits[-2:]]
+        return out
 
-    def _matvec(self, x, out, config, act, partial):
-        n = self.out_features // 2 if act >= 0 else self.out_features
-        grid = (-(-n // config.block_n), config.split)
-        values = self.values if self.fp8 else self.values16
-        K = self.in_features
-        _matvec_kernel[grid](values, self.scales, self.bias if self.bias is not None else x, x, out, n, K,
-                             K if self.fp8 else K // 2, FP8=self.fp8, G=self.group, BN=config.block_n,
-                             CHUNK=config.chunk, SPLIT=config.split, ACT=act, HAS_BIAS=self.bias is not None,
-                             PARTIAL=partial, num_warps=config.num_warps)
+    def _matvec(self, x, out, config, act, partial, rows=None, cols=None):
+        n, programs, config = prefix_rows(self, config, act, rows)
+        K = self.in_features if cols is None else cols  # the kernels keep in_features for the row strides
+        if self.fp8:
+            if cols is not None:  # an elastic prefix: whole steps per split, so no program reads past it
+                config = prefix_split(config, max(1, K // config.chunk) if K % config.chunk == 0 else 1)
+            per = -(-K // config.split)
+            per = -(-per // config.chunk) * config.chunk if config.split > 1 else per
+            split, step, even, asm = per, config.chunk, K % (config.split * config.chunk) == 0, False
+            values = self.values
+        else:
+            config, launch = chunk_prefix(config, self.in_features, cols, 16)
+            split, step, even, asm = launch.split_chunks, launch.chunks, launch.even, launch.asm
+            values = self.words
+        _matvec_kernel[(programs, config.split)](
+            values, self.scales, self.bias if self.bias is not None else x, x, out, n, self.in_features, split,
+            MAGIC_BITS | 0x80,
+            MAGIC_BITS | 0x8000,
+            FP8=self.fp8, BN=config.block_n, STEP=step, EVEN_N=n % config.block_n == 0, EVEN_K=even, ASM=asm,
+            ACT=act, HAS_BIAS=self.bias is not None, PARTIAL=partial, num_warps=config.num_warps)
+        return config.split
 
-    def _matmul(self, x):
-        T, (N, K) = x.shape[0], self.shape
+    def _matmul(self, x, rows=None, cols=None, halves=1):
+        T = x.shape[0]
+        N, K, n1, block = matmul_prefix(self, rows, cols, halves)
         out = torch.empty(T, N, dtype=self.dtype, device=x.device)
         bm, bn, bk = matmul_blocks(T, N, K)
         _matmul_kernel[(-(-T // bm), -(-N // bn))](
-            x, self.values, self.scales, self.bias if self.bias is not None else x, out, T, N, K, FP8=self.fp8,
+            x, self.values, self.scales, self.bias if self.bias is not None else x, out, T, N, K, self.in_features,
+            n1, block, FP8=self.fp8,
             BM=bm, BN=bn, BK=bk, HAS_BIAS=self.bias is not None, IEEE=x.dtype == torch.float32 or interpreting(),
             num_warps=4)
         return out
@@ -150,7 +194,7 @@ def _sms() -> int:
 
 def make(record, raw, bias, device, dtype):
     """The registry's factory for int8 and fp8_e4m3 weights."""
-    if record.shape[1] % 32:
+    if record.shape[1] % 16:
         return None
     return Rowwise8Linear(record, raw.to(device), bias, dtype, device)
 

@@ -166,6 +166,174 @@ class Sampler:
                              MIN_P=o.min_p > 0.0, ADVANCE=advance, SEEN=track, num_warps=8)
 
 
+# ---- a batch of sequences, each with its own options (the serving engine's step) ----------------
+
+@triton.jit
+def _rows_penalty_kernel(logits_ptr, out_ptr, seen_ptr, counts_ptr, rep_ptr, freq_ptr, pres_ptr, V,
+                         BLOCK: tl.constexpr):
+    """Row r: the repetition penalty of the tokens seen (as _penalty_kernel), then OpenAI's
+    frequency and presence penalties over the tokens generated (counts), float32 out."""
+    r = tl.program_id(0)
+    v = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = v < V
+    x = tl.load(logits_ptr + r * V + v, mask=mask, other=0.0).to(tl.float32)
+    penalty = tl.load(rep_ptr + r)
+    seen = tl.load(seen_ptr + r * V + v, mask=mask, other=0) != 0
+    x = tl.where(seen & (penalty != 1.0), tl.where(x < 0, x * penalty, x / penalty), x)
+    count = tl.load(counts_ptr + r * V + v, mask=mask, other=0).to(tl.float32)
+    x = x - tl.load(freq_ptr + r) * count - tl.where(count > 0, tl.load(pres_ptr + r), 0.0)
+    tl.store(out_ptr + r * V + v, x, mask=mask)
+
+
+@triton.jit
+def _argmax(x_ptr, V, BLOCK: tl.constexpr):
+    """The lowest index of the largest of V float32 values (as torch.argmax)."""
+    best = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
+    where = tl.full([BLOCK], 2147483647, dtype=tl.int32)
+    for v0 in range(0, V, BLOCK):
+        v = v0 + tl.arange(0, BLOCK)
+        x = tl.load(x_ptr + v, mask=v < V, other=float("-inf")).to(tl.float32)
+        better = x > best
+        where = tl.where(better, v, where)
+        best = tl.where(better, x, best)
+    top = tl.max(best, axis=0)
+    return tl.min(tl.where(best == top, where, 2147483647), axis=0)
+
+
+@triton.jit
+def _draw(vals_ptr, n, inv_temperature, top_p, min_p, u, SORTED: tl.constexpr, BLOCK: tl.constexpr):
+    """_sample_kernel's three passes with run-time filters: the index of the candidate drawn for
+    uniform number u. top_p 1 keeps every candidate (the mass before one is finite), min_p 0 too
+    (e >= 0), as _sample_kernel without those filters."""
+    top = tl.load(vals_ptr).to(tl.float32) * inv_temperature
+    if not SORTED:
+        for v0 in range(0, n, BLOCK):
+            v = v0 + tl.arange(0, BLOCK)
+            x = tl.load(vals_ptr + v, mask=v < n, other=float("-inf")).to(tl.float32) * inv_temperature
+            top = tl.maximum(top, tl.max(x, axis=0))
+    total = 0.0
+    for v0 in range(0, n, BLOCK):
+        v = v0 + tl.arange(0, BLOCK)
+        x = tl.load(vals_ptr + v, mask=v < n, other=float("-inf")).to(tl.float32) * inv_temperature
+        total += tl.sum(tl.exp(x - top), axis=0)
+    limit = tl.where(top_p >= 1.0, float("inf"), top_p * total)
+    kept = 0.0
+    before = 0.0
+    for v0 in range(0, n, BLOCK):
+        v = v0 + tl.arange(0, BLOCK)
+        e = tl.exp(tl.load(vals_ptr + v, mask=v < n, other=float("-inf")).to(tl.float32) * inv_temperature - top)
+        keep = (v < n) & ((before + tl.cumsum(e, axis=0) - e) < limit) & (e >= min_p)
+        before += tl.sum(e, axis=0)
+        kept += tl.sum(tl.where(keep, e, 0.0), axis=0)
+    target = u * kept
+    chosen = tl.full([], -1, dtype=tl.int32)
+    last = tl.full([], -1, dtype=tl.int32)
+    running = 0.0
+    before = 0.0
+    for v0 in range(0, n, BLOCK):
+        v = v0 + tl.arange(0, BLOCK)
+        e = tl.exp(tl.load(vals_ptr + v, mask=v < n, other=float("-inf")).to(tl.float32) * inv_temperature - top)
+        keep = (v < n) & ((before + tl.cumsum(e, axis=0) - e) < limit) & (e >= min_p)
+        before += tl.sum(e, axis=0)
+        ek = tl.where(keep, e, 0.0)
+        cum = running + tl.cumsum(ek, axis=0)
+        hit = keep & (cum > target)
+        first = tl.min(tl.where(hit, v, 2147483647), axis=0)
+        chosen = tl.where((chosen < 0) & (first < 2147483647), first, chosen)
+        last = tl.maximum(last, tl.max(tl.where(keep, v, -1), axis=0))
+        running += tl.sum(ek, axis=0)
+    return tl.where(chosen < 0, last, chosen)
+
+
+@triton.jit
+def _rows_pick_kernel(x_ptr, vals_ptr, idx_ptr, V, inv_t_ptr, top_k_ptr, top_p_ptr, min_p_ptr, seed_ptr, step_ptr,
+                      token_ptr, pos_ptr, active_ptr, seen_ptr, counts_ptr, BLOCK: tl.constexpr,
+                      SORT: tl.constexpr, TRACK: tl.constexpr):
+    """Row r: argmax (inv_t[r] == 0, greedy) or a draw with row r's temperature and filters, from
+    x [rows, V] (or, for a row with a filter, from its candidates sorted descending, vals/idx: only
+    when SORT). Then the row's state moves on: token, step, and for an active row its position;
+    TRACK: seen and generated counts too."""
+    r = tl.program_id(0)
+    inv_t = tl.load(inv_t_ptr + r)
+    top_k = tl.load(top_k_ptr + r)
+    top_p = tl.load(top_p_ptr + r)
+    min_p = tl.load(min_p_ptr + r)
+    step = tl.load(step_ptr + r)
+    if inv_t == 0.0:
+        token = _argmax(x_ptr + r * V, V, BLOCK)
+    else:
+        u = tl.rand(tl.load(seed_ptr + r), step)
+        # A row without filters draws over token ids in order, as Sampler does (SORTED=False).
+        top_k_on = (top_k > 0) & (top_k < V)
+        filters = top_k_on.to(tl.int32) + (top_p < 1.0).to(tl.int32) + (min_p > 0.0).to(tl.int32)
+        if SORT:
+            if filters > 0:
+                n = tl.where(top_k_on, top_k, V)
+                token = tl.load(idx_ptr + r * V + _draw(vals_ptr + r * V, n, inv_t, top_p, min_p, u, True, BLOCK))
+                token = token.to(tl.int32)
+            else:
+                token = _draw(x_ptr + r * V, V, inv_t, top_p, min_p, u, False, BLOCK)
+        else:
+            token = _draw(x_ptr + r * V, V, inv_t, top_p, min_p, u, False, BLOCK)
+    tl.store(token_ptr + r, token.to(tl.int64))
+    tl.store(step_ptr + r, step + 1)
+    if tl.load(active_ptr + r) != 0:
+        tl.store(pos_ptr + r, tl.load(pos_ptr + r) + 1)
+    if TRACK:
+        tl.store(seen_ptr + r * V + token, 1)
+        tl.store(counts_ptr + r * V + token, tl.load(counts_ptr + r * V + token) + 1)
+
+
+class RowOptions:
+    """Each sequence's sampling options as device columns (row r: the sequence in batch slot r),
+    the inputs of `pick_rows`."""
+
+    def __init__(self, rows: int, device):
+        def new(dtype, fill=0):
+            return torch.full((rows,), fill, dtype=dtype, device=device)
+
+        self.inv_temperature = new(torch.float32)
+        self.top_k, self.top_p, self.min_p = new(torch.int32), new(torch.float32, 1.0), new(torch.float32)
+        self.repetition, self.frequency, self.presence = new(torch.float32, 1.0), new(torch.float32), new(torch.float32)
+
+    def set(self, row: int, options, frequency: float = 0.0, presence: float = 0.0) -> None:
+        """Row `row` takes `options` (GenerationOptions) and OpenAI's two penalties."""
+        # Written through one host tensor per column: the same float32 roundings Sampler's arguments get.
+        values = {"inv_temperature": 0.0 if options.greedy else 1.0 / options.temperature,
+                  "top_k": min(options.top_k, 2**31 - 1), "top_p": options.top_p, "min_p": options.min_p,
+                  "repetition": options.repetition_penalty, "frequency": frequency, "presence": presence}
+        for name, value in values.items():
+            column = getattr(self, name)
+            column[row:row + 1].copy_(torch.tensor([value], dtype=column.dtype))
+
+    def move(self, src: int, dst: int) -> None:
+        for column in vars(self).values():
+            column[dst] = column[src]
+
+
+def pick_rows(logits, options: RowOptions, rows: int, *, token, step, pos, active, seed, seen, counts,
+              softcap: float | None, sort: bool, track: bool) -> None:
+    """Pick the next token of each of the first `rows` sequences from logits [rows, V] on the device:
+    greedy or drawn with that row's options (as Sampler picks for one sequence: the same
+    processing, the same uniform number from the row's seed and step). `sort`: some row has a
+    top-k, top-p or min-p filter (their candidates are sorted; without it no row may have one).
+    `track`: some row has a penalty (seen [rows, V] int8 marks prompt and generated tokens for the
+    repetition penalty; counts [rows, V] int32 counts generated ones for OpenAI's two)."""
+    V = logits.shape[-1]
+    x = logits.float() if softcap is None else torch.tanh(logits.float() / softcap) * softcap
+    if track:
+        penalised = torch.empty(rows, V, dtype=torch.float32, device=logits.device)
+        block = 1024
+        _rows_penalty_kernel[(rows, -(-V // block))](x, penalised, seen, counts, options.repetition,
+                                                     options.frequency, options.presence, V, BLOCK=block)
+        x = penalised
+    x = x.contiguous()
+    vals, idx = torch.sort(x, dim=-1, descending=True) if sort else (x, x)
+    _rows_pick_kernel[(rows,)](x, vals, idx, V, options.inv_temperature, options.top_k, options.top_p, options.min_p,
+                               seed, step, token, pos, active, seen, counts, BLOCK=min(1024, next_power_of_2(V)),
+                               SORT=sort, TRACK=track, num_warps=8)
+
+
 def reference_draw(logits: torch.Tensor, options, u: float, seen: torch.Tensor | None = None) -> int:
     """The token Sampler picks for uniform number `u`, by runtime/sampling.process_logits and the
     inverse CDF over token ids in the candidate order (sorted descending when a filter needs it)."""

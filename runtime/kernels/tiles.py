@@ -1,17 +1,28 @@
 """Triton helpers the linear families share: packed bit planes to floats, the matvec epilogues,
 and the activations of a fused gate/up.
 
-Bit planes (grouped int, q2, q1, int8). A plane of width W bits packs 16 / W codes into each
-16-bit half-word, code j at bits W*j .. W*j+W-1 (the formats' own "element i at bit (i % per) * W"
-order, read 16 bits at a time). The matvec never converts a code with an integer-to-float
+Bit planes (grouped int, q2, q1, int8). A plane of width W bits packs 32 / W codes into each
+32-bit word, code j at bits W*j .. W*j+W-1 (the formats' own "element i at bit (i % per) * W"
+order, read 32 bits at a time). The matvec never converts a code with an integer-to-float
 instruction (a quarter-rate unit on recent GPUs): it masks the code in place and ORs in the
 exponent of 2^23,
 
-    float(bits(half) & (mask << W*j) | 0x4B000000) - 2^23  ==  u * 2^(W*j)     (exact, W*j+W <= 16)
+    float(bits & (mask << s) | 0x4B000000) - (2^23 + zero * 2^s)  ==  (u - zero) * 2^s   (exact, s + W <= 16)
 
-so each weight costs one logic op, one add and one fused multiply-add; the 2^(W*j) is undone on
-the activation side (x_j * 2^-(W*j), per column, shared by every row of the tile). Codes are
-unsigned; each format adds its zero point through the sum of x over the group (`xsum`).
+so each weight costs one logic op, one add and one fused multiply-add, the format's zero point
+folded into the add; codes at bits 16..31 are read from the word shifted right by 16 (one shift
+per word), and the 2^s is undone on the activation side (x * 2^-s, per column, shared by every
+row of the tile).
+
+How a matvec tile is laid out (the "chunk" scheme). Each lane of a warp owns one chunk of
+consecutive columns (32, or 16 for 8-bit codes) of every row of its tile: it loads the chunk's
+packed words of each row (16 bytes for a 4-bit plane) and the chunk's activations (one 16-byte
+load per 8 columns, split in registers: `x_octet`), so every tensor of the dot product is
+indexed by (row, chunk) with the chunk on the lanes and nothing crosses lanes until the final
+row sums. Warps take further chunks, so a step covers 32 * num_warps chunks of BN rows; loading
+the activations as [chunks, 8] with exactly 8 per lane is what makes the compiler give them the
+weights' lane layout (a smaller tile would be spread differently and shuffled through shared
+memory on every step).
 """
 
 from __future__ import annotations
@@ -23,35 +34,188 @@ MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2^23: integers below 2^23 OR
 
 
 @triton.jit
-def plane_dot(plane_ptr, rows, row_mask, halves_per_row, g0, x_ptr,
-              W: tl.constexpr, G: tl.constexpr, GPI: tl.constexpr, FLIP: tl.constexpr, XSCALE: tl.constexpr):
-    """Dot products of `GPI` groups of `G` columns (starting at group `g0`) of a W-bit plane with x.
+def shr16(w, ASM: tl.constexpr):
+    """w >> 16 (logical) for int32 words. ASM: one opaque shift, so the compiler cannot re-derive
+    every code of the upper half with its own shift-and-extract (it would, from plain shifts)."""
+    if ASM:
+        out = tl.inline_asm_elementwise("shr.u32 $0, $1, 16;", "=r,r", [w], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        out = (w >> 16) & 0xFFFF
+    return out
 
-    Returns (dot [BN, GPI, HPG], xsum [GPI, HPG]): for every row, group and half-word, the sum of
-    code * x over the half-word's 16 / W columns (times XSCALE), and the plain sum of those x.
-    `halves_per_row` is the plane's row stride in half-words (an argument, so the compiler knows
-    its alignment and loads 16 bytes at a time). FLIP: the codes are signed bytes (W = 8); they are
-    read as u = v + 128. The codes of a half-word are taken one position at a time (unrolled), so
-    every tensor keeps the layout of the loaded tile and nothing crosses threads until the end."""
-    HPG: tl.constexpr = G * W // 16
-    CPH: tl.constexpr = 16 // W
-    gi = tl.arange(0, GPI)
-    hi = tl.arange(0, HPG)
-    # One contiguous run of GPI * HPG half-words per row.
-    offs = rows[:, None, None] * halves_per_row + ((g0 + gi) * HPG)[None, :, None] + hi[None, None, :]
-    half = tl.load(plane_ptr + offs, mask=row_mask[:, None, None], other=0).to(tl.int32) & 0xFFFF
-    if FLIP:
-        half = half ^ 0x8080
-    first = (g0 + gi)[:, None] * G + hi[None, :] * CPH  # column of each half-word's code 0
-    dot = tl.zeros(half.shape, dtype=tl.float32)
-    xsum = tl.zeros(first.shape, dtype=tl.float32)
-    for j in tl.static_range(CPH):
-        bits = (half & (((1 << W) - 1) << (W * j))) | MAGIC
-        codes = bits.to(tl.float32, bitcast=True) - 8388608.0  # u * 2^(W*j), exact
-        x = tl.load(x_ptr + first + j).to(tl.float32)
-        dot += codes * (x * (XSCALE / (1 << (W * j))))[None, :, :]
-        xsum += x
-    return dot, xsum
+
+@triton.jit
+def opaque(v, ASM: tl.constexpr):
+    """v (int32 or int64), with its contiguity and divisibility hidden from the compiler (ASM): a
+    load through it is not vectorised beyond what the caller multiplies back in."""
+    if ASM:
+        if v.dtype == tl.int64:
+            out = tl.inline_asm_elementwise("mov.b64 $0, $1;", "=l,l", [v], dtype=tl.int64, is_pure=True, pack=1)
+        else:
+            out = tl.inline_asm_elementwise("mov.b32 $0, $1;", "=r,r", [v], dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        out = v
+    return out
+
+
+@triton.jit
+def tile_rows_of(i, pid, n, BN: tl.constexpr, GLU: tl.constexpr):
+    """(weight row, output-row mask) of tile row(s) `i` of program `pid` (see tile_rows)."""
+    if GLU:
+        out_rows = pid * BN + i // 2
+        rows = out_rows + (i % 2) * n
+    else:
+        out_rows = pid * BN + i
+        rows = out_rows
+    return rows, out_rows < n
+
+
+@triton.jit
+def tile_rows(pid, n, BN: tl.constexpr, GLU: tl.constexpr):
+    """(weight rows, output-row mask) of program `pid`'s tile: BN output rows, or with GLU 2 * BN
+    weight rows, gate row r and up row n + r interleaved, so one pass over x serves both halves."""
+    return tile_rows_of(tl.arange(0, 2 * BN if GLU else BN), pid, n, BN, GLU)
+
+
+@triton.jit
+def glu_halves(total, BN: tl.constexpr):
+    """(gate, up) [BN] of a GLU tile's interleaved row sums [2 * BN]."""
+    return tl.split(tl.reshape(total, [BN, 2]))
+
+
+@triton.jit
+def x_octet(x_ptr, first, cmask, EVEN: tl.constexpr):
+    """x at columns first + 0..7 for each chunk (`first` [C]): a tuple of eight float32 [C].
+
+    One 16-byte load per lane ([C, 8], 8 per lane when C >= the program's lanes), split in
+    registers: the eight results keep the chunk-per-lane layout of the weight tiles."""
+    offs = first[:, None] + tl.arange(0, 8)[None, :]
+    if EVEN:  # noqa: SIM108  (constexpr branches: only one is compiled)
+        xs = tl.load(x_ptr + offs)
+    else:
+        xs = tl.load(x_ptr + offs, mask=cmask[:, None], other=0.0)
+    xs = tl.reshape(xs.to(tl.float32), [first.shape[0], 2, 2, 2])
+    a0, a1 = tl.split(xs)
+    b00, b01 = tl.split(a0)
+    b10, b11 = tl.split(a1)
+    x0, x4 = tl.split(b00)
+    x2, x6 = tl.split(b01)
+    x1, x5 = tl.split(b10)
+    x3, x7 = tl.split(b11)
+    return (x0, x1, x2, x3, x4, x5, x6, x7)
+
+
+@triton.jit
+def x_sum8(xs):
+    return ((xs[0] + xs[1]) + (xs[2] + xs[3])) + ((xs[4] + xs[5]) + (xs[6] + xs[7]))
+
+
+@triton.jit
+def masked_load(ptr, offs, rm, cm, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    """ptr[offs], zero where the row mask `rm` or the chunk mask `cm` (both broadcastable to offs)
+    is false; a mask known to be all true (EVEN_*) is left out: no predicates, no zeroed
+    destinations."""
+    if EVEN_N and EVEN_K:
+        t = tl.load(ptr + offs)
+    elif EVEN_K:
+        t = tl.load(ptr + offs, mask=rm, other=0)
+    elif EVEN_N:
+        t = tl.load(ptr + offs, mask=cm, other=0)
+    else:
+        t = tl.load(ptr + offs, mask=rm & cm, other=0)
+    return t
+
+
+@triton.jit
+def plane_words(ptr, rows, row_mask, row_chunks, c0, end, C: tl.constexpr, NW: tl.constexpr, EVEN_N: tl.constexpr,
+                EVEN_K: tl.constexpr, ASM: tl.constexpr):
+    """The NW (1, 2 or 4) int32 words of each of the C chunks c0.. of a plane (rows of `row_chunks`
+    chunks), one NW * 4-byte load per row and lane: a tuple of NW [BN, C].
+
+    Loaded as one [BN, C * NW] run per row: the chunk axis is then the only contiguous one (a tie
+    between the row and chunk axes is broken differently by different compiler versions), and the
+    row offsets are divisible by exactly NW words, so no lane's vector spans two chunks."""
+    wi = tl.arange(0, C * NW)
+    row_off = opaque(rows.to(tl.int64) * row_chunks, ASM) * NW
+    offs = row_off[:, None] + (c0 * NW + wi)[None, :]
+    t = masked_load(ptr, offs, row_mask[:, None], (c0 + wi // NW < end)[None, :], EVEN_N, EVEN_K)
+    if NW == 1:
+        words = (t,)
+    elif NW == 2:
+        w0, w1 = tl.split(tl.reshape(t, [rows.shape[0], C, 2]))
+        words = (w0, w1)
+    else:
+        e, o = tl.split(tl.reshape(t, [rows.shape[0], C, 2, 2]))
+        w0, w2 = tl.split(e)
+        w1, w3 = tl.split(o)
+        words = (w0, w1, w2, w3)
+    return words
+
+
+@triton.jit
+def chunk_side(ptr, pid, n, row_len, c0, end, PER: tl.constexpr, C: tl.constexpr, BN: tl.constexpr,
+               GLU: tl.constexpr, EVEN_N: tl.constexpr, ASM: tl.constexpr):
+    """ptr[row, chunk // PER] for the tile's rows (rows of `row_len` entries) and chunks c0..c0+C:
+    one entry per chunk (a group scale, offset or block scale), [rows, C].
+
+    Loaded flat, one element per lane (a 1-D load has no axes to tie; the row base is opaque, so
+    nothing is vectorised), then reshaped: lanes on chunks, rows in registers, like the words."""
+    RB: tl.constexpr = 2 * BN if GLU else BN
+    f = tl.arange(0, RB * C)
+    rows, rmask = tile_rows_of(f // C, pid, n, BN, GLU)
+    chunk = c0 + f % C
+    offs = opaque(rows.to(tl.int64) * row_len, ASM) + chunk // PER
+    if EVEN_N:
+        v = tl.load(ptr + offs, mask=chunk < end, other=0)
+    else:
+        v = tl.load(ptr + offs, mask=rmask & (chunk < end), other=0)
+    return tl.reshape(v, [RB, C])
+
+
+@triton.jit
+def upper_halves(words, NW: tl.constexpr, ASM: tl.constexpr):
+    """shr16 of each of the NW words."""
+    if NW == 1:
+        out = (shr16(words[0], ASM),)
+    elif NW == 2:
+        out = (shr16(words[0], ASM), shr16(words[1], ASM))
+    else:
+        out = (shr16(words[0], ASM), shr16(words[1], ASM), shr16(words[2], ASM), shr16(words[3], ASM))
+    return out
+
+
+@triton.jit
+def code_term(acc, words, uppers, x, BIT: tl.constexpr, W: tl.constexpr, ZERO: tl.constexpr, XMUL: tl.constexpr,
+              FLIP: tl.constexpr, magic):
+    """acc + (u - ZERO) * XMUL * x for the W-bit code u at bit BIT of a chunk's words (a helper of
+    its own so its constants stay compile-time: a name bound inside an unrolled loop would not)."""
+    LOW: tl.constexpr = BIT % 32
+    if LOW < 16:
+        src = words[BIT // 32]
+        S: tl.constexpr = LOW
+    else:
+        src = uppers[BIT // 32]
+        S: tl.constexpr = LOW - 16
+    MASK: tl.constexpr = ((1 << W) - 1) << S
+    # FLIP: magic is (2^23 | 0x80, 2^23 | 0x8000), run-time values the compiler cannot split apart.
+    if FLIP:  # noqa: SIM108  (constexpr branches: only one is compiled)
+        bits = (src & MASK) ^ magic[S // 8]
+    else:
+        bits = (src & MASK) | magic
+    code = bits.to(tl.float32, bitcast=True) - (8388608.0 + ZERO * (1 << S))
+    return acc + code * (x * (XMUL / (1 << S)))[None, :]
+
+
+@triton.jit
+def octet_dot(acc, words, uppers, xs, o: tl.constexpr, W: tl.constexpr, ZERO: tl.constexpr, XMUL: tl.constexpr,
+              FLIP: tl.constexpr, magic):
+    """acc [BN, C] + sum over the 8 columns of octet `o` of each chunk of (u - ZERO) * XMUL * x,
+    u the W-bit codes of a plane (words / uppers: its words and their upper halves). FLIP: the
+    codes are signed bytes, read as u = v + 128 (ZERO must then be 128; `magic` is then the pair
+    of 2^23's bits with bit 7, and with bit 15, set)."""
+    for p in tl.static_range(8):
+        acc = code_term(acc, words, uppers, xs[p], W * (8 * o + p), W, ZERO, XMUL, FLIP, magic)
+    return acc
 
 
 @triton.jit
@@ -107,6 +271,20 @@ def store_glu(out_ptr, bias_ptr, rows, row_mask, gate, up, n, HAS_BIAS: tl.const
 
 
 @triton.jit
+def store_tile(out_ptr, bias_ptr, total, n, BN: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
+               PARTIAL: tl.constexpr):
+    """The epilogue of a tile program (tile_rows): `total` [rows] are its row sums; with ACT >= 0
+    the gate and up rows interleaved (store_glu), else plain rows (store_rows)."""
+    out_rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    out_mask = out_rows < n
+    if ACT >= 0:
+        gate, up = glu_halves(total, BN)
+        store_glu(out_ptr, bias_ptr, out_rows, out_mask, gate, up, n, HAS_BIAS, ACT)
+    else:
+        store_rows(out_ptr, bias_ptr, out_rows, out_mask, total, tl.program_id(1), n, HAS_BIAS, PARTIAL)
+
+
+@triton.jit
 def dot_tile(x, w, IEEE: tl.constexpr):
     """x [BM, BK] @ w[BN, BK].T in float32. IEEE: in exact float32 arithmetic (no tf32), for float32
     models and under the interpreter (whose 16-bit dot is wrong; bf16 x bf16 products are exact in
@@ -131,5 +309,6 @@ def split_candidates(n_rows: int, block_n: int, units: int, sms: int) -> list[in
     return out
 
 
-__all__ = ["MAGIC", "activate", "dot_tile", "plane_codes", "plane_dot", "split_candidates", "store_glu",
-           "store_rows", "triton"]
+__all__ = ["MAGIC", "activate", "chunk_side", "code_term", "dot_tile", "glu_halves", "masked_load", "octet_dot",
+           "opaque", "plane_codes", "plane_words", "shr16", "split_candidates", "store_glu", "store_rows", "store_tile",
+           "tile_rows", "tile_rows_of", "triton", "upper_halves", "x_octet", "x_sum8"]
