@@ -21,7 +21,7 @@ def _op(fmt: str, shape, params, gen, dtype, bias: bool):
     w = 0.3 * torch.randn(*shape, generator=gen)
     record = Tensor("layers.0.mlp.experts.0.w", "moe.expert.up", 0, tuple(shape), Encoding(fmt, params), "f32")
     b = (0.1 * torch.randn(shape[0], generator=gen)).to(dtype).to(DEVICE) if bias else None
-    return make_linear(record, formats.encode(fmt, w, params), b, DEVICE, dtype)
+    return make_linear(record, formats.encode(fmt, w.to(DEVICE), params).cpu(), b, DEVICE, dtype)
 
 
 def _plan(fmts, *, dtype=torch.float32, top_k=2, fused=True, bias=False, clamp=False, normalize=True,
@@ -43,7 +43,7 @@ def _plan(fmts, *, dtype=torch.float32, top_k=2, fused=True, bias=False, clamp=F
 def _check(plan, dtype=torch.float32, seed=1, tol=None):
     from thin.runtime.kernels.experts import MoEKernels
 
-    kernels = MoEKernels(plan, DEVICE, dtype)
+    kernels = MoEKernels(plan, DEVICE, dtype, tune=False)
     gen = torch.Generator().manual_seed(seed)
     for _ in range(3):  # different tokens route to different experts
         x = torch.randn(kernels.hidden, generator=gen).to(dtype).to(DEVICE)
@@ -122,8 +122,8 @@ def test_unsupported_expert_formats_are_refused():
 @pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
 @pytest.mark.parametrize("fmt,params", [("bf16", {}), ("int4", {"group_size": 128}), ("mxfp4", {})])
 def test_real_shapes_on_the_gpu(fmt, params):
-    """moe-a3b's expert shape (hidden 2048, FFN 768, top-8 of 32 here) and gpt-oss-20b's (2880)."""
-    _check(_plan([(fmt, params)] * 32, dtype=torch.bfloat16, top_k=8, hidden=2048, inter=768, seed=10),
+    """moe-a3b's expert shape (hidden 2048, FFN 768, top-8 of 16 here) and gpt-oss-20b's (2880)."""
+    _check(_plan([(fmt, params)] * 16, dtype=torch.bfloat16, top_k=8, hidden=2048, inter=768, seed=10),
            dtype=torch.bfloat16)
-    _check(_plan([(fmt, params if fmt != "int4" else {"group_size": 32})] * 8, dtype=torch.bfloat16, top_k=4,
+    _check(_plan([(fmt, params if fmt != "int4" else {"group_size": 32})] * 4, dtype=torch.bfloat16, top_k=2,
                  hidden=2880, inter=2880, bias=True, clamp=True, router_bias=True, seed=11), dtype=torch.bfloat16)

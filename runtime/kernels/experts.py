@@ -47,8 +47,8 @@ _PARTS = {DENSE: ("weight",), INT8: ("values", "scales"), FP8: ("values", "scale
           INT4: ("codes", "scales", "offsets"), MXFP4: ("values", "scales"),
           Q2: ("codes", "scales", "offsets", "row_scale", "row_offset"), Q1: ("signs", "scales", "row_scale")}
 _DENSE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
-COLUMNS = 6
 SUPPORTED = tuple(_CODES)
+_CHOSEN: dict = {}  # launch tiles chosen by timing, by shape and format (MoEKernels.config)
 
 
 # ---- reading one expert's rows ------------------------------------------------------------------------
@@ -110,11 +110,19 @@ def _x_split(x_ptr, start, gi, gmask, GB: tl.constexpr, G: tl.constexpr, PER: tl
 
 @triton.jit
 def _e2m1(code):
-    """The E2M1 value of 4-bit codes (int32): magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6, sign bit 3."""
+    """The E2M1 value of 4-bit codes (int32): magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6, sign bit 3. A
+    normal code (exponent e >= 1) is the float32 with exponent e - 1 and the mantissa bit on top."""
     e = (code >> 1) & 3
-    m = (code & 1).to(tl.float32)
-    magnitude = tl.where(e == 0, 0.5 * m, (2.0 + m) * tl.exp2((e - 2).to(tl.float32)))
+    m = code & 1
+    normal = (((e + 126) << 23) | (m << 22)).to(tl.float32, bitcast=True)
+    magnitude = tl.where(e == 0, 0.5 * m.to(tl.float32), normal)
     return tl.where(code >= 8, -magnitude, magnitude)
+
+
+@triton.jit
+def _e8m0(byte):
+    """2^(byte - 127) for E8M0 scale bytes (int32, 0..254): the float32 with that biased exponent."""
+    return tl.where(byte == 0, 5.877471754111438e-39, (byte << 23).to(tl.float32, bitcast=True))
 
 
 @triton.jit
@@ -157,7 +165,7 @@ def _grouped_dot(base, offs, x_ptr, rows, row_mask, K, FMT: tl.constexpr, G: tl.
                 acc += scale[:, :, None] * ((lo - 8.0) * xs[0][None] + (hi - 8.0) * xs[1][None])
         elif FMT == 4:  # mxfp4: E2M1 * 2^(scale byte - 127)
             e8 = tl.load(_part(base, offs, 1, tl.uint8) + side_offs + g0, mask=mask2, other=127).to(tl.int32)
-            scale = tl.exp2((e8 - 127).to(tl.float32))
+            scale = _e8m0(e8)
             acc += scale[:, :, None] * (_e2m1(b & 15) * xs[0][None] + _e2m1(b >> 4) * xs[1][None])
         elif FMT == 5:  # q2: u * (row_scale * scale) + row_offset * offset
             step = row_scale * _e4m3(_part(base, offs, 1, tl.uint8), side_offs + g0, mask2)
@@ -377,12 +385,13 @@ class _Group:
 
 
 class MoEKernels:
-    """The decode path of one MoE layer (executor's MoEPlan) on the kernels above.
+    """The decode path of one MoE layer (executor's MoEPlan) on the kernels above (`tune`: time the
+    launch tiles on a GPU, else take the first candidate).
 
     `__call__(x, partials)` reads x [hidden], writes partials[:top_k] (float32 [top_k, hidden]) and
     returns that view: the caller adds its rows into the residual."""
 
-    def __init__(self, plan, device: torch.device, dtype: torch.dtype):
+    def __init__(self, plan, device: torch.device, dtype: torch.dtype, *, tune: bool = True):
         if plan.scoring != "softmax":
             raise NotImplementedError(f"router scoring {plan.scoring!r}")
         if plan.shared_expert is not None:
@@ -394,7 +403,7 @@ class MoEKernels:
         clamps = {(e.activation, e.alpha, e.limit, e.up_offset, len(e.up)) for e in experts}
         if len(clamps) != 1:
             raise NotImplementedError("experts of one layer with different activations or clamps")
-        self.device, self.dtype = torch.device(device), dtype
+        self.device, self.dtype, self.tune = torch.device(device), dtype, tune
         self.num_experts, self.top_k, self.normalize = len(experts), plan.top_k, plan.normalize_top_k
         if self.num_experts > 256:
             raise NotImplementedError(f"{self.num_experts} experts (at most 256)")
@@ -451,10 +460,10 @@ class MoEKernels:
             cols = next_power_of_2(K)
             return [ExpertConfig(min(next_power_of_2(n), 64), cols // group.group if group.group else cols)]
         if group.group:
-            per_step = [max(1, c // group.group) for c in (256, 512, 128)]
-            tiles = [(bn, ng, w) for ng in per_step for bn, w in ((16, 4), (8, 4), (32, 8), (4, 2))]
+            per_step = [max(1, c // group.group) for c in (256, 512)]
+            tiles = [(bn, ng, w) for ng in per_step for bn, w in ((16, 4), (8, 4), (32, 8))]
         else:
-            tiles = [(bn, bk, w) for bk in (256, 512, 128) for bn, w in ((8, 4), (16, 4), (4, 2), (16, 8))]
+            tiles = [(bn, bk, w) for bk in (256, 512) for bn, w in ((8, 4), (16, 4), (4, 2))]
         out = []
         for bn, ng, w in tiles:
             if group.group and ng * group.group > next_power_of_2(K):
@@ -465,11 +474,20 @@ class MoEKernels:
         return out
 
     def config(self, index: int, kind: str) -> ExpertConfig:
+        """The tiles of group `index`'s `kind` kernel: the first candidate off a GPU, else the fastest,
+        timed once per shape and format in this process (every layer of a model shares it)."""
         key = (index, kind)
         if key not in self._configs:
-            candidates = self.candidates(self.groups[index], kind)
-            self._configs[key] = candidates[0] if len(candidates) == 1 or self.device.type != "cuda" else \
-                min(candidates, key=lambda c: self._time(index, kind, c))
+            g = self.groups[index]
+            shape = (kind, g.fmt, g.dt, g.group, g.asym, g.has_bias, self.hidden, self.inter, self.num_experts,
+                     self.top_k, len(self.groups), str(self.dtype), str(self.device))
+            candidates = self.candidates(g, kind)
+            if len(candidates) == 1 or self.device.type != "cuda" or not self.tune:
+                self._configs[key] = candidates[0]
+            else:
+                if shape not in _CHOSEN:
+                    _CHOSEN[shape] = min(candidates, key=lambda c: self._time(index, kind, c))
+                self._configs[key] = _CHOSEN[shape]
         return self._configs[key]
 
     def _time(self, index: int, kind: str, config: ExpertConfig) -> float:
