@@ -56,6 +56,9 @@ def _check(plan, dtype=torch.float32, seed=1, tol=None):
         # The chosen experts are torch's top-k, in its order (best first).
         probs = torch.softmax(torch.nn.functional.linear(x.float(), plan.router_weight, plan.router_bias), -1)
         chosen = torch.topk(probs, plan.top_k).indices.tolist()
+        assert kernels.chosen.tolist() == chosen
+        weights = [_weight(probs, chosen, slot, plan) for slot in range(plan.top_k)]
+        assert torch.allclose(kernels.weights.cpu(), torch.tensor(weights), rtol=1e-5)
         for slot, e in enumerate(chosen):
             alone = run_moe_single(x, plan, e)
             assert rel_err(got[slot], alone * _weight(probs, chosen, slot, plan)) < (tol or 4 * tolerance(dtype))

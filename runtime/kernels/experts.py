@@ -5,11 +5,13 @@ Per MoE layer and token, three launches, none of which needs the host:
 
     _router_kernel   logits[E] = x @ router.T (+ bias), float32 (programs over experts)
     _gate_up_kernel  program (slot, row block): the top-k of the logits (every program recomputes
-                     it: E <= 256 numbers in registers, cheaper than a launch), e = the slot's
-                     expert, h[slot] = act(gate_e x + b) * (up_e x + b), GPT-OSS's clamped
-                     SwiGLU included (alpha, limit, the offset added to up)
-    _down_kernel     program (slot, row block): partials[slot] = w_slot * (down_e h[slot] + b),
-                     float32; the fused residual norm adds the k rows (norm.add_rmsnorm)
+                     it: E <= 256 numbers in registers, cheaper than a launch; row block 0 also
+                     stores it in `chosen` / `weights`), e = the slot's expert,
+                     h[slot] = act(gate_e x + b) * (up_e x + b), GPT-OSS's clamped SwiGLU included
+                     (alpha, limit, the offset added to up)
+    _down_kernel     program (slot, row block): e and w from `chosen` / `weights`,
+                     partials[slot] = w * (down_e h[slot] + b), float32; the fused residual norm
+                     adds the k rows (norm.add_rmsnorm)
 
 So expert indices never leave the device and a captured decode step holds the whole layer. The
 weights stay as the executor loaded them, one blob (or dense tensor) per expert: each group of
@@ -263,7 +265,8 @@ def _route(logits_ptr, slot, E, EP: tl.constexpr, TOP_K: tl.constexpr, NORMALIZE
 # ---- the expert kernels ---------------------------------------------------------------------------------
 
 @triton.jit
-def _gate_up_kernel(base, gate_table, up_table, member_ptr, logits_ptr, x_ptr, h_ptr, E, K, n, up_row0,
+def _gate_up_kernel(base, gate_table, up_table, member_ptr, logits_ptr, chosen_ptr, weights_ptr, x_ptr, h_ptr, E, K, n,
+                    up_row0,
                     alpha, limit, up_offset,
                     FMT: tl.constexpr, DT: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, BN: tl.constexpr,
                     ASYM: tl.constexpr, HAS_BIAS: tl.constexpr, EP: tl.constexpr, TOP_K: tl.constexpr,
@@ -271,7 +274,10 @@ def _gate_up_kernel(base, gate_table, up_table, member_ptr, logits_ptr, x_ptr, h
     """Program (slot, i): h[slot, i*BN..] = act(gate) * (up + up_offset) of the slot's expert, as the
     torch path rounds it (projection outputs, then the product, in h's dtype)."""
     slot = tl.program_id(0)
-    expert, _ = _route(logits_ptr, slot, E, EP, TOP_K, NORMALIZE)
+    expert, weight = _route(logits_ptr, slot, E, EP, TOP_K, NORMALIZE)
+    if tl.program_id(1) == 0:  # for the down kernel (every format's launch stores the same)
+        tl.store(chosen_ptr + slot, expert)
+        tl.store(weights_ptr + slot, weight)
     member = tl.load(member_ptr + expert)
     if member >= 0:
         rows = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -296,14 +302,14 @@ def _gate_up_kernel(base, gate_table, up_table, member_ptr, logits_ptr, x_ptr, h
 
 
 @triton.jit
-def _down_kernel(base, table, member_ptr, logits_ptr, h_ptr, out_ptr, E, K, n,
+def _down_kernel(base, table, member_ptr, chosen_ptr, weights_ptr, h_ptr, out_ptr, K, n,
                  FMT: tl.constexpr, DT: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, BN: tl.constexpr,
-                 ASYM: tl.constexpr, HAS_BIAS: tl.constexpr, EP: tl.constexpr, TOP_K: tl.constexpr,
-                 NORMALIZE: tl.constexpr):
+                 ASYM: tl.constexpr, HAS_BIAS: tl.constexpr):
     """Program (slot, i): out[slot, i*BN..] = w_slot * (down h[slot] + bias), float32, each factor
     rounded to h's dtype as the torch path rounds it."""
     slot = tl.program_id(0)
-    expert, weight = _route(logits_ptr, slot, E, EP, TOP_K, NORMALIZE)
+    expert = tl.load(chosen_ptr + slot)
+    weight = tl.load(weights_ptr + slot)
     member = tl.load(member_ptr + expert)
     if member >= 0:
         rows = tl.program_id(1) * BN + tl.arange(0, BN)
@@ -448,6 +454,9 @@ class MoEKernels:
             g.tables(anchor.data_ptr(), self.device)
         self.logits = torch.zeros(self.num_experts, dtype=torch.float32, device=self.device)
         self.h = torch.zeros(self.top_k, self.inter, dtype=dtype, device=self.device)
+        # The routing of the last token: experts best first and their weights (gate/up writes, down reads).
+        self.chosen = torch.zeros(self.top_k, dtype=torch.int32, device=self.device)
+        self.weights = torch.zeros(self.top_k, dtype=torch.float32, device=self.device)
         self._configs: dict = {}
 
     # ---- configurations ----
@@ -493,6 +502,7 @@ class MoEKernels:
     def _time(self, index: int, kind: str, config: ExpertConfig) -> float:
         x = torch.randn(self.hidden, device=self.device).to(self.dtype)
         self.route(x)
+        self._gate_up(index, x, self.candidates(self.groups[index], "gate_up")[0])  # routing for the down kernel
         out = torch.empty(self.top_k, self.hidden, dtype=torch.float32, device=self.device)
 
         def launch():
@@ -532,18 +542,19 @@ class MoEKernels:
                                             HAS_BIAS=self.router_bias is not None, num_warps=4)
 
     def _common(self, g: _Group) -> dict:
-        return dict(FMT=g.fmt, DT=g.dt, ASYM=g.asym, HAS_BIAS=g.has_bias, EP=max(2, next_power_of_2(self.num_experts)),
-                    TOP_K=self.top_k, NORMALIZE=self.normalize)
+        return dict(FMT=g.fmt, DT=g.dt, ASYM=g.asym, HAS_BIAS=g.has_bias)
 
     def _gate_up(self, index: int, x: torch.Tensor, config: ExpertConfig) -> None:
         g = self.groups[index]
         n = self.inter
         grid = (self.top_k, -(-n // config.block_n))
         _gate_up_kernel[grid](
-            self.base, g.gate_table, g.up_table, g.member, self.logits, x, self.h, self.num_experts, self.hidden, n,
-            n if self.fused else 0, float(self.alpha), float(self.limit if self.limit is not None else 0.0),
-            float(self.up_offset), G=g.group or config.groups, NG=config.groups if g.group else 1, BN=config.block_n,
+            self.base, g.gate_table, g.up_table, g.member, self.logits, self.chosen, self.weights, x, self.h,
+            self.num_experts, self.hidden, n, n if self.fused else 0, float(self.alpha),
+            float(self.limit if self.limit is not None else 0.0), float(self.up_offset),
+            G=g.group or config.groups, NG=config.groups if g.group else 1, BN=config.block_n,
             ACT=ACTIVATION_CODES[self.act], CLAMP=self.limit is not None, GAIN=self.alpha != 1.0,
+            EP=max(2, next_power_of_2(self.num_experts)), TOP_K=self.top_k, NORMALIZE=self.normalize,
             num_warps=config.num_warps, **self._common(g))
 
     def _down(self, index: int, out: torch.Tensor, config: ExpertConfig) -> None:
@@ -551,7 +562,7 @@ class MoEKernels:
         n = self.hidden
         grid = (self.top_k, -(-n // config.block_n))
         _down_kernel[grid](
-            self.base, g.down_table, g.member, self.logits, self.h, out, self.num_experts, self.inter, n,
+            self.base, g.down_table, g.member, self.chosen, self.weights, self.h, out, self.inter, n,
             G=g.group or config.groups, NG=config.groups if g.group else 1, BN=config.block_n,
             num_warps=config.num_warps, **self._common(g))
 
