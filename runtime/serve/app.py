@@ -28,9 +28,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from . import protocol
+from .engine_backend import default_backend
 from .errors import ApiError
 from .limits import Limits, read_body
-from .scheduler import BatchBackend, Delta, Done, Failed, Job, Scheduler, TorchBackend
+from .scheduler import BatchBackend, Delta, Done, Failed, Job, Scheduler
 
 log = logging.getLogger("thin.serve")
 
@@ -39,11 +40,12 @@ def create_app(model, *, name: str | None = None, limits: Limits | None = None, 
                backend: BatchBackend | None = None) -> Starlette:
     """An ASGI app serving `model` (a ThinModel with a tokenizer) under the id `name` (default: the
     artifact's file name without .thin). Its scheduler thread runs from the app's startup to its
-    shutdown. `backend` defaults to the torch executor's."""
+    shutdown. `backend` defaults to the CUDA decode engine's batched step when the model runs on it,
+    else to the torch executor's."""
     if model.tokenizer is None:
         raise ValueError("this artifact has no tokenizer; the server needs one to read prompts and write text")
     server = _Server(model, name or Path(model.artifact.path).stem, limits or Limits(), api_key,
-                     backend or TorchBackend(model.executor))
+                     backend or default_backend(model, (limits or Limits()).max_batch))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):

@@ -57,7 +57,8 @@ class BatchBackend(Protocol):
     A backend must give each sequence exactly the tokens its own single-sequence generate gives
     it alone (greedy: the same argmax; sampled: the same draws from the same seed), whatever else
     is in the batch. `add` raises NoRoom when the sequence does not fit now (a paged KV pool
-    shared by the batch is full): the request then waits until another sequence has left.
+    shared by the batch is full): the request then waits until another sequence has left; and
+    TooLarge when it would not fit even alone: the request fails with its message.
     """
 
     def add(self, spec: SequenceSpec) -> int: ...
@@ -69,6 +70,10 @@ class BatchBackend(Protocol):
 
 class NoRoom(Exception):
     """BatchBackend.add: no room for this sequence until another one leaves (KV blocks, say)."""
+
+
+class TooLarge(Exception):
+    """BatchBackend.add: this sequence never fits, even alone; the message says why (to the client)."""
 
 
 class _Sampler:
@@ -284,6 +289,10 @@ class Scheduler:
             return True
         try:
             token = self.backend.add(job.spec)
+        except TooLarge as e:
+            log.info("%s: refused: %s", job.name, e)
+            job.emit(Failed(str(e)))
+            return True
         except NoRoom:
             if self._active:
                 return False

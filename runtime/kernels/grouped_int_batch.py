@@ -1,0 +1,87 @@
+"""int4 weights (ir/formats/grouped_int.py, one 4-bit plane) times a few rows of activations: the
+linear layers of a batched decode step (runtime/batch_engine.py), 2 to 64 sequences.
+
+Between the matrix-vector product (one row: every weight used once) and the prefill matmul (many
+rows: compute-bound), a batched step is still bound by reading the weight once, so the tiles are
+shaped for bandwidth: each program takes a narrow band of BN output rows (16 or 32, so thousands of
+programs fill the device without split-K) and walks its columns BK at a time, loading the band's
+packed codes as 32-bit words (eight codes a word, in the format's order: code j of a word at bits
+4j), turning them into the compute dtype with the group's scale (one scale a row and step: BK
+divides the group) and multiplying with tl.dot against all the rows of activations at once. Every
+output row is computed from its own activations only, whatever the other rows hold.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from . import interpreting
+from .common import next_power_of_2
+
+
+@triton.jit
+def _rows_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, M, N, K, MID: tl.constexpr,
+                 ASYM: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                 HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
+    """Program i: out[:M, i*BN:(i+1)*BN] = x[:M] @ W[rows].T (+ bias), W read once."""
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    tok = tl.arange(0, BM)
+    tok_mask = tok < M
+    words_per_row = K // 8
+    shifts = tl.arange(0, 8) * 4
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        # The band's codes: BK / 8 words a row, 16-byte loads along the row.
+        words = tl.load(w_ptr + rows[:, None].to(tl.int64) * words_per_row + (k0 // 8 + tl.arange(0, BK // 8))[None, :])
+        codes = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xF, [BN, BK])
+        side = rows.to(tl.int64) * (K // G) + k0 // G
+        scale = tl.load(scale_ptr + side).to(tl.float32)[:, None]
+        if ASYM:
+            w = codes.to(tl.float32) * scale + tl.load(offset_ptr + side).to(tl.float32)[:, None]
+        else:
+            w = (codes - MID).to(tl.float32) * scale
+        x = tl.load(x_ptr + tok[:, None] * K + (k0 + tl.arange(0, BK))[None, :], mask=tok_mask[:, None], other=0.0)
+        if IEEE:
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(x.dtype).to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows).to(tl.float32)[None, :]
+    tl.store(out_ptr + tok[:, None] * N + rows[None, :], acc.to(out_ptr.dtype.element_ty), mask=tok_mask[:, None])
+
+
+MAX_ROWS = 64
+
+
+def takes(op) -> bool:
+    """Whether `rows_matmul` runs this LinearOp: a Triton int4 weight (one plane, no high bits) whose
+    shape the tiles divide."""
+    return (getattr(op, "implementation", "") == "triton" and op.format == "int4"
+            and getattr(op, "wh", None) == 0 and op.out_features % 16 == 0 and _block_k(op) is not None)
+
+
+def _block_k(op) -> int | None:
+    group = op.group
+    block = min(group, 128)
+    if group % block or op.in_features % block or block % 32:
+        return None
+    return block
+
+
+def rows_matmul(op, x: torch.Tensor) -> torch.Tensor:
+    """x [M, K] (M <= 64) @ W.T (+ bias) -> [M, N] in x's dtype, for an op `takes` accepts."""
+    M, K = x.shape
+    N = op.out_features
+    if not takes(op) or op.in_features != K or not 1 <= M <= MAX_ROWS:
+        raise ValueError(f"rows_matmul takes int4 weights and 1..{MAX_ROWS} rows of {op.in_features}, got {op!r} "
+                         f"and {tuple(x.shape)}")
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    bn = 32 if N % 32 == 0 and N >= 8192 else 16
+    bias = op.bias if op.bias is not None else x
+    _rows_kernel[(N // bn,)](
+        x.contiguous(), op.low32, op.scales, op.offsets, bias, out, M, N, K, MID=op.mid, ASYM=op.asym, G=op.group,
+        BM=max(16, next_power_of_2(M)), BN=bn, BK=_block_k(op), HAS_BIAS=op.bias is not None,
+        IEEE=x.dtype == torch.float32 or interpreting(), num_warps=4, num_stages=4)
+    return out
