@@ -149,13 +149,19 @@ class DecodeEngine:
                 add_rmsnorm(residual, normed, dense=h, post=_norm(layer.ffn_post_norm), norm=_norm(following))
                 continue
             if mlp.gated and len(mlp.up) == 1:
-                h = glu(mlp.up[0](normed), mlp.activation)
+                h = glu(_rows(mlp.up[0], normed, mlp.width, 2), mlp.activation)
             elif mlp.gated:
-                h = activate(mlp.activation, mlp.up[0](normed)) * mlp.up[1](normed)
+                h = activate(mlp.activation, _rows(mlp.up[0], normed, mlp.width, 1)) * _rows(mlp.up[1], normed,
+                                                                                                mlp.width, 1)
             else:
-                h = activate(mlp.activation, mlp.up[0](normed))
+                h = activate(mlp.activation, _rows(mlp.up[0], normed, mlp.width, 1))
+            if mlp.width is None:
+                down = mlp.down(h)
+            else:  # an elastic FFN level: the first `width` columns of down, the level's scale and shift
+                down = mlp.down.prefix(h if mlp.scale is None else h * mlp.scale, cols=mlp.width)
+                down = down if mlp.shift is None else down + mlp.shift
             following = layers[index + 1].attn_norm if index + 1 < len(layers) else self.ex.final_norm
-            add_rmsnorm(residual, normed, dense=mlp.down(h), post=_norm(layer.ffn_post_norm), norm=_norm(following))
+            add_rmsnorm(residual, normed, dense=down, post=_norm(layer.ffn_post_norm), norm=_norm(following))
         self._project([self.ex.lm_head], normed[-1], self.logits)
         self.pos.add_(T)
         cache.advance(T)
@@ -199,7 +205,9 @@ class DecodeEngine:
                 with mark("gate/up + act"):
                     width = self._mlp(layer.ffn, self.normed)
                 with mark("down"):
-                    parts, bias = self._partial_sums(layer.ffn.down, self.mlp[:width])
+                    parts, bias = self._partial_sums(layer.ffn.down, self.mlp[:width], layer.ffn.width)
+                    if layer.ffn.shift is not None:  # an elastic FFN level: what its dropped channels add
+                        bias = layer.ffn.shift if bias is None else bias + layer.ffn.shift
             following = layers[index + 1].attn_norm if index + 1 < len(layers) else self.ex.final_norm
             with mark("residual + norm"):
                 add_rmsnorm(self.residual, self.normed, partials=parts, bias=bias,
@@ -244,7 +252,9 @@ class DecodeEngine:
         if not graph:
             self.decode_one_token(cache, sampler)
             return
-        captured = cache.graphs.get(sampler.key)
+        # A captured step holds its launches' sizes and addresses: one per sampler and FFN level.
+        key = (sampler.key, self.ffn_key())
+        captured = cache.graphs.get(key)
         if captured is not None:
             captured.replay()
             return
@@ -255,7 +265,7 @@ class DecodeEngine:
         captured = torch.cuda.CUDAGraph()
         with torch.cuda.graph(captured, pool=self._pool):
             self.decode_one_token(cache, sampler)
-        cache.graphs[sampler.key] = captured
+        cache.graphs[key] = captured
 
     # ---- generation ------------------------------------------------------------------------------
 
@@ -324,25 +334,37 @@ class DecodeEngine:
     def _project_rows(self, ops: list[LinearOp], x: torch.Tensor) -> torch.Tensor:
         return ops[0](x) if len(ops) == 1 else torch.cat([op(x) for op in ops], dim=-1)
 
-    def _partial_sums(self, op: LinearOp, x: torch.Tensor):
-        """(partial sums [n, hidden] float32, bias) of x @ W.T: split-K from a kernel, else one row."""
+    def ffn_key(self) -> tuple:
+        """What the decode step's dense FFNs run (elastic FFN levels: each one's width and the addresses
+        of its scale and shift): a captured graph serves one such state."""
+        return tuple((m.width, None if m.scale is None else m.scale.data_ptr(),
+                      None if m.shift is None else m.shift.data_ptr())
+                     for m in (layer.ffn for layer in self.ex.layers) if isinstance(m, MLPPlan))
+
+    def _partial_sums(self, op: LinearOp, x: torch.Tensor, cols: int | None = None):
+        """(partial sums [n, hidden] float32, bias) of x @ W.T (over the first `cols` columns of W when
+        given: x is [cols]): split-K from a kernel, else one row."""
         if hasattr(op, "matvec") and op.out_features == self.hidden:
-            return op.matvec(x, partials=self.partials), op.bias
-        self.partials[0].copy_(op(x[None])[0])
+            return op.matvec(x, partials=self.partials, cols=cols), op.bias
+        self.partials[0].copy_(op(x[None])[0] if cols is None else op.prefix(x[None], cols=cols)[0])
         return self.partials[:1], None
 
     def _mlp(self, mlp: MLPPlan, x: torch.Tensor) -> int:
-        """act(gate(x)) * up(x) (or act(up(x))) into self.mlp; returns its width."""
-        width = mlp.down.in_features
+        """act(gate(x)) * up(x) (or act(up(x))) into self.mlp; returns its width. At an elastic FFN level
+        (mlp.width) only the first `width` channels, read in place, times the level's scale."""
+        width = mlp.down.in_features if mlp.width is None else mlp.width
         out = self.mlp[:width]
         if mlp.gated and len(mlp.up) == 1 and hasattr(mlp.up[0], "matvec"):
-            mlp.up[0].matvec(x, out=out, activation=mlp.activation)
+            mlp.up[0].matvec(x, out=out, activation=mlp.activation, rows=mlp.width)
         elif mlp.gated:
-            gate_up = [op(x[None])[0] for op in mlp.up]
+            halves = 2 if len(mlp.up) == 1 else 1
+            gate_up = [_rows(op, x[None], mlp.width, halves)[0] for op in mlp.up]
             gate, up = gate_up[0].chunk(2) if len(gate_up) == 1 else gate_up
             out.copy_(activate(mlp.activation, gate) * up)
         else:
-            out.copy_(activate(mlp.activation, mlp.up[0](x[None])[0]))
+            out.copy_(activate(mlp.activation, _rows(mlp.up[0], x[None], mlp.width, 1)[0]))
+        if mlp.scale is not None:
+            out.mul_(mlp.scale)
         return width
 
     def _whole_qk_norm(self, a, qkv: torch.Tensor) -> None:
@@ -430,6 +452,11 @@ def _check_supported(executor) -> None:
 
 def _mlp_width(ffn) -> int:
     return ffn.down.in_features
+
+
+def _rows(op: LinearOp, x: torch.Tensor, width: int | None, halves: int) -> torch.Tensor:
+    """op(x), or at an elastic FFN level its first `width` rows of each of `halves` blocks."""
+    return op(x) if width is None else op.prefix(x, rows=width, halves=halves)
 
 
 def _moe_kernels(executor) -> dict:

@@ -87,13 +87,13 @@ class ThinModel:
         importance-ordered channels that the level certified (thin.ir.FFNLevel); 1.0 is the whole model.
         A keep the artifact did not certify raises FFNLevelError, unless `uncertified`: then every layer
         runs the same share of its channels (whole superblocks), without a certificate or correction.
-        Switching levels copies no weight; a conversation's cached keys and values stay in use."""
+        Switching levels copies no weight; a conversation's cached keys and values stay in use. On CUDA
+        the kernels read the prefix in place, and the decode engine captures its step once per level
+        (a switch back replays the graph captured before)."""
         from thin.ir import FFNLevel
         from thin.ir.elastic import uniform_channels
 
         levels = self.ir.ffn_levels
-        if self.device.type == "cuda" and keep != 1.0:
-            raise FFNLevelError("FFN levels run on the CPU for now: the CUDA kernels take no channel prefix yet")
         match = [i for i, level in enumerate(levels) if abs(level.keep - keep) < 5e-4]
         if not levels and keep != 1.0:
             raise FFNLevelError(f"--ffn-keep {keep:g}: this artifact has no FFN levels (its channels are not "

@@ -13,6 +13,7 @@ import types
 
 import pytest
 import torch
+from kernel_support import DEVICE  # before anything imports triton: its interpreter on a CPU
 
 from thin.compiler.evaluate import make_evaluator
 from thin.compiler.hf import load_checkpoint
@@ -201,3 +202,40 @@ def test_thin_exec_runs_a_certified_level_and_refuses_others(compiled):
     forced = _cli("thin-exec", out, "--raw", "-p", "def f(", "--max-new-tokens", "4", "--ffn-keep", "0.6",
                   "--uncertified")
     assert forced.returncode == 0 and "UNCERTIFIED" in forced.stderr
+
+
+def test_the_kernels_and_the_decode_engine_run_each_level_like_the_executor(compiled):
+    """Every level through the Triton kernels (the interpreter on a CPU) and the decode engine: the
+    prefill's last logits and the greedy tokens are the executor's at the same level, switching levels
+    back and forth on one engine (the CUDA graph is captured again per level on a GPU)."""
+    from thin.runtime import linear, load
+    from thin.runtime.engine import DecodeEngine
+    from thin.runtime.engine import generate as engine_generate
+    from thin.runtime.generate import generate
+    from thin.runtime.sampling import GenerationOptions
+
+    _, out, _ = compiled
+    added = DEVICE.type == "cpu"
+    if added:
+        linear.register("int4", "cpu", linear.Implementation("triton", "thin.runtime.kernels.grouped_int:make"))
+    try:
+        model = load(out, device=DEVICE.type)
+        assert {op.implementation for op in model.executor.linear_ops()} == {"triton"}
+        engine = DecodeEngine(model.executor)
+        prompt = model.encode(TEXT)[:12]
+        opts = GenerationOptions(max_new_tokens=6, stop_token_ids=())
+        seen = {}
+        for keep in (0.5, 1.0, 0.75, 0.5):
+            model.set_ffn_keep(keep)
+            want = model.executor.forward(torch.tensor(prompt, device=DEVICE))[-1].float().cpu()
+            tokens = list(engine_generate(engine, prompt, opts))
+            assert tokens == list(generate(model.executor, prompt, opts)), keep
+            cache = engine.new_cache(len(prompt) + 1)
+            engine.start(cache, prompt, opts)
+            engine.prefill(cache, torch.tensor(prompt), engine.sampler(opts))
+            assert torch.allclose(engine.logits.float().cpu(), want, atol=1e-3, rtol=1e-3), keep
+            seen[keep] = want
+        assert not torch.allclose(seen[1.0], seen[0.5], atol=1e-2)
+    finally:
+        if added:
+            linear.unregister("int4", "cpu", "triton")

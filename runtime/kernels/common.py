@@ -263,13 +263,13 @@ def prefix_rows(op: KernelLinear, config: MatvecConfig, act: int, rows: int | No
     return n, rows // block_n, config
 
 
-def prefix_split(config: MatvecConfig, units: int) -> MatvecConfig:
-    """`config` over a reduction of `units` loop units (an elastic prefix of the columns): the largest
-    split-K, at most the configuration's, that divides them, so no program reads past the prefix."""
-    split = config.split
-    while units % split:
-        split //= 2
-    return config if split == config.split else replace(config, split=max(1, split))
+def prefix_split(config: MatvecConfig, units: int, step: int = 1) -> MatvecConfig:
+    """`config` over a reduction of `units` (an elastic prefix of the columns): the largest split-K, at
+    most the configuration's, that divides them, so no program reads past the prefix; one down to half
+    the configuration's that leaves each program whole loop steps of `step` units (no masks) first."""
+    splits = [s for s in range(config.split, 0, -1) if units % s == 0]
+    split = next((s for s in splits if 2 * s >= config.split and (units // s) % step == 0), splits[0])
+    return config if split == config.split else replace(config, split=split)
 
 
 def chunk_prefix(config: MatvecConfig, K: int, cols: int | None, columns: int = 32) -> tuple[MatvecConfig, ChunkLaunch]:
@@ -278,7 +278,7 @@ def chunk_prefix(config: MatvecConfig, K: int, cols: int | None, columns: int = 
     must divide the prefix's chunks."""
     units = (K if cols is None else cols) // columns
     if cols is not None:
-        config = prefix_split(config, units)
+        config = prefix_split(config, units, max(1, config.chunk // columns))
     return config, chunk_launch(units, config, columns)
 
 
