@@ -121,7 +121,7 @@ class BatchEngine:
         self.attention = {b: DecodeAttention(e.num_heads, e.num_kv_heads, e.head_dim, self.max_seq_len, self.device,
                                              sms, rows=b) for b in self.buckets}
         self._graphs: dict = {}
-        # (rows, columns, group, asymmetric, batch) of int4 weights -> the two kernels' times (_rows_kernel).
+        # (rows, columns, group, asymmetric, batch) of int4 weights -> each kernel's time (_rows_kernel).
         self.choices: dict[tuple, dict[str, float]] = {}
         self._slots: list[dict] = []  # per occupied slot: blocks, options, penalties
         self._host = torch.empty(S, dtype=torch.long, pin_memory=self.device.type == "cuda")
@@ -302,26 +302,32 @@ class BatchEngine:
         batch kernel where it was measured faster here, else the op's own matmul)."""
         from .kernels.grouped_int_batch import rows_matmul
 
-        outs = [rows_matmul(op, x) if self._rows_kernel(op, x) else op(x) for op in ops]
+        outs = []
+        for op in ops:
+            block_n = self._rows_kernel(op, x)
+            outs.append(rows_matmul(op, x, block_n) if block_n else op(x))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
-    def _rows_kernel(self, op, x: torch.Tensor) -> bool:
-        """Whether the int4 batch kernel runs `op` for x's rows: it takes the op and (on CUDA) beat the
-        op's own matmul at this shape and row count, timed on the first step of each bucket."""
+    def _rows_kernel(self, op, x: torch.Tensor) -> int | None:
+        """The band width the int4 batch kernel runs `op` with for x's rows, or None for the op's own
+        matmul: on CUDA whichever timed fastest at this shape and row count on the first step of the
+        bucket (self.choices keeps the times, in microseconds)."""
         from .kernels import grouped_int_batch
 
         b = x.shape[0]
         if b > grouped_int_batch.MAX_ROWS or not grouped_int_batch.takes(op):
-            return False
+            return None
         if self.device.type != "cuda":
-            return True
+            return grouped_int_batch.block_candidates(op)[0]
         key = (op.out_features, op.in_features, op.group, op.asym, b)
         if key not in self.choices:
             probe = torch.randn(b, op.in_features, device=self.device).to(x.dtype)
-            self.choices[key] = {"rows_kernel_us": _time(lambda: grouped_int_batch.rows_matmul(op, probe)),
-                                 "matmul_us": _time(lambda: op(probe))}
-        times = self.choices[key]
-        return times["rows_kernel_us"] < times["matmul_us"]
+            times = {f"rows/{bn}": _time(lambda bn=bn: grouped_int_batch.rows_matmul(op, probe, bn))
+                     for bn in grouped_int_batch.block_candidates(op)}
+            times["matmul"] = _time(lambda: op(probe))
+            self.choices[key] = times
+        best = min(self.choices[key].items(), key=lambda kv: kv[1])[0]
+        return None if best == "matmul" else int(best.removeprefix("rows/"))
 
 
 def _time(launch) -> float:

@@ -179,10 +179,11 @@ def print_table(name: str, results: dict, args) -> None:
     gpu = next((r["gpu"] for r in results.values() if "gpu" in r), "?")
     for fmt, r in results.items():
         if r.get("int4_kernel_times"):
-            print(f"\n{fmt}: int4 linears of a batched step, us (rows x columns x group x asymmetric x batch)")
-            print("| weight | batch kernel | matmul |\n| --- | ---: | ---: |")
+            print(f"\n{fmt}: int4 linears of a batched step, us (rows x columns x group x asymmetric x batch; "
+                  "rows/B: the batch kernel in bands of B rows)")
+            print("| weight | times |\n| --- | --- |")
             for key, t in r["int4_kernel_times"].items():
-                print(f"| {key} | {t['rows_kernel_us']:.1f} | {t['matmul_us']:.1f} |")
+                print(f"| {key} | {', '.join(f'{k} {v:.1f}' for k, v in t.items())} |")
     print(f"\n{name} on {gpu}: {args.prompt_len}-token prompts, {args.gen} new tokens each, greedy")
     print("| format | streams | aggregate decode tok/s | per stream | vs one stream | end-to-end tok/s | "
           "TTFT median / worst |")

@@ -3,12 +3,13 @@ linear layers of a batched decode step (runtime/batch_engine.py), 2 to 64 sequen
 
 Between the matrix-vector product (one row: every weight used once) and the prefill matmul (many
 rows: compute-bound), a batched step is still bound by reading the weight once, so the tiles are
-shaped for bandwidth: each program takes a narrow band of BN output rows (16 or 32, so thousands of
-programs fill the device without split-K) and walks its columns BK at a time, loading the band's
-packed codes as 32-bit words (eight codes a word, in the format's order: code j of a word at bits
-4j), turning them into the compute dtype with the group's scale (one scale a row and step: BK
-divides the group) and multiplying with tl.dot against all the rows of activations at once. Every
-output row is computed from its own activations only, whatever the other rows hold.
+shaped for bandwidth: each program takes a band of BN output rows (16, 32 or 64, timed per shape
+and batch size: narrow bands fill the device without split-K, wide ones read the activations fewer
+times) and walks its columns BK at a time, loading the band's packed codes as 32-bit words (eight
+codes a word, in the format's order: code j of a word at bits 4j), turning them into the compute
+dtype with the group's scale (one scale a row and step: BK divides the group) and multiplying with
+tl.dot against all the rows of activations at once. Every output row is computed from its own
+activations only, whatever the other rows hold.
 """
 
 from __future__ import annotations
@@ -70,15 +71,22 @@ def _block_k(op) -> int | None:
     return block
 
 
-def rows_matmul(op, x: torch.Tensor) -> torch.Tensor:
-    """x [M, K] (M <= 64) @ W.T (+ bias) -> [M, N] in x's dtype, for an op `takes` accepts."""
+def block_candidates(op) -> list[int]:
+    """Output rows per program worth timing for `op`: narrow bands fill the device, wide ones read
+    the activations fewer times (every program reads all of them)."""
+    return [bn for bn in (16, 32, 64) if op.out_features % bn == 0]
+
+
+def rows_matmul(op, x: torch.Tensor, block_n: int = 16) -> torch.Tensor:
+    """x [M, K] (M <= 64) @ W.T (+ bias) -> [M, N] in x's dtype, for an op `takes` accepts, in bands
+    of `block_n` output rows (one of block_candidates(op))."""
     M, K = x.shape
     N = op.out_features
-    if not takes(op) or op.in_features != K or not 1 <= M <= MAX_ROWS:
-        raise ValueError(f"rows_matmul takes int4 weights and 1..{MAX_ROWS} rows of {op.in_features}, got {op!r} "
-                         f"and {tuple(x.shape)}")
+    if not takes(op) or op.in_features != K or not 1 <= M <= MAX_ROWS or block_n not in block_candidates(op):
+        raise ValueError(f"rows_matmul takes int4 weights, 1..{MAX_ROWS} rows of {op.in_features} and bands that "
+                         f"divide the rows, got {op!r}, {tuple(x.shape)} and {block_n}")
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    bn = 32 if N % 32 == 0 and N >= 8192 else 16
+    bn = block_n
     bias = op.bias if op.bias is not None else x
     _rows_kernel[(N // bn,)](
         x.contiguous(), op.low32, op.scales, op.offsets, bias, out, M, N, K, MID=op.mid, ASYM=op.asym, G=op.group,
