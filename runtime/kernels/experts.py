@@ -68,18 +68,32 @@ def _e4m3(ptr, offs, mask):
 
 
 @triton.jit
-def _bytewise_dot(w_ptr, x_ptr, rows, row_mask, K, FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """sum_k W[rows, k] x[k] for one element a column (dense, int8, fp8): float32 [BN]."""
+def _byte_step(acc, w, x_ptr, k0, ks, cmask, FMT: tl.constexpr):
+    x = tl.load(x_ptr + k0 + ks, mask=cmask, other=0.0).to(tl.float32)
+    if FMT == 2:  # fp8_e4m3 bytes
+        w = w.to(tl.float8e4nv, bitcast=True)
+    return acc + w.to(tl.float32) * x[None, :]
+
+
+@triton.jit
+def _bytewise_dot(w_ptr, x_ptr, rows, row_mask, K, FMT: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  PREFETCH: tl.constexpr):
+    """sum_k W[rows, k] x[k] for one element a column (dense, int8, fp8): float32 [BN]. PREFETCH:
+    the next tile's loads are issued before this tile's math (two tiles in flight)."""
     ks = tl.arange(0, BK)
     acc = tl.zeros([BN, BK], dtype=tl.float32)
     ptrs = w_ptr + rows[:, None].to(tl.int64) * K + ks[None, :]
-    for k0 in range(0, K, BK):
-        cmask = k0 + ks < K
-        w = tl.load(ptrs + k0, mask=row_mask[:, None] & cmask[None, :], other=0)
-        x = tl.load(x_ptr + k0 + ks, mask=cmask, other=0.0).to(tl.float32)
-        if FMT == 2:  # fp8_e4m3 bytes
-            w = w.to(tl.float8e4nv, bitcast=True)
-        acc += w.to(tl.float32) * x[None, :]
+    if PREFETCH:
+        w_next = tl.load(ptrs, mask=row_mask[:, None] & (ks < K)[None, :], other=0)
+        for k0 in range(0, K, BK):
+            w = w_next
+            w_next = tl.load(ptrs + k0 + BK, mask=row_mask[:, None] & (k0 + BK + ks < K)[None, :], other=0)
+            acc = _byte_step(acc, w, x_ptr, k0, ks, k0 + ks < K, FMT)
+    else:
+        for k0 in range(0, K, BK):
+            cmask = k0 + ks < K
+            w = tl.load(ptrs + k0, mask=row_mask[:, None] & cmask[None, :], other=0)
+            acc = _byte_step(acc, w, x_ptr, k0, ks, cmask, FMT)
     return tl.sum(acc, axis=1)
 
 
@@ -129,10 +143,11 @@ def _e8m0(byte):
 
 @triton.jit
 def _grouped_dot(base, offs, x_ptr, rows, row_mask, K, FMT: tl.constexpr, G: tl.constexpr, NG: tl.constexpr,
-                 BN: tl.constexpr, ASYM: tl.constexpr):
+                 BN: tl.constexpr, ASYM: tl.constexpr, PREFETCH: tl.constexpr):
     """sum_k W[rows, k] x[k] for the formats with a scale per group of G columns (int4, mxfp4, q2,
     q1): NG groups a step, each group's packed bytes [BN, NG, GB] decoded in registers against x
-    split the same way (_x_split). float32 [BN]."""
+    split the same way (_x_split). float32 [BN]. PREFETCH: the next step's codes are loaded before
+    this step's math."""
     PER: tl.constexpr = 2 if FMT == 3 or FMT == 4 else (4 if FMT == 5 else 8)
     GB: tl.constexpr = G // PER
     groups = K // G
@@ -144,49 +159,71 @@ def _grouped_dot(base, offs, x_ptr, rows, row_mask, K, FMT: tl.constexpr, G: tl.
     byte_offs = r64[:, None, None] * row_bytes + gi[None, :, None] * GB + bi[None, None, :]
     side_offs = r64[:, None] * groups + gi[None, :]
     acc = tl.zeros([BN, NG, GB], dtype=tl.float32)
+    row_scale = tl.zeros([BN, 1], dtype=tl.float32)  # q2 and q1 only
+    row_offset = row_scale  # q2 only
     if FMT == 5:
         row_scale = tl.load(_part(base, offs, 3, tl.float32) + rows, mask=row_mask, other=0.0)[:, None]
         row_offset = tl.load(_part(base, offs, 4, tl.float32) + rows, mask=row_mask, other=0.0)[:, None]
     if FMT == 6:
         row_scale = tl.load(_part(base, offs, 2, tl.float32) + rows, mask=row_mask, other=0.0)[:, None]
-    for g0 in range(0, groups, NG):
-        gmask = g0 + gi < groups
-        mask2 = row_mask[:, None] & gmask[None, :]
-        b = tl.load(codes_ptr + byte_offs + g0 * GB, mask=mask2[:, :, None], other=0).to(tl.int32)
-        xs = _x_split(x_ptr, g0 * G, gi, gmask, GB, G, PER)
-        if FMT == 3:  # int4: (u - 8) * scale, or u * scale + offset
-            scale = tl.load(_part(base, offs, 1, tl.float16) + side_offs + g0, mask=mask2, other=0.0).to(tl.float32)
-            lo = (b & 15).to(tl.float32)
-            hi = (b >> 4).to(tl.float32)
-            if ASYM:
-                offset = tl.load(_part(base, offs, 2, tl.float16) + side_offs + g0, mask=mask2,
-                                 other=0.0).to(tl.float32)
-                acc += scale[:, :, None] * (lo * xs[0][None] + hi * xs[1][None]) \
-                    + offset[:, :, None] * (xs[0] + xs[1])[None]
-            else:
-                acc += scale[:, :, None] * ((lo - 8.0) * xs[0][None] + (hi - 8.0) * xs[1][None])
-        elif FMT == 4:  # mxfp4: E2M1 * 2^(scale byte - 127)
-            e8 = tl.load(_part(base, offs, 1, tl.uint8) + side_offs + g0, mask=mask2, other=127).to(tl.int32)
-            scale = _e8m0(e8)
-            acc += scale[:, :, None] * (_e2m1(b & 15) * xs[0][None] + _e2m1(b >> 4) * xs[1][None])
-        elif FMT == 5:  # q2: u * (row_scale * scale) + row_offset * offset
-            step = row_scale * _e4m3(_part(base, offs, 1, tl.uint8), side_offs + g0, mask2)
-            zero = row_offset * _e4m3(_part(base, offs, 2, tl.uint8), side_offs + g0, mask2)
-            dot = (b & 3).to(tl.float32) * xs[0][None] + ((b >> 2) & 3).to(tl.float32) * xs[1][None] \
-                + ((b >> 4) & 3).to(tl.float32) * xs[2][None] + ((b >> 6) & 3).to(tl.float32) * xs[3][None]
-            acc += step[:, :, None] * dot + zero[:, :, None] * (xs[0] + xs[1] + xs[2] + xs[3])[None]
-        else:  # q1: (2 b - 1) * row_scale * scale
-            step = row_scale * _e4m3(_part(base, offs, 1, tl.uint8), side_offs + g0, mask2)
-            signed = tl.zeros([BN, NG, GB], dtype=tl.float32)
-            for j in tl.static_range(8):
-                signed += (((b >> j) & 1) * 2 - 1).to(tl.float32) * xs[j][None]
-            acc += step[:, :, None] * signed
+    if PREFETCH:
+        first = row_mask[:, None] & (gi < groups)[None, :]
+        b_next = tl.load(codes_ptr + byte_offs, mask=first[:, :, None], other=0)
+        for g0 in range(0, groups, NG):
+            b = b_next
+            following = row_mask[:, None] & (g0 + NG + gi < groups)[None, :]
+            b_next = tl.load(codes_ptr + byte_offs + (g0 + NG) * GB, mask=following[:, :, None], other=0)
+            acc = _group_step(acc, b.to(tl.int32), base, offs, x_ptr, g0, gi, row_mask, side_offs, groups, row_scale,
+                              row_offset, FMT, G, GB, PER, ASYM)
+    else:
+        for g0 in range(0, groups, NG):
+            mask2 = row_mask[:, None] & (g0 + gi < groups)[None, :]
+            b = tl.load(codes_ptr + byte_offs + g0 * GB, mask=mask2[:, :, None], other=0).to(tl.int32)
+            acc = _group_step(acc, b, base, offs, x_ptr, g0, gi, row_mask, side_offs, groups, row_scale, row_offset,
+                              FMT, G, GB, PER, ASYM)
     return tl.sum(tl.sum(acc, axis=2), axis=1)
 
 
 @triton.jit
+def _group_step(acc, b, base, offs, x_ptr, g0, gi, row_mask, side_offs, groups, row_scale, row_offset,
+                FMT: tl.constexpr, G: tl.constexpr, GB: tl.constexpr, PER: tl.constexpr, ASYM: tl.constexpr):
+    """acc [BN, NG, GB] + the products of one step's codes `b` (int32 bytes) with x, scaled per group."""
+    gmask = g0 + gi < groups
+    mask2 = row_mask[:, None] & gmask[None, :]
+    xs = _x_split(x_ptr, g0 * G, gi, gmask, GB, G, PER)
+    if FMT == 3:  # int4: (u - 8) * scale, or u * scale + offset
+        scale = tl.load(_part(base, offs, 1, tl.float16) + side_offs + g0, mask=mask2, other=0.0).to(tl.float32)
+        lo = (b & 15).to(tl.float32)
+        hi = (b >> 4).to(tl.float32)
+        if ASYM:
+            offset = tl.load(_part(base, offs, 2, tl.float16) + side_offs + g0, mask=mask2,
+                             other=0.0).to(tl.float32)
+            acc += scale[:, :, None] * (lo * xs[0][None] + hi * xs[1][None]) \
+                + offset[:, :, None] * (xs[0] + xs[1])[None]
+        else:
+            acc += scale[:, :, None] * ((lo - 8.0) * xs[0][None] + (hi - 8.0) * xs[1][None])
+    elif FMT == 4:  # mxfp4: E2M1 * 2^(scale byte - 127)
+        e8 = tl.load(_part(base, offs, 1, tl.uint8) + side_offs + g0, mask=mask2, other=127).to(tl.int32)
+        scale = _e8m0(e8)
+        acc += scale[:, :, None] * (_e2m1(b & 15) * xs[0][None] + _e2m1(b >> 4) * xs[1][None])
+    elif FMT == 5:  # q2: u * (row_scale * scale) + row_offset * offset
+        step = row_scale * _e4m3(_part(base, offs, 1, tl.uint8), side_offs + g0, mask2)
+        zero = row_offset * _e4m3(_part(base, offs, 2, tl.uint8), side_offs + g0, mask2)
+        dot = (b & 3).to(tl.float32) * xs[0][None] + ((b >> 2) & 3).to(tl.float32) * xs[1][None] \
+            + ((b >> 4) & 3).to(tl.float32) * xs[2][None] + ((b >> 6) & 3).to(tl.float32) * xs[3][None]
+        acc += step[:, :, None] * dot + zero[:, :, None] * (xs[0] + xs[1] + xs[2] + xs[3])[None]
+    else:  # q1: (2 b - 1) * row_scale * scale
+        step = row_scale * _e4m3(_part(base, offs, 1, tl.uint8), side_offs + g0, mask2)
+        signed = tl.zeros(b.shape, dtype=tl.float32)
+        for j in tl.static_range(8):
+            signed += (((b >> j) & 1) * 2 - 1).to(tl.float32) * xs[j][None]
+        acc += step[:, :, None] * signed
+    return acc
+
+
+@triton.jit
 def _rows_dot(base, offs, x_ptr, rows, row_mask, K, FMT: tl.constexpr, DT: tl.constexpr, G: tl.constexpr,
-              NG: tl.constexpr, BN: tl.constexpr, ASYM: tl.constexpr):
+              NG: tl.constexpr, BN: tl.constexpr, ASYM: tl.constexpr, PREFETCH: tl.constexpr):
     """sum_k W[rows, k] x[k] of the expert whose offsets row is `offs`, any format: float32 [BN]."""
     if FMT == 0:
         if DT == 0:
@@ -195,15 +232,15 @@ def _rows_dot(base, offs, x_ptr, rows, row_mask, K, FMT: tl.constexpr, DT: tl.co
             w_ptr = _part(base, offs, 0, tl.float16)
         else:
             w_ptr = _part(base, offs, 0, tl.float32)
-        total = _bytewise_dot(w_ptr, x_ptr, rows, row_mask, K, FMT, BN, G)
+        total = _bytewise_dot(w_ptr, x_ptr, rows, row_mask, K, FMT, BN, G, PREFETCH)
     elif FMT == 1:
-        total = _bytewise_dot(_part(base, offs, 0, tl.int8), x_ptr, rows, row_mask, K, FMT, BN, G)
+        total = _bytewise_dot(_part(base, offs, 0, tl.int8), x_ptr, rows, row_mask, K, FMT, BN, G, PREFETCH)
         total *= tl.load(_part(base, offs, 1, tl.float32) + rows, mask=row_mask, other=0.0)
     elif FMT == 2:
-        total = _bytewise_dot(_part(base, offs, 0, tl.uint8), x_ptr, rows, row_mask, K, FMT, BN, G)
+        total = _bytewise_dot(_part(base, offs, 0, tl.uint8), x_ptr, rows, row_mask, K, FMT, BN, G, PREFETCH)
         total *= tl.load(_part(base, offs, 1, tl.float32) + rows, mask=row_mask, other=0.0)
     else:
-        total = _grouped_dot(base, offs, x_ptr, rows, row_mask, K, FMT, G, NG, BN, ASYM)
+        total = _grouped_dot(base, offs, x_ptr, rows, row_mask, K, FMT, G, NG, BN, ASYM, PREFETCH)
     return total
 
 
@@ -270,7 +307,8 @@ def _gate_up_kernel(base, gate_table, up_table, member_ptr, logits_ptr, chosen_p
                     alpha, limit, up_offset,
                     FMT: tl.constexpr, DT: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, BN: tl.constexpr,
                     ASYM: tl.constexpr, HAS_BIAS: tl.constexpr, EP: tl.constexpr, TOP_K: tl.constexpr,
-                    NORMALIZE: tl.constexpr, ACT: tl.constexpr, CLAMP: tl.constexpr, GAIN: tl.constexpr):
+                    NORMALIZE: tl.constexpr, ACT: tl.constexpr, CLAMP: tl.constexpr, GAIN: tl.constexpr,
+                    PREFETCH: tl.constexpr):
     """Program (slot, i): h[slot, i*BN..] = act(gate) * (up + up_offset) of the slot's expert, as the
     torch path rounds it (projection outputs, then the product, in h's dtype)."""
     slot = tl.program_id(0)
@@ -285,8 +323,8 @@ def _gate_up_kernel(base, gate_table, up_table, member_ptr, logits_ptr, chosen_p
         dtype: tl.constexpr = h_ptr.dtype.element_ty
         g_offs = gate_table + member * 6
         u_offs = up_table + member * 6
-        gate = _rows_dot(base, g_offs, x_ptr, rows, row_mask, K, FMT, DT, G, NG, BN, ASYM)
-        up = _rows_dot(base, u_offs, x_ptr, rows + up_row0, row_mask, K, FMT, DT, G, NG, BN, ASYM)
+        gate = _rows_dot(base, g_offs, x_ptr, rows, row_mask, K, FMT, DT, G, NG, BN, ASYM, PREFETCH)
+        up = _rows_dot(base, u_offs, x_ptr, rows + up_row0, row_mask, K, FMT, DT, G, NG, BN, ASYM, PREFETCH)
         gate = (gate + _bias(base, g_offs, rows, row_mask, HAS_BIAS, dtype)).to(dtype).to(tl.float32)
         up = (up + _bias(base, u_offs, rows + up_row0, row_mask, HAS_BIAS, dtype)).to(dtype).to(tl.float32)
         if CLAMP:  # GPT-OSS: gate clamped from above, up on both sides
@@ -304,7 +342,7 @@ def _gate_up_kernel(base, gate_table, up_table, member_ptr, logits_ptr, chosen_p
 @triton.jit
 def _down_kernel(base, table, member_ptr, chosen_ptr, weights_ptr, h_ptr, out_ptr, K, n,
                  FMT: tl.constexpr, DT: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, BN: tl.constexpr,
-                 ASYM: tl.constexpr, HAS_BIAS: tl.constexpr):
+                 ASYM: tl.constexpr, HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr):
     """Program (slot, i): out[slot, i*BN..] = w_slot * (down h[slot] + bias), float32, each factor
     rounded to h's dtype as the torch path rounds it."""
     slot = tl.program_id(0)
@@ -316,7 +354,7 @@ def _down_kernel(base, table, member_ptr, chosen_ptr, weights_ptr, h_ptr, out_pt
         row_mask = rows < n
         dtype: tl.constexpr = h_ptr.dtype.element_ty
         offs = table + member * 6
-        y = _rows_dot(base, offs, h_ptr + slot * K, rows, row_mask, K, FMT, DT, G, NG, BN, ASYM)
+        y = _rows_dot(base, offs, h_ptr + slot * K, rows, row_mask, K, FMT, DT, G, NG, BN, ASYM, PREFETCH)
         y = (y + _bias(base, offs, rows, row_mask, HAS_BIAS, dtype)).to(dtype).to(tl.float32)
         w = weight.to(dtype).to(tl.float32)
         tl.store(out_ptr + slot * n + rows, (y * w).to(dtype).to(tl.float32), mask=row_mask)
@@ -332,6 +370,7 @@ class ExpertConfig:
     block_n: int
     groups: int
     num_warps: int = 4
+    prefetch: bool = False  # load the next step's weights before this step's math
 
 
 def weight_parts(op) -> tuple[str, dict, tuple]:
@@ -465,21 +504,21 @@ class MoEKernels:
         """Tiles worth timing for `group`'s gate/up ("gate_up") or down ("down") kernel; first is the default."""
         K = self.hidden if kind == "gate_up" else self.inter
         n = self.inter if kind == "gate_up" else self.hidden
-        if interpreting():
+        if interpreting():  # the whole row in one step, and with the prefetch's masked extra step
             cols = next_power_of_2(K)
-            return [ExpertConfig(min(next_power_of_2(n), 64), cols // group.group if group.group else cols)]
-        if group.group:
-            per_step = [max(1, c // group.group) for c in (256, 512)]
-            tiles = [(bn, ng, w) for ng in per_step for bn, w in ((16, 4), (8, 4), (32, 8))]
+            ng = cols // group.group if group.group else cols
+            return [ExpertConfig(min(next_power_of_2(n), 64), ng), ExpertConfig(16, max(1, ng // 2), 4, True)]
+        if group.group:  # groups a step: 256 or 512 columns, at most the row's
+            steps = [min(max(1, c // group.group), next_power_of_2(K // group.group)) for c in (256, 512)]
+            tiles = [(bn, step, w) for step in steps for bn, w in ((16, 4), (8, 4), (32, 8))]
         else:
-            tiles = [(bn, bk, w) for bk in (256, 512) for bn, w in ((8, 4), (16, 4), (4, 2))]
+            tiles = [(bn, min(bk, next_power_of_2(K)), w) for bk in (256, 512) for bn, w in ((8, 4), (16, 4), (4, 2))]
         out = []
-        for bn, ng, w in tiles:
-            if group.group and ng * group.group > next_power_of_2(K):
-                continue
-            config = ExpertConfig(bn, ng, w)
-            if config not in out:
-                out.append(config)
+        for prefetch in (False, True):
+            for bn, step, w in tiles[:4] if prefetch else tiles:
+                config = ExpertConfig(bn, step, w, prefetch)
+                if config not in out:
+                    out.append(config)
         return out
 
     def config(self, index: int, kind: str) -> ExpertConfig:
@@ -555,7 +594,7 @@ class MoEKernels:
             G=g.group or config.groups, NG=config.groups if g.group else 1, BN=config.block_n,
             ACT=ACTIVATION_CODES[self.act], CLAMP=self.limit is not None, GAIN=self.alpha != 1.0,
             EP=max(2, next_power_of_2(self.num_experts)), TOP_K=self.top_k, NORMALIZE=self.normalize,
-            num_warps=config.num_warps, **self._common(g))
+            PREFETCH=config.prefetch, num_warps=config.num_warps, **self._common(g))
 
     def _down(self, index: int, out: torch.Tensor, config: ExpertConfig) -> None:
         g = self.groups[index]
@@ -564,7 +603,7 @@ class MoEKernels:
         _down_kernel[grid](
             self.base, g.down_table, g.member, self.chosen, self.weights, self.h, out, self.inter, n,
             G=g.group or config.groups, NG=config.groups if g.group else 1, BN=config.block_n,
-            num_warps=config.num_warps, **self._common(g))
+            PREFETCH=config.prefetch, num_warps=config.num_warps, **self._common(g))
 
     def __call__(self, x: torch.Tensor, partials: torch.Tensor) -> torch.Tensor:
         """partials[:top_k] = the k chosen experts' weighted outputs for x [hidden]; returns that view."""
