@@ -5,7 +5,8 @@
         [--transformers static,compile] [--prompt-len 512 --gen 128 --runs 5] [--profile bf16,int4]
 
 1. writes the random-weight checkpoint (examples/synth_checkpoint.py) unless it is there;
-2. compiles it once per format, in parallel processes: bf16 is the exact compile (`thinc compile`),
+2. compiles it once per format, in parallel processes: bf16 is the exact compile (`thinc compile`; of a
+   checkpoint with pre-quantized experts, such as gpt-oss-20b's MXFP4, the table says "as stored"),
    the others `--quant FORMAT` (int4 with groups of 128) through thin.compiler.compile_model with
    the formats' reference encoder running on the GPU: the same bytes as on the CPU (the formats'
    own CPU/CUDA test checks that), in seconds instead of minutes;
@@ -227,7 +228,9 @@ def print_table(name, results, baselines, args) -> None:
             continue
         rate = r["decode_tokens_per_second"]
         experts = f" ({r['expert_bytes_per_token'] / 1e9:.2f})" if r.get("expert_bytes_per_token") else ""
-        print(f"| thin | {fmt} | {r['bytes_per_token'] / 1e9:.2f}{experts} | {rate:.1f} ({r['decode_min']:.1f}-"
+        stored = sorted(r.get("formats", {}))
+        label = f"as stored ({', '.join(stored)})" if fmt == "bf16" and set(stored) - {"bf16", "f16", "f32"} else fmt
+        print(f"| thin | {label} | {r['bytes_per_token'] / 1e9:.2f}{experts} | {rate:.1f} ({r['decode_min']:.1f}-"
               f"{r['decode_max']:.1f}) | {r['roofline_tokens_per_second']:.0f} | {100 * r['roofline_fraction']:.1f}% | "
               f"{rate / base if base else float('nan'):.2f}x | {rate / compiled if compiled else float('nan'):.2f}x | "
               f"{r['prefill_tokens_per_second']:.0f} | {r['peak_vram_bytes'] / 2**30:.1f} GiB |")
