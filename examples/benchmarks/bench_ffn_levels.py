@@ -1,0 +1,189 @@
+"""Decode speed of elastic FFN levels on the GPU: one artifact, every level, against keep 1.0.
+
+    python examples/benchmarks/bench_ffn_levels.py --workdir /tmp/thinbench --out DIR \\
+        [--shape llama-8b] [--format int4] [--levels 0.875,0.75,0.5] [--calib-tokens 2048] \\
+        [--per-layer] [--baseline] [--prompt-len 512 --gen 128 --runs 5] [--compile-only]
+
+1. writes the random-weight checkpoint (examples/synth_checkpoint.py) unless it is there;
+2. compiles it once with `--quant FORMAT --ffn-levels ...` on the GPU (calibration, the channel order,
+   the levels' corrections and certificates run there; the format's reference encoder on the GPU, as
+   bench_gpu.py does). Levels are the same share of every layer unless --per-layer (on random weights
+   the per-layer sensitivities are noise); with --baseline also the plain `--quant FORMAT` artifact;
+3. loads the artifact once and runs `thin-exec bench`'s measurement (runtime/bench.py: CUDA graph,
+   greedy, checks) at each level in turn, switching levels in place (no weight copy, one captured
+   graph per level);
+4. prints one markdown table: per level the weight bytes a token reads, decode tok/s, the speed-up
+   over keep 1.0 of the same artifact and the share of the bandwidth roofline. JSON and logs go to --out
+   (compile-*.log ends with the seconds each compile stage started at).
+Steps whose outputs exist are skipped, so `--compile-only` and then the same command without it split
+the work into two shorter runs on one machine. The certificate's numbers on random weights say nothing
+about quality (tiny-coder's table does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from fractions import Fraction
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent.parent
+
+
+def compile_one(src: str, dst: str, quant: str, levels: str | None, calib_tokens: int, per_layer: bool) -> None:
+    """(in a child process) compile `src` into `dst` on the GPU, with the formats' encoder there too."""
+    import torch
+
+    from thin.compiler import compile_model
+    from thin.ir.formats.quantized import QuantizedFormat
+
+    encode = QuantizedFormat.encode
+
+    def on_gpu(self, tensor, params=()):
+        return encode(self, tensor.to("cuda"), params).cpu()
+
+    QuantizedFormat.encode = on_gpu
+    options = {"quant": quant, **({"group_size": 128} if quant == "int4" else {})}
+    if levels:
+        options.update(ffn_levels=levels, ffn_per_layer=per_layer, calib_tokens=calib_tokens, device="cuda")
+    started = time.perf_counter()
+    stages = {}
+
+    def progress(stage, done, total):
+        if stage not in stages:  # when each stage started, seconds into the compile
+            stages[stage] = round(time.perf_counter() - started, 1)
+            print(f"[{stages[stage]:7.1f} s] {stage}", file=sys.stderr, flush=True)
+
+    compile_model(src, dst, progress=progress, **options)
+    print(json.dumps({"compiled": dst, "seconds": time.perf_counter() - started, "stages": stages,
+                      "gpu": torch.cuda.get_device_name()}))
+
+
+def bench_levels(path: str, keeps: list[float], prompt_len: int, gen: int, runs: int) -> None:
+    """(in a child process) load `path` once and measure decode at each level; one JSON line per level."""
+    from thin.runtime import bench, load
+
+    model = load(path, device="cuda", context=prompt_len + gen)
+    certificate = model.artifact.section("certificate") or {}
+    levels = {lv["keep"]: lv for lv in (certificate.get("ffn_levels") or {}).get("levels", [])}
+    for keep in keeps:
+        if keep != 1.0 or levels:
+            model.set_ffn_keep(keep)
+        result = bench.run(model, prompt_len=prompt_len, new_tokens=gen, runs=runs).to_dict()
+        level = levels.get(keep)
+        result.update(ffn_keep=keep, channels=level["channels"] if level else None,
+                      certificate_kld=level["measured"]["mean_kld"] if level else None)
+        print(json.dumps(result), flush=True)
+
+
+def log_run(cmd: list[str], log: Path, env=None) -> subprocess.CompletedProcess:
+    started = time.perf_counter()
+    with open(log, "w") as fh:
+        result = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=fh, text=True, env=env)
+        fh.write(f"\n--- stdout ---\n{result.stdout}\n--- exit {result.returncode} in "
+                 f"{time.perf_counter() - started:.1f} s ---\n")
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/thinbench"))
+    ap.add_argument("--out", type=Path, default=Path("bench-out"))
+    ap.add_argument("--shape", default="llama-8b")
+    ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--format", default="int4")
+    ap.add_argument("--levels", default="0.875,0.75,0.5")
+    ap.add_argument("--calib-tokens", type=int, default=2048)
+    ap.add_argument("--per-layer", action="store_true", help="per-layer channel counts (default: uniform)")
+    ap.add_argument("--baseline", action="store_true", help="also bench the same format compiled without levels")
+    ap.add_argument("--prompt-len", type=int, default=512)
+    ap.add_argument("--gen", type=int, default=128)
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--compile-only", action="store_true", help="stop after the checkpoint and the compiles")
+    ap.add_argument("--compile-one", nargs=4, metavar=("SRC", "DST", "QUANT", "LEVELS"), help=argparse.SUPPRESS)
+    ap.add_argument("--bench-levels", nargs=2, metavar=("PATH", "KEEPS"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.compile_one:
+        src, dst, quant, levels = args.compile_one
+        compile_one(src, dst, quant, None if levels == "-" else levels, args.calib_tokens, args.per_layer)
+        return
+    if args.bench_levels:
+        path, keeps = args.bench_levels
+        bench_levels(path, [float(k) for k in keeps.split(",")], args.prompt_len, args.gen, args.runs)
+        return
+
+    started = time.perf_counter()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = args.shape + (f"-{args.layers}l" if args.layers else "")
+    src = args.workdir / name
+    keeps = [1.0] + [float(Fraction(k)) for k in args.levels.split(",")]
+
+    def stage(label: str) -> None:
+        print(f"[{time.perf_counter() - started:6.1f} s] {label}", file=sys.stderr, flush=True)
+
+    if not (src / "config.json").exists():
+        cmd = [sys.executable, str(REPO / "examples" / "synth_checkpoint.py"), "--shape", args.shape, "--out", str(src)]
+        if args.layers:
+            cmd += ["--layers", str(args.layers)]
+        subprocess.run(cmd, check=True, stdout=sys.stderr)
+    stage("checkpoint")
+    env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 8) // 2))}
+    artifacts = {"levels": (args.workdir / f"{name}-{args.format}-levels.thin", args.levels)}
+    if args.baseline:
+        artifacts["plain"] = (args.workdir / f"{name}-{args.format}.thin", "-")
+    flags = ["--calib-tokens", str(args.calib_tokens)] + (["--per-layer"] if args.per_layer else [])
+    compiled = {}
+    for label, (dst, levels) in artifacts.items():
+        if not dst.exists():
+            run = log_run([sys.executable, __file__, "--compile-one", str(src), str(dst), args.format, levels, *flags],
+                          args.out / f"compile-{label}.log", env)
+            if run.returncode != 0:
+                raise SystemExit(f"compile {label} failed: see {args.out}/compile-{label}.log")
+            compiled[label] = json.loads(run.stdout.strip().splitlines()[-1])
+        stage(f"compile {label}")
+    if args.compile_only:
+        print(json.dumps({"compiled": compiled}))
+        return
+    results = {}
+    for label, (dst, _) in artifacts.items():
+        measure = keeps if label == "levels" else [1.0]
+        cmd = [sys.executable, __file__, "--bench-levels", str(dst), ",".join(map(str, measure)), "--prompt-len",
+               str(args.prompt_len), "--gen", str(args.gen), "--runs", str(args.runs)]
+        run = log_run(cmd, args.out / f"bench-{label}.log", env)
+        results[label] = [json.loads(ln) for ln in run.stdout.splitlines() if ln.startswith("{")]
+        if run.returncode != 0:
+            print(f"bench {label} failed ({run.returncode}): see {args.out}/bench-{label}.log", file=sys.stderr)
+        stage(f"bench {label}")
+    (args.out / "bench_ffn_levels.json").write_text(json.dumps({"shape": name, "format": args.format,
+                                                                "compiled": compiled, "results": results}, indent=1))
+    print_table(name, args, results)
+
+
+def print_table(name: str, args, results: dict) -> None:
+    rows = results.get("levels", [])
+    full = next((r["decode_tokens_per_second"] for r in rows if r["ffn_keep"] == 1.0), None)
+    bw = next((r["bandwidth_bytes_per_second"] for r in rows), 0)
+    print(f"\n{name}, {args.format}, {args.prompt_len}-token prompt, {args.gen} new tokens, median of {args.runs}; "
+          f"copy bandwidth {bw / 1e9:.0f} GB/s; levels {'per layer' if args.per_layer else 'uniform'}")
+    print("| artifact | FFN keep | channels per layer | GB read/token | decode tok/s (min-max) | vs keep 1.0 | "
+          "of roofline |")
+    print("| --- | ---: | --- | ---: | ---: | ---: | ---: |")
+    for label, runs in results.items():
+        for r in runs:
+            channels = r.get("channels")
+            shown = "-" if not channels else (str(channels[0]) if len(set(channels)) == 1 else
+                                              f"{min(channels)}-{max(channels)}")
+            rate = r["decode_tokens_per_second"]
+            print(f"| {label} | {r['ffn_keep']:g} | {shown} | {r['bytes_per_token'] / 1e9:.2f} | {rate:.1f} "
+                  f"({r['decode_min']:.1f}-{r['decode_max']:.1f}) | {rate / full if full else float('nan'):.2f}x | "
+                  f"{100 * r['roofline_fraction']:.1f}% |")
+
+
+if __name__ == "__main__":
+    main()
