@@ -70,9 +70,13 @@ def _e4m3(ptr, offs, mask):
 @triton.jit
 def _byte_step(acc, w, x_ptr, k0, ks, cmask, FMT: tl.constexpr):
     x = tl.load(x_ptr + k0 + ks, mask=cmask, other=0.0).to(tl.float32)
-    if FMT == 2:  # fp8_e4m3 bytes
-        w = w.to(tl.float8e4nv, bitcast=True)
-    return acc + w.to(tl.float32) * x[None, :]
+    if FMT == 1:  # int8: v + 128 is 0..255, converted by _small_int
+        wf = _small_int(w.to(tl.int32) + 128, 128.0)
+    elif FMT == 2:  # fp8_e4m3 bytes
+        wf = w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        wf = w.to(tl.float32)
+    return acc + wf * x[None, :]
 
 
 @triton.jit
@@ -125,14 +129,21 @@ def _x_split(x_ptr, start, gi, gmask, GB: tl.constexpr, G: tl.constexpr, PER: tl
 
 
 @triton.jit
+def _small_int(u, zero: tl.constexpr):
+    """float(u - zero) for integers 0 <= u < 2^23 (int32), without the int-to-float unit (a fraction of
+    the float rate): u OR-ed into the mantissa of 2^23 is exactly 2^23 + u."""
+    return (u | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + zero)
+
+
+@triton.jit
 def _e2m1(code):
-    """The E2M1 value of 4-bit codes (int32): magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6, sign bit 3. A
-    normal code (exponent e >= 1) is the float32 with exponent e - 1 and the mantissa bit on top."""
+    """The E2M1 value of 4-bit codes (int32): magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6, sign bit 3, built
+    as float32 bits: a normal code (exponent e >= 1) has exponent e - 1 and the mantissa bit on top;
+    code 1 is 0.5 (0x3F000000), code 0 zero."""
     e = (code >> 1) & 3
     m = code & 1
-    normal = (((e + 126) << 23) | (m << 22)).to(tl.float32, bitcast=True)
-    magnitude = tl.where(e == 0, 0.5 * m.to(tl.float32), normal)
-    return tl.where(code >= 8, -magnitude, magnitude)
+    bits = tl.where(e == 0, m * 0x3F000000, ((e + 126) << 23) | (m << 22))
+    return (bits | ((code & 8) << 28)).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -193,15 +204,15 @@ def _group_step(acc, b, base, offs, x_ptr, g0, gi, row_mask, side_offs, groups, 
     xs = _x_split(x_ptr, g0 * G, gi, gmask, GB, G, PER)
     if FMT == 3:  # int4: (u - 8) * scale, or u * scale + offset
         scale = tl.load(_part(base, offs, 1, tl.float16) + side_offs + g0, mask=mask2, other=0.0).to(tl.float32)
-        lo = (b & 15).to(tl.float32)
-        hi = (b >> 4).to(tl.float32)
         if ASYM:
             offset = tl.load(_part(base, offs, 2, tl.float16) + side_offs + g0, mask=mask2,
                              other=0.0).to(tl.float32)
+            lo, hi = _small_int(b & 15, 0.0), _small_int(b >> 4, 0.0)
             acc += scale[:, :, None] * (lo * xs[0][None] + hi * xs[1][None]) \
                 + offset[:, :, None] * (xs[0] + xs[1])[None]
-        else:
-            acc += scale[:, :, None] * ((lo - 8.0) * xs[0][None] + (hi - 8.0) * xs[1][None])
+        else:  # the codes come out of _small_int already less 8
+            lo, hi = _small_int(b & 15, 8.0), _small_int(b >> 4, 8.0)
+            acc += scale[:, :, None] * (lo * xs[0][None] + hi * xs[1][None])
     elif FMT == 4:  # mxfp4: E2M1 * 2^(scale byte - 127)
         e8 = tl.load(_part(base, offs, 1, tl.uint8) + side_offs + g0, mask=mask2, other=127).to(tl.int32)
         scale = _e8m0(e8)
@@ -209,14 +220,15 @@ def _group_step(acc, b, base, offs, x_ptr, g0, gi, row_mask, side_offs, groups, 
     elif FMT == 5:  # q2: u * (row_scale * scale) + row_offset * offset
         step = row_scale * _e4m3(_part(base, offs, 1, tl.uint8), side_offs + g0, mask2)
         zero = row_offset * _e4m3(_part(base, offs, 2, tl.uint8), side_offs + g0, mask2)
-        dot = (b & 3).to(tl.float32) * xs[0][None] + ((b >> 2) & 3).to(tl.float32) * xs[1][None] \
-            + ((b >> 4) & 3).to(tl.float32) * xs[2][None] + ((b >> 6) & 3).to(tl.float32) * xs[3][None]
+        dot = _small_int(b & 3, 0.0) * xs[0][None] + _small_int((b >> 2) & 3, 0.0) * xs[1][None] \
+            + _small_int((b >> 4) & 3, 0.0) * xs[2][None] + _small_int(b >> 6, 0.0) * xs[3][None]
         acc += step[:, :, None] * dot + zero[:, :, None] * (xs[0] + xs[1] + xs[2] + xs[3])[None]
     else:  # q1: (2 b - 1) * row_scale * scale
         step = row_scale * _e4m3(_part(base, offs, 1, tl.uint8), side_offs + g0, mask2)
         signed = tl.zeros(b.shape, dtype=tl.float32)
-        for j in tl.static_range(8):
-            signed += (((b >> j) & 1) * 2 - 1).to(tl.float32) * xs[j][None]
+        for j in tl.static_range(8):  # + x where the bit is set, - x where not: a select, no conversion
+            xj = xs[j][None]
+            signed += tl.where(((b >> j) & 1) != 0, xj, -xj)
         acc += step[:, :, None] * signed
     return acc
 
