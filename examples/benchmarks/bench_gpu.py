@@ -2,12 +2,14 @@
 
     python examples/benchmarks/bench_gpu.py --workdir /tmp/thinbench --out DIR \\
         [--shape llama-8b] [--layers N] [--formats bf16,fp8_e4m3,int8,int4,mxfp4] \\
-        [--transformers static,compile] [--prompt-len 512 --gen 128 --runs 5] [--profile bf16,int4]
+        [--transformers static,compile] [--prompt-len 512 --gen 128 --runs 5] [--profile bf16,int4] \\
+        [--group-size 128]
 
 1. writes the random-weight checkpoint (examples/synth_checkpoint.py) unless it is there;
 2. compiles it once per format, in parallel processes: bf16 is the exact compile (`thinc compile`; of a
    checkpoint with pre-quantized experts, such as gpt-oss-20b's MXFP4, the table says "as stored"),
-   the others `--quant FORMAT` (int4 with groups of 128) through thin.compiler.compile_model with
+   the others `--quant FORMAT` (int3-int6 with groups of --group-size, 128 by default) through
+   thin.compiler.compile_model with
    the formats' reference encoder running on the GPU: the same bytes as on the CPU (the formats'
    own CPU/CUDA test checks that), in seconds instead of minutes;
 3. runs `thin-exec bench --json` on each artifact, one process at a time;
@@ -28,7 +30,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent.parent
-GROUP = {"int4": 128}
+GROUPED = ("int3", "int4", "int5", "int6")  # formats that take --group-size
 
 
 def log_run(cmd: list[str], log: Path, env=None, timeout=None) -> subprocess.CompletedProcess:
@@ -40,7 +42,7 @@ def log_run(cmd: list[str], log: Path, env=None, timeout=None) -> subprocess.Com
     return result
 
 
-def compile_one(src: str, dst: str, quant: str | None) -> None:
+def compile_one(src: str, dst: str, quant: str | None, group: int = 128) -> None:
     """(in a child process) compile `src` into `dst`, quantizing with the encoder on the GPU."""
     import torch
 
@@ -55,7 +57,7 @@ def compile_one(src: str, dst: str, quant: str | None) -> None:
     if quant and torch.cuda.is_available():
         QuantizedFormat.encode = on_gpu
     started = time.perf_counter()
-    options = {"quant": quant, **({"group_size": GROUP[quant]} if quant in GROUP else {})} if quant else {}
+    options = {"quant": quant, **({"group_size": group} if quant in GROUPED else {})} if quant else {}
     compile_model(src, dst, **options)
     print(json.dumps({"compiled": dst, "seconds": time.perf_counter() - started,
                       "gpu": torch.cuda.get_device_name() if quant else None}))
@@ -113,12 +115,14 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=3, help="compiles at once")
     ap.add_argument("--deadline", type=float, default=540, help="seconds; optional stages are skipped after it")
     ap.add_argument("--cleanup", action="store_true", help="delete each artifact once benchmarked")
+    ap.add_argument("--group-size", type=int, default=128,
+                    help="columns per scale of int3-int6 (gpt-oss-20b's 2880 takes 64 or 32)")
     ap.add_argument("--compile-one", nargs=3, metavar=("SRC", "DST", "QUANT"), help=argparse.SUPPRESS)
     ap.add_argument("--transformers-run", nargs=2, metavar=("SRC", "MODE"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.compile_one:
         src, dst, quant = args.compile_one
-        compile_one(src, dst, None if quant == "bf16" else quant)
+        compile_one(src, dst, None if quant == "bf16" else quant, args.group_size)
         return
     if args.transformers_run:
         transformers_run(*args.transformers_run, args.prompt_len, args.gen, args.runs)
@@ -157,7 +161,8 @@ def main() -> None:
             if dst.exists():
                 compile_seconds[fmt] = 0.0
                 continue
-            cmd = [sys.executable, __file__, "--compile-one", str(src), str(dst), fmt]
+            cmd = [sys.executable, __file__, "--compile-one", str(src), str(dst), fmt, "--group-size",
+                   str(args.group_size)]
             with open(args.out / f"compile-{fmt}.log", "w") as log:  # the child keeps its own handle
                 running[fmt] = (subprocess.Popen(cmd, stdout=log, stderr=log, env=env), time.perf_counter())
         for fmt, (proc, since) in list(running.items()):
