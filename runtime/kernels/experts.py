@@ -454,6 +454,8 @@ class MoEKernels:
         if plan.shared_expert is not None:
             raise NotImplementedError("shared experts (Qwen2-MoE)")
         experts = plan.experts
+        if any(e is None for e in experts) or getattr(plan, "cache", None) is not None:
+            raise NotImplementedError("experts kept in host memory (the expert cache)")
         first = experts[0]
         if any(not e.gated for e in experts) or any(e.activation not in ACTIVATION_CODES for e in experts):
             raise NotImplementedError("experts that are not gated MLPs of a known activation")
