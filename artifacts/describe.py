@@ -195,6 +195,8 @@ def render_description(d: dict) -> str:
             rows.append(("budget (--vram)", str(memory["budget"]), human_size(memory["budget"])))
         lines += _table(rows, (1, 2))
         lines.append(f"  {memory.get('overhead_source', '?')}")
+        if memory.get("residency"):
+            lines.append(f"  residency: {residency_summary(memory['residency'])}")
     plan = (d.get("precision_plan") or {}).get("plan")
     if plan is not None:
         lines += ["", f"precision plan: {plan['bits_per_weight']:.3f} bits per weight, predicted KLD "
@@ -202,3 +204,14 @@ def render_description(d: dict) -> str:
     lines += ["", f"header    {human_size(d['header_bytes'])}"]
     # Every field but the sizes comes from the file: each line is made printable before the join.
     return "\n".join(map(printable, lines))
+
+
+def residency_summary(residency: dict) -> str:
+    """One line for a residency plan (memory.residency: thinc compile --stream-experts)."""
+    host = len(residency["host"])
+    if not host:
+        return f"all {residency['resident_experts']} routed experts resident on the GPU"
+    return (f"{residency['resident_experts']} routed experts resident, {host} in host memory "
+            f"({human_size(residency['host_bytes'])}), streamed through {residency['slots']} GPU slots of "
+            f"{human_size(residency['slot_bytes'])} ({printable(residency['policy'])}; ranked by "
+            f"{printable(residency['ranked_by'])})")

@@ -228,6 +228,14 @@ class Artifact:
         e = self.tensor_entry(name)
         return memoryview(self._map())[e.offset:e.offset + e.size]
 
+    def span(self, offset: int, length: int) -> memoryview:
+        """Bytes [offset, offset + length) of the file as a memoryview into the mapping (zero copy): an
+        expert's page (thin.artifacts.pages). ValueError for a range outside the file."""
+        if not (type(offset) is int and type(length) is int and offset >= 0 and length > 0
+                and offset + length <= self.file_size):
+            raise ValueError(f"{self.path}: range ({offset!r}, {length!r}) is not inside the file")
+        return memoryview(self._map())[offset:offset + length]
+
     def numpy(self, name: str) -> np.ndarray:
         """The tensor's bytes as a flat uint8 array over the mapping (zero copy)."""
         e = self.tensor_entry(name)

@@ -136,6 +136,29 @@ def _memory_error(value: dict) -> str | None:
         return "memory.lines must map item names to byte counts"
     if sum(value["lines"].values()) != value["total"]:
         return "memory.total is not the sum of its lines"
+    return _residency_error(value.get("residency"))
+
+
+def _residency_error(value) -> str | None:
+    """The residency plan (thinc compile --stream-experts): routed experts kept in host memory, as
+    [layer, expert] pairs, and the GPU slots that cache them."""
+    if value is None:
+        return None
+    if type(value) is not dict:
+        return "memory.residency must be a mapping"
+    def count(v) -> bool:
+        return type(v) is int and v >= 0
+
+    err = _fields(value, "memory.residency", {
+        "host": (lambda v: type(v) is list and all(type(p) is list and len(p) == 2 and all(map(count, p))
+                                                   for p in v), False),
+        "slots": (count, False), "slot_bytes": (count, False), "host_bytes": (count, False),
+        "resident_experts": (count, False), "policy": (lambda v: type(v) is str, False),
+        "ranked_by": (lambda v: type(v) is str, False)})
+    if err:
+        return err
+    if value["host"] and (value["slots"] < 1 or value["slot_bytes"] < 1):
+        return "memory.residency keeps experts in host memory but gives no GPU slots for them"
     return None
 
 

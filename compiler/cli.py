@@ -31,6 +31,9 @@ _UNCERTIFIED_HELP = "Write the artifact even when the gate fails; its certificat
 _DEVICE_HELP = "Where calibration and certification run: cuda or cpu (default: cuda when available)."
 _MAP_HELP = "Draw the format of every tensor, layer by layer, into FILE (.svg or .png)."
 _TIE_HELP = "Give q/k/v and gate/up one format each so they fuse into one matmul (speed over quality)."
+_STREAM_HELP = ("With --vram: the budget bounds the GPU only, and routed experts that do not fit it stay in host "
+               "memory (the least routed by the calibration text), streamed through a cache of GPU slots. The "
+               "precision comes from --bpw or --quant (or stays as stored). Calibrates (runs the model).")
 _LEVELS_HELP = ("Elastic FFN: order each FFN's channels by importance in 128-channel superblocks and certify a "
                 "cheaper model per keep fraction F (share of FFN bytes read), e.g. 1,0.875,0.75,0.5 or 5/6; "
                 "thin-exec --ffn-keep F runs one. Calibrates and certifies (runs the model).")
@@ -151,6 +154,7 @@ def compile(
     device: str | None = typer.Option(None, "--device", metavar="cuda|cpu", help=_DEVICE_HELP),
     tie_fused: bool = typer.Option(False, "--tie-fused", help=_TIE_HELP),
     ffn_levels: str | None = typer.Option(None, "--ffn-levels", metavar="F[,F...]", help=_LEVELS_HELP),
+    stream_experts: bool = typer.Option(False, "--stream-experts", help=_STREAM_HELP),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="Print only the summary."),
 ):
     """Compile MODEL_DIR into one .thin file. Without --vram, --bpw or --quant every tensor keeps its stored
@@ -160,7 +164,8 @@ def compile(
     from .build import build
 
     def run():
-        config = _config(no_fuse, quant, group_size, asymmetric, keep_lm_head, ffn_levels=ffn_levels, **_budget(
+        config = _config(no_fuse, quant, group_size, asymmetric, keep_lm_head, ffn_levels=ffn_levels,
+                         stream_experts=stream_experts, **_budget(
             vram, bpw, ctx, calib, calib_tokens, method, max_kld, allow_uncertified, device, tie_fused))
         return build(model_dir, output, config, cache_dir=cache_dir, dump_ir=dump_ir,
                      progress=_StageProgress(quiet), calib=calib)
@@ -252,6 +257,7 @@ def key(
     device: str | None = typer.Option(None, "--device", metavar="cuda|cpu", help=_DEVICE_HELP),
     tie_fused: bool = typer.Option(False, "--tie-fused", help=_TIE_HELP),
     ffn_levels: str | None = typer.Option(None, "--ffn-levels", metavar="F[,F...]", help=_LEVELS_HELP),
+    stream_experts: bool = typer.Option(False, "--stream-experts", help=_STREAM_HELP),
 ):
     """Print the cache key `thinc compile` would give MODEL_DIR with these options (calibration text,
     planner options and certificate thresholds included)."""
@@ -261,7 +267,8 @@ def key(
 
     def run():
         inventory = take_inventory(model_dir)  # the same list of files a compile reads and hashes
-        config = _config(no_fuse, quant, group_size, asymmetric, keep_lm_head, ffn_levels=ffn_levels, **_budget(
+        config = _config(no_fuse, quant, group_size, asymmetric, keep_lm_head, ffn_levels=ffn_levels,
+                         stream_experts=stream_experts, **_budget(
             vram, bpw, ctx, calib, calib_tokens, method, max_kld, allow_uncertified, device, tie_fused))
         inputs = {name: inventory.folder.path / name for name in inventory.names()}
         return input_key(inputs, inventory.folder.identities, config, *evaluation_texts(config, calib))
@@ -320,6 +327,7 @@ def formats_command():
 def _quality_rows(report) -> list[tuple[str, str]]:
     """Summary rows for the plan, the memory ledger and the certificate, when the compile made them."""
     from thin.artifacts import certificate_summary, human_size
+    from thin.artifacts.describe import residency_summary
 
     rows = []
     plan = (report.precision_plan or {}).get("plan")
@@ -334,6 +342,9 @@ def _quality_rows(report) -> list[tuple[str, str]]:
         budget = f" of {human_size(report.memory['budget'])}" if report.memory.get("budget") else ""
         rows.append(("memory", f"{human_size(report.memory['total'])}{budget} at --ctx {report.memory['ctx']} "
                                f"({lines})"))
+        residency = report.memory.get("residency")
+        if residency:
+            rows.append(("residency", residency_summary(residency)))
     if report.certificate is not None:
         rows.append(("certificate", certificate_summary(report.certificate)))
         for level in (report.certificate.get("ffn_levels") or {}).get("levels", [])[1:]:

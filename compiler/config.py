@@ -19,11 +19,12 @@ from thin.passes import (
     PlanOptions,
     QuantizeOptionError,
     QuantizeOptions,
+    ResidencyOptions,
     ScoreOptions,
     parse_size,
 )
 
-CONFIG_SCHEMA = 4  # 4: ffn (elastic FFN levels)
+CONFIG_SCHEMA = 5  # 4: ffn (elastic FFN levels); 5: residency (--stream-experts)
 TARGETS = ("generic",)
 DEVICES = ("cpu", "cuda")
 
@@ -52,6 +53,8 @@ class CompileConfig:
     certify: CertifyOptions = field(default_factory=CertifyOptions)
     # Elastic FFN levels (`--ffn-levels`): importance-ordered FFN channels and certified cheaper prefixes.
     ffn: FFNLevelOptions = field(default_factory=FFNLevelOptions)
+    # Experts beyond VRAM (`--stream-experts` with `--vram`): the device budget the residency plan meets.
+    residency: ResidencyOptions = field(default_factory=ResidencyOptions)
     # Where calibration and certification run ("cpu" or "cuda"); None for a compile that never
     # runs the model. Float results differ between devices, so this is part of the key.
     device: str | None = None
@@ -64,7 +67,8 @@ class CompileConfig:
         if not isinstance(self.fuse_projections, bool):
             raise CompileOptionError("fuse_projections must be true or false")
         for name, kind in (("quantize", QuantizeOptions), ("plan", PlanOptions), ("calibrate", CalibrateOptions),
-                           ("score", ScoreOptions), ("certify", CertifyOptions), ("ffn", FFNLevelOptions)):
+                           ("score", ScoreOptions), ("certify", CertifyOptions), ("ffn", FFNLevelOptions),
+                           ("residency", ResidencyOptions)):
             if not isinstance(getattr(self, name), kind):
                 raise CompileOptionError(f"{name} must be a {kind.__name__}")
         if self.plan.planned and self.quantize.format is not None:
@@ -91,8 +95,10 @@ class CompileConfig:
 
     @property
     def calibrated(self) -> bool:
-        """Calibration runs: the planner scores with it, GPTQ rounds with it, FFN levels order by it."""
-        return self.plan.planned or (self.quantized and self.quantize.method == "gptq") or self.ffn.enabled
+        """Calibration runs: the planner scores with it, GPTQ rounds with it, FFN levels order by it, the
+        residency plan ranks experts by its routing counts."""
+        return self.plan.planned or (self.quantized and self.quantize.method == "gptq") or self.ffn.enabled \
+            or self.residency.enabled
 
     @property
     def certified(self) -> bool:
@@ -111,7 +117,8 @@ class CompileConfig:
         given flat: quant="int4", group_size=64, asymmetric=True, keep_lm_head=True, method="gptq",
         bpw=4.5, vram="8G", ctx=4096, tie_fused=True, calib_tokens=8192, calib_source="file",
         max_kld=0.01, allow_uncertified=True, formats=("int4", "q2"), ffn_levels=(0.75, 0.5),
-        ffn_importance="output", ffn_per_layer=True, ffn_correction="scale". `device` defaults to cuda
+        ffn_importance="output", ffn_per_layer=True, ffn_correction="scale", stream_experts=True (with vram:
+        the budget then bounds the device and the residency plan meets it). `device` defaults to cuda
         when a GPU is present for a compile that runs the model."""
         flat = {"quant": ("quantize", "format"), "group_size": ("quantize", "group_size"),
                 "asymmetric": ("quantize", "asymmetric"), "keep_lm_head": ("quantize", "keep_lm_head"),
@@ -122,7 +129,7 @@ class CompileConfig:
                 "probe_windows": ("score", "probe_windows"), "max_kld": ("certify", "max_kld"),
                 "allow_uncertified": ("certify", "allow_uncertified"), "ffn_levels": ("ffn", "levels"),
                 "ffn_importance": ("ffn", "importance"), "ffn_per_layer": ("ffn", "per_layer"),
-                "ffn_correction": ("ffn", "correction")}
+                "ffn_correction": ("ffn", "correction"), "stream_experts": ("residency", "stream")}
         known = {f.name for f in dataclasses.fields(cls)} - {"schema"}
         unknown = sorted(set(options) - known - set(flat))
         if unknown:
@@ -141,10 +148,18 @@ class CompileConfig:
                 plan["vram"] = parse_size(plan["vram"])
             if "formats" in groups.get("score", {}):
                 groups["score"]["formats"] = tuple(groups["score"]["formats"])
+            if groups.get("residency", {}).pop("stream", False):
+                if "vram" not in plan:
+                    raise CompileOptionError("--stream-experts needs --vram SIZE: the device budget the experts "
+                                             "that do not fit stream around")
+                groups["residency"]["vram"] = plan.pop("vram")
+                if not plan:
+                    groups.pop("plan")
             if "levels" in groups.get("ffn", {}):
                 groups["ffn"]["levels"] = ffn_levels(groups["ffn"]["levels"])
             kinds = {"quantize": QuantizeOptions, "plan": PlanOptions, "calibrate": CalibrateOptions,
-                     "score": ScoreOptions, "certify": CertifyOptions, "ffn": FFNLevelOptions}
+                     "score": ScoreOptions, "certify": CertifyOptions, "ffn": FFNLevelOptions,
+                     "residency": ResidencyOptions}
             for group, values in groups.items():
                 if group in options:
                     raise CompileOptionError(f"give either {group}=... or its flat options, not both")
@@ -187,7 +202,8 @@ def _evaluates(options: dict) -> bool:
     planned = plan is not None and plan.planned
     quant = quantize is not None and quantize.format is not None
     levels = options.get("ffn") is not None and options["ffn"].enabled
-    return planned or levels or (quant and (quantize.method == "gptq" or (certify is not None
+    streams = options.get("residency") is not None and options["residency"].enabled
+    return planned or levels or streams or (quant and (quantize.method == "gptq" or (certify is not None
                                                                             and certify.max_kld is not None)))
 
 
@@ -196,13 +212,16 @@ def _check_flags(options: dict, groups: dict) -> None:
     planned = "plan" in groups and ("bpw" in groups["plan"] or "vram" in groups["plan"])
     quantizes = planned or "format" in groups.get("quantize", {})
     gptq = planned or groups.get("quantize", {}).get("method") == "gptq"
-    if not planned and set(groups.get("plan", {})) & {"ctx", "tie_fused"}:
+    streams = "residency" in groups
+    if not planned and "tie_fused" in groups.get("plan", {}) or not (planned or streams) and "ctx" in groups.get(
+            "plan", {}):
         raise CompileOptionError("--ctx and --tie-fused need a budget (--bpw or --vram)")
     levels = "levels" in groups.get("ffn", {})
-    if not gptq and not levels and "calibrate" in groups:
+    if not gptq and not levels and not streams and "calibrate" in groups:
         raise CompileOptionError("--calib and --calib-tokens need calibration: a budget (--bpw / --vram), "
                                  "--method gptq or --ffn-levels")
-    if groups.get("quantize", {}).get("method") == "rtn" and "calibrate" in groups and not planned and not levels:
+    if groups.get("quantize", {}).get("method") == "rtn" and "calibrate" in groups and not planned and not levels \
+            and not streams:
         raise CompileOptionError("--method rtn with --quant does not calibrate; drop --calib / --calib-tokens")
     if not quantizes and "certify" in groups:
         raise CompileOptionError("--max-kld and --allow-uncertified need a quantized compile (a budget or --quant)")

@@ -13,6 +13,7 @@ from thin.passes import (
     order_superblocks,
     order_tensors,
     plan_precision,
+    plan_residency,
     quantize_weights,
     score_formats,
 )
@@ -41,4 +42,6 @@ def build_pipeline(config: CompileConfig) -> list[Pass]:
         order_tensors,
         # -- layout: each routed expert one 4 KiB-aligned contiguous page (no-op without experts)
         layout_experts,
+        # -- residency (--stream-experts): the least routed experts stay in host memory when --vram can't hold them
+        *([plan_residency] if config.residency.enabled else []),
     ]

@@ -46,6 +46,11 @@ class BenchResult:
     graph: bool
     ffn_keep: float = 1.0  # the elastic FFN level decoded (thin-exec bench --ffn-keep)
     expert_bytes_per_token: int = 0  # of bytes_per_token: the routed experts a token reads (top-k of each layer)
+    # Experts in host memory (thinc compile --stream-experts): pages copied to the GPU per decoded token, their
+    # bytes, and the cache's slots; None when every expert is resident.
+    expert_transfers_per_token: float | None = None
+    expert_transfer_bytes_per_token: float | None = None
+    expert_slots: int = 0
     checks: dict[str, str] = field(default_factory=dict)
     kernels: list[dict] = field(default_factory=list)  # --profile: time per decode step by kernel
 
@@ -67,6 +72,10 @@ class BenchResult:
             f"roofline       {self.roofline_tokens_per_second:.0f} tok/s: {100 * self.roofline_fraction:.1f}% of it",
             f"peak VRAM      {self.peak_vram_bytes / 2**30:.2f} GiB",
         ]
+        if self.expert_transfers_per_token is not None:
+            lines.insert(5, f"experts        {self.expert_transfers_per_token:.2f} transfers per token from host "
+                            f"memory ({self.expert_transfer_bytes_per_token / gb:.4f} GB), {self.expert_slots} GPU "
+                            "slots; decoded by the torch executor")
         lines += [f"check          {name}: {result}" for name, result in self.checks.items()]
         if self.kernels:
             lines.append("decode step by kernel (eager, one step):")
@@ -143,6 +152,11 @@ def run(model, *, prompt_len: int = 512, new_tokens: int = 128, runs: int = 5, p
         seed: int = 0) -> BenchResult:
     """Benchmark a loaded ThinModel on CUDA (its decode engine must have taken the model)."""
     engine = model.engine
+    if engine is None and model.executor.expert_cache is not None:
+        if profile:
+            raise BenchCheckError("--profile times the decode engine's kernels, and a model with experts in host "
+                                  "memory decodes on the torch executor")
+        return run_streamed(model, prompt_len=prompt_len, new_tokens=new_tokens, runs=runs, seed=seed)
     if engine is None:
         raise BenchCheckError("bench needs the CUDA decode engine (a CUDA device, Triton, and a model it runs)")
     if new_tokens < 2:
@@ -206,6 +220,52 @@ def run(model, *, prompt_len: int = 512, new_tokens: int = 128, runs: int = 5, p
         roofline_tokens_per_second=roofline, roofline_fraction=median / roofline, peak_vram_bytes=peak,
         graph=engine.use_graphs, ffn_keep=model.ffn_keep, checks=checks, kernels=kernels,
         expert_bytes_per_token=expert_bytes_per_token(model.artifact))
+
+
+def run_streamed(model, *, prompt_len: int = 512, new_tokens: int = 128, runs: int = 5, seed: int = 0) -> BenchResult:
+    """Benchmark a loaded ThinModel whose experts stream from host memory: the torch executor generates
+    (greedy, no stop token), and the expert cache's transfers per decoded token are counted. The greedy
+    tokens of every run must agree (the cache's state differs between runs, the numbers must not)."""
+    from .generate import GenerationStats, generate
+
+    if new_tokens < 2:
+        raise ValueError("bench needs --gen of at least 2 tokens")
+    executor, device = model.executor, model.device
+    prompt = torch.randint(0, model.ir.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(seed))
+    options = GenerationOptions(max_new_tokens=new_tokens, stop_token_ids=())
+
+    def once() -> tuple[GenerationStats, list[int]]:
+        stats = GenerationStats()
+        tokens = list(generate(executor, prompt.tolist(), options, stats=stats))
+        return stats, tokens
+
+    torch.cuda.reset_peak_memory_stats(device)
+    _, first = once()  # warm-up
+    results = [once() for _ in range(runs)]
+    if any(tokens != first for _, tokens in results):
+        raise BenchCheckError("greedy tokens differ between runs with streamed experts")
+    peak = torch.cuda.max_memory_allocated(device)
+    bandwidth = copy_bandwidth(device)
+    rates = sorted(s.decode_tokens_per_second for s, _ in results)
+    steps = sum(s.new_tokens - 1 for s, _ in results)
+    weight_bytes = bytes_per_token(model.artifact, model.ffn_level)
+    counts: dict[str, int] = {}
+    for t in model.ir.tensors:
+        counts[t.encoding.format] = counts.get(t.encoding.format, 0) + 1
+    median = statistics.median(rates)
+    roofline = bandwidth / weight_bytes
+    return BenchResult(
+        model=str(model.artifact.path.name), device=torch.cuda.get_device_name(device), formats=counts,
+        prompt_tokens=prompt_len, new_tokens=new_tokens, runs=runs,
+        prefill_tokens_per_second=statistics.median(s.prefill_tokens_per_second for s, _ in results),
+        decode_tokens_per_second=median, decode_min=rates[0], decode_max=rates[-1], bytes_per_token=weight_bytes,
+        bandwidth_bytes_per_second=bandwidth, roofline_tokens_per_second=roofline, roofline_fraction=median / roofline,
+        peak_vram_bytes=peak, graph=False, ffn_keep=model.ffn_keep,
+        checks={"greedy tokens equal in every run": "ok"},
+        expert_bytes_per_token=expert_bytes_per_token(model.artifact),
+        expert_transfers_per_token=sum(s.expert_transfers for s, _ in results) / steps,
+        expert_transfer_bytes_per_token=sum(s.expert_transfer_bytes for s, _ in results) / steps,
+        expert_slots=executor.expert_cache.slots)
 
 
 def profile_step(engine, cache, sampler, steps: int = 3) -> list[dict]:

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from thin.ir import MLP, Attention, DecoderLayer, Linear, Model, MoE, Norm, RoPE, formats
 
+from .expert_cache import ExpertCache, HostPages
 from .ffn import ACTIVATIONS, MLPPlan, MoEPlan, run_ffn
 from .inputs import check_tensor_range
 from .kv_cache import KVCache
@@ -82,9 +83,12 @@ class Executor:
     `get_raw` is the weight contract shared by the loaded artifact and the compile-time Program:
     a flat uint8 tensor in the tensor's encoding (for dense formats, a free view). `wrap_linear`,
     when given, receives every LinearOp the executor builds (with its weight's name) and returns
-    the op to use in its place."""
+    the op to use in its place. `host_experts` (runtime/expert_cache.py) are routed experts kept in
+    host memory: the executor builds none of them, and streams each through one of `expert_slots`
+    device slots when a token routes to it."""
 
-    def __init__(self, model: Model, get_raw: RawGetter, device="cpu", wrap_linear: LinearWrapper | None = None):
+    def __init__(self, model: Model, get_raw: RawGetter, device="cpu", wrap_linear: LinearWrapper | None = None,
+                 host_experts: HostPages | None = None, expert_slots: int = 0):
         self.model = model
         self._wrap = wrap_linear or (lambda name, op: op)
         self.device = torch.device(device)
@@ -96,12 +100,14 @@ class Executor:
         self.dtype = torch.float32 if self.device.type == "cpu" else embed_dtype
         self._get = get_raw
         self._tables: dict[RoPE, RotaryTables] = {}
+        self.expert_cache = None if host_experts is None else \
+            ExpertCache(host_experts, expert_slots, self.device, self._build_expert)
         self.embed = Embedding(embed_record, get_raw(model.embedding.weight), self.device, self.dtype)
         self.embed_scale = None
         if model.embedding.scale is not None:
             # Gemma multiplies by sqrt(hidden) rounded to the embedding's dtype, not the exact value.
             self.embed_scale = torch.tensor(model.embedding.scale, dtype=embed_dtype).to(self.dtype).item()
-        self.layers = [self._plan_layer(layer) for layer in model.layers]
+        self.layers = [self._plan_layer(layer, i) for i, layer in enumerate(model.layers)]
         self.final_norm = self._norm(model.final_norm)
         if model.lm_head.tied:
             self.lm_head = self._wrap(model.lm_head.weight, self.embed.as_linear(embed_record))
@@ -116,15 +122,20 @@ class Executor:
 
     # ---- construction -------------------------------------------------------------------
 
-    def _dense(self, name: str | None, dtype: torch.dtype | None = None) -> torch.Tensor | None:
+    def _dense(self, name: str | None, dtype: torch.dtype | None = None, get: RawGetter | None = None):
         if name is None:
             return None
-        return load_weight(self.records[name], self._get(name), self.device, dtype or self.dtype)
+        return load_weight(self.records[name], (get or self._get)(name), self.device, dtype or self.dtype)
 
-    def _linear(self, lin: Linear) -> LinearOp:
-        op = make_linear(self.records[lin.weight], self._get(lin.weight), self._dense(lin.bias), self.device,
+    def _linear(self, lin: Linear, get: RawGetter | None = None) -> LinearOp:
+        get = get or self._get
+        op = make_linear(self.records[lin.weight], get(lin.weight), self._dense(lin.bias, get=get), self.device,
                          self.dtype)
         return self._wrap(lin.weight, op)
+
+    def _build_expert(self, layer: int, expert: int, get: RawGetter) -> MLPPlan:
+        """A host-resident expert's MLPPlan on the bytes `get` reads (its slot in the expert cache)."""
+        return self._plan_mlp(self.model.layers[layer].ffn.experts[expert], get)
 
     def linear_ops(self) -> list[LinearOp]:
         """Every LinearOp of the model (for reports: which implementation serves what)."""
@@ -133,7 +144,7 @@ class Executor:
             ops += [*layer.attention.qkv, layer.attention.o]
             ffns = layer.ffn.experts + ([layer.ffn.shared_expert] if layer.ffn.shared_expert else []) \
                 if isinstance(layer.ffn, MoEPlan) else [layer.ffn]
-            for mlp in ffns:
+            for mlp in filter(None, ffns):  # a streamed expert (None) has ops only while in a slot
                 ops += [*mlp.up, mlp.down]
         return [*ops, self.lm_head]
 
@@ -192,29 +203,33 @@ class Executor:
             self._norm(a.k_norm), a.qk_norm_per_head, rope, a.sliding_window, a.logit_softcap,
             self._dense(a.sinks, torch.float32))
 
-    def _plan_mlp(self, mlp: MLP) -> MLPPlan:
+    def _plan_mlp(self, mlp: MLP, get: RawGetter | None = None) -> MLPPlan:
         if mlp.activation not in ACTIVATIONS:
             raise NotImplementedError(f"activation {mlp.activation!r} is not implemented in the executor")
         if not mlp.gated:
-            up = [self._linear(mlp.up)]
+            up = [self._linear(mlp.up, get)]
         elif mlp.gate_up is not None:
-            up = [self._linear(mlp.gate_up)]
+            up = [self._linear(mlp.gate_up, get)]
         else:
-            up = [self._linear(mlp.gate), self._linear(mlp.up)]
-        return MLPPlan(mlp.activation, mlp.gated, up, self._linear(mlp.down), mlp.alpha, mlp.limit, mlp.up_offset)
+            up = [self._linear(mlp.gate, get), self._linear(mlp.up, get)]
+        return MLPPlan(mlp.activation, mlp.gated, up, self._linear(mlp.down, get), mlp.alpha, mlp.limit,
+                       mlp.up_offset)
 
-    def _plan_layer(self, layer: DecoderLayer) -> LayerPlan:
+    def _plan_layer(self, layer: DecoderLayer, index: int) -> LayerPlan:
         if isinstance(layer.ffn, MoE):
             moe = layer.ffn
+            host = self.expert_cache.pages.sizes if self.expert_cache is not None else {}
             if moe.scoring != "softmax":
                 raise NotImplementedError(f"router scoring {moe.scoring!r} is not implemented")
             ffn = MoEPlan(
                 moe.top_k, moe.normalize_top_k, moe.scoring,
                 # Routing is a discrete choice: score it in float32 so bf16 rounding can't flip an expert.
                 self._dense(moe.router.weight, torch.float32), self._dense(moe.router.bias, torch.float32),
-                [self._plan_mlp(e) for e in moe.experts],
+                [None if (index, e) in host else self._plan_mlp(mlp) for e, mlp in enumerate(moe.experts)],
                 self._plan_mlp(moe.shared_expert) if moe.shared_expert is not None else None,
-                self._dense(moe.shared_expert_gate.weight) if moe.shared_expert_gate is not None else None)
+                self._dense(moe.shared_expert_gate.weight) if moe.shared_expert_gate is not None else None,
+                layer=index, cache=self.expert_cache if any((index, e) in host for e in range(len(moe.experts)))
+                else None)
         else:
             ffn = self._plan_mlp(layer.ffn)
         return LayerPlan(self._plan_attention(layer.attention), ffn, self._norm(layer.attn_norm),

@@ -34,9 +34,12 @@ class MoEPlan:
     scoring: str
     router_weight: torch.Tensor  # float32 on every device
     router_bias: torch.Tensor | None
-    experts: list[MLPPlan]
+    experts: list[MLPPlan | None]  # None: a host-resident expert, run from `cache`
     shared_expert: MLPPlan | None
     shared_expert_gate: torch.Tensor | None  # Qwen2-MoE: sigmoid gate [1, hidden]
+    layer: int = 0
+    # runtime/expert_cache.py's ExpertCache when some of this layer's experts stay in host memory.
+    cache: object | None = None
 
 
 ACTIVATIONS = ("silu", "gelu", "gelu_tanh", "relu")
@@ -96,18 +99,25 @@ def run_moe(x: torch.Tensor, p: MoEPlan) -> torch.Tensor:
     weights = weights.to(x.dtype)
     out = torch.zeros_like(x)
     if x.shape[0] == 1:  # decode: k experts, no bookkeeping
-        for slot, e in enumerate(chosen[0].tolist()):
-            out += run_mlp(x, p.experts[e]) * weights[0, slot]
+        for slot, (_, expert) in enumerate(_experts(p, chosen[0].tolist())):
+            out += run_mlp(x, expert) * weights[0, slot]
     else:  # prefill: each expert once, on the tokens that chose it
-        for e in torch.unique(chosen).tolist():
+        for e, expert in _experts(p, torch.unique(chosen).tolist()):
             token, slot = torch.where(chosen == e)
-            out.index_add_(0, token, run_mlp(x[token], p.experts[e]) * weights[token, slot, None])
+            out.index_add_(0, token, run_mlp(x[token], expert) * weights[token, slot, None])
     if p.shared_expert is not None:
         shared = run_mlp(x, p.shared_expert)
         if p.shared_expert_gate is not None:
             shared = shared * torch.sigmoid(F.linear(x, p.shared_expert_gate))
         out = out + shared
     return out
+
+
+def _experts(p: MoEPlan, wanted: list[int]):
+    """(expert, MLPPlan) for each of `wanted` in order; host-resident ones brought in by the cache."""
+    if p.cache is None:
+        return ((e, p.experts[e]) for e in wanted)
+    return p.cache.experts(p.layer, wanted, p.experts)
 
 
 def run_ffn(x: torch.Tensor, p: MLPPlan | MoEPlan) -> torch.Tensor:

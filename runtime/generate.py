@@ -28,6 +28,10 @@ class GenerationStats:
     new_tokens: int = 0
     decode_seconds: float = 0.0
     stop_reason: str = ""  # "eos", "length", or "" while running
+    # Host-resident experts (runtime/expert_cache.py) copied into a device slot during decode, and their
+    # bytes; None when every expert is resident.
+    expert_transfers: int | None = None
+    expert_transfer_bytes: int = 0
 
     @property
     def prefill_tokens_per_second(self) -> float:
@@ -39,11 +43,22 @@ class GenerationStats:
         steps = max(self.new_tokens - 1, 0)
         return steps / self.decode_seconds if self.decode_seconds > 0 else float("nan")
 
+    @property
+    def expert_transfers_per_token(self) -> float:
+        """Expert pages copied to the device per decode step (nan without steps or streamed experts)."""
+        steps = max(self.new_tokens - 1, 0)
+        return self.expert_transfers / steps if steps and self.expert_transfers is not None else float("nan")
+
     def summary(self) -> str:
-        """One line for stderr: prefill and decode throughput."""
+        """One line for stderr: prefill and decode throughput (and expert transfers when experts stream)."""
         cached = f" (+{self.cached_tokens} cached)" if self.cached_tokens else ""
-        return (f"prefill: {self.prompt_tokens} tokens{cached}, {self.prefill_tokens_per_second:.1f} tok/s | "
+        line = (f"prefill: {self.prompt_tokens} tokens{cached}, {self.prefill_tokens_per_second:.1f} tok/s | "
                 f"decode: {self.new_tokens} tokens, {self.decode_tokens_per_second:.1f} tok/s")
+        if self.expert_transfers is not None:
+            steps = max(self.new_tokens - 1, 1)
+            line += (f", {self.expert_transfers_per_token:.2f} expert transfers/token "
+                     f"({self.expert_transfer_bytes / steps / 2**20:.2f} MiB/token)")
+        return line
 
 
 class ContextTooLongError(RunError, ValueError):
@@ -144,11 +159,18 @@ def generate(executor, prompt_ids: Sequence[int], options: GenerationOptions, *,
         stats.stop_reason = "eos"
         return
     yield token
+    experts = getattr(executor, "expert_cache", None)
+    counted = experts.counters() if experts is not None else None
+    if counted is not None:
+        stats.expert_transfers, stats.expert_transfer_bytes = 0, 0
     # Time only the steps themselves, not what the consumer does between two tokens.
     start = time.perf_counter()
     for step_token in decode_n_tokens(executor, cache, token, options.max_new_tokens - 1, pick, stop_ids):
         stats.decode_seconds += time.perf_counter() - start
         stats.new_tokens += 1
+        if counted is not None:
+            transfers, nbytes = experts.counters()
+            stats.expert_transfers, stats.expert_transfer_bytes = transfers - counted[0], nbytes - counted[1]
         if step_token in stop_ids:
             stats.stop_reason = "eos"
             return

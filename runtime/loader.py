@@ -122,7 +122,10 @@ class ThinModel:
         for op in self.executor.linear_ops():
             counts[(op.format, op.implementation)] = counts.get((op.format, op.implementation), 0) + 1
         served = ", ".join(f"{fmt} x{n} -> {impl}" for (fmt, impl), n in sorted(counts.items()))
-        return f"linear weights on {self.device.type}: {served}"
+        cache = self.executor.expert_cache
+        streamed = "" if cache is None else f"; {cache.describe()}" + (
+            ", decoded by the torch executor" if self.device.type == "cuda" else "")
+        return f"linear weights on {self.device.type}: {served}{streamed}"
 
     def forward(self, input_ids) -> torch.Tensor:
         """float32 logits [T, vocab] for one sequence of ids [T] (no cache); InputError for ids of another
@@ -238,8 +241,15 @@ def load(path, device: str | torch.device = "cpu", verify: bool = False, *, vram
         if device.type != "cuda":
             raise VramBudgetError("--vram is a GPU memory budget: it needs --device cuda")
         check(artifact, context or min(model_ir.max_position_embeddings, 4096), vram, device)
-    executor = Executor(model_ir, _raw_getter(artifact), device=str(device))
-    engine = _engine(executor, graphs) if device.type == "cuda" else None
+    from .expert_cache import HostPages, Residency
+
+    # Experts the compile left in host memory (--stream-experts) stream through a cache of device slots;
+    # the decode engine runs all-resident models only, so the executor decodes those.
+    residency = Residency.from_artifact(artifact)
+    host = None if residency is None else HostPages(artifact, residency.host, device)
+    executor = Executor(model_ir, _raw_getter(artifact), device=str(device), host_experts=host,
+                        expert_slots=residency.slots if residency else 0)
+    engine = _engine(executor, graphs) if device.type == "cuda" and host is None else None
     files = artifact.tokenizer_files()
     # A model compiled without tokenizer files still runs on token ids.
     tokenizer = Tokenizer.from_files(files) if "tokenizer.json" in files else None

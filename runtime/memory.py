@@ -48,7 +48,12 @@ def estimate(artifact, context: int) -> dict[str, int]:
     records = model.tensor_map()
     stored = formats.get(records[model.embedding.weight].source_dtype)
     element = torch.tensor([], dtype=getattr(torch, stored.torch_dtype)).element_size() if stored.dense else 4
-    weights = sum(artifact.tensor_entry(t.name)["size"] for t in model.tensors)
+    from .expert_cache import device_weight_bytes
+
+    # With experts in host memory (--stream-experts), the device holds the rest and the expert cache's slots.
+    weights = device_weight_bytes(artifact)
+    if weights is None:
+        weights = sum(artifact.tensor_entry(t.name)["size"] for t in model.tensors)
     kv = sum(2 * layer.attention.num_kv_heads * layer.attention.head_dim * element for layer in model.layers)
     ropes = {layer.attention.rope for layer in model.layers if layer.attention.rope is not None}
     tables = sum(2 * model.max_position_embeddings * rope.rotary_dim * element for rope in ropes)
