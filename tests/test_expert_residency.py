@@ -193,3 +193,23 @@ def test_a_residency_plan_without_slots_is_refused():
     memory["residency"]["host"] = [[0, "1"]]
     with pytest.raises(ArtifactWriteError, match="host has the wrong type"):
         encode_sections({"memory": memory})
+
+
+@pytest.mark.gpu
+def test_streamed_experts_on_cuda_give_the_resident_numbers(compiled):
+    """On CUDA: pages pinned, slots on the device, copies on a side stream; the logits and greedy tokens
+    of the resident executor (same LinearOps, same kernels) exactly."""
+    from thin.runtime.generate import generate
+    from thin.runtime.sampling import GenerationOptions
+
+    _, roomy, tight, _ = compiled
+    resident, streamed = load(roomy, device="cuda"), load(tight, device="cuda")
+    cache = streamed.executor.expert_cache
+    assert streamed.engine is None and cache.buffers[0].is_cuda
+    assert all(page.is_pinned() for page in cache.pages.bytes.values())
+    ids = [1, 5, 7, 9, 3, 2, 11, 4, 8, 6]
+    assert torch.equal(resident.forward(ids), streamed.forward(ids))
+    options = GenerationOptions(max_new_tokens=12, stop_token_ids=())
+    want = list(generate(resident.executor, ids, options))
+    assert list(streamed.generate(ids, max_new_tokens=12, stop_token_ids=())) == want
+    assert streamed.last_stats.expert_transfers > 0
