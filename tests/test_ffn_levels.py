@@ -224,11 +224,13 @@ def test_the_kernels_and_the_decode_engine_run_each_level_like_the_executor(comp
         engine = DecodeEngine(model.executor)
         prompt = model.encode(TEXT)[:12]
         opts = GenerationOptions(max_new_tokens=6, stop_token_ids=())
+        shared = engine.new_cache(len(prompt) + opts.max_new_tokens)  # its captured steps are per level
         seen = {}
         for keep in (0.5, 1.0, 0.75, 0.5):
             model.set_ffn_keep(keep)
             want = model.executor.forward(torch.tensor(prompt, device=DEVICE))[-1].float().cpu()
-            tokens = list(engine_generate(engine, prompt, opts))
+            shared.reset()
+            tokens = list(engine_generate(engine, prompt, opts, cache=shared))
             assert tokens == list(generate(model.executor, prompt, opts)), keep
             cache = engine.new_cache(len(prompt) + 1)
             engine.start(cache, prompt, opts)
