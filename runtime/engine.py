@@ -34,7 +34,7 @@ import torch
 from .ffn import ACTIVATIONS, MLPPlan, MoEPlan, activate, run_moe
 from .generate import GenerationStats, check_context
 from .linear import LinearOp
-from .paged_kv import PagedKVCache
+from .paged_kv import PREFILL_CHUNK, PagedKVCache
 from .sampling import GenerationOptions
 
 
@@ -92,13 +92,15 @@ class DecodeEngine:
 
     # ---- caches ----------------------------------------------------------------------------------
 
-    def new_cache(self, max_seq_len: int) -> PagedKVCache:
+    def new_cache(self, max_seq_len: int, chunk: int = PREFILL_CHUNK) -> PagedKVCache:
         """An empty paged cache for one sequence of up to `max_seq_len` tokens (plus the scratch its
-        decode step uses, sized for that length)."""
+        decode step uses, sized for that length). Sliding-window layers keep rings bounded by their
+        window and `chunk`, the most tokens a prefill pass then takes."""
         from .kernels.attention import DecodeAttention
 
+        windows = [layer.attention.sliding_window for layer in self.ex.layers]
         cache = PagedKVCache(len(self.ex.layers), self.num_kv_heads, self.head_dim, max_seq_len, self.dtype,
-                             self.device)
+                             self.device, windows=windows, chunk=chunk)
         sms = torch.cuda.get_device_properties(self.device).multi_processor_count if self.device.type == "cuda" else 4
         cache.attention = DecodeAttention(self.num_heads, self.num_kv_heads, self.head_dim, cache.max_seq_len,
                                           self.device, sms)
@@ -107,7 +109,8 @@ class DecodeEngine:
         return cache
 
     def cache_bytes(self, tokens: int) -> int:
-        """Device bytes a cache of `tokens` positions takes (keys and values of every layer)."""
+        """Device bytes a cache of `tokens` positions takes (keys and values of every layer; at most, as
+        sliding layers' rings may hold fewer)."""
         per_token = 2 * len(self.ex.layers) * self.num_kv_heads * self.head_dim * self.residual.element_size()
         return per_token * tokens
 
@@ -115,16 +118,28 @@ class DecodeEngine:
 
     @torch.inference_mode()
     def prefill(self, cache: PagedKVCache, ids: torch.Tensor, sampler) -> None:
-        """Append `ids` [T] to `cache` in one pass per layer and pick the next token into self.token."""
+        """Append `ids` [T] to `cache` in one pass per layer (per chunk of cache.chunk tokens when its
+        sliding layers keep rings) and pick the next token into self.token."""
+        ids = ids.to(device=self.device, dtype=torch.long)
+        T, start = ids.numel(), cache.length
+        cache.check_room(T)
+        cache.reserve(start + T)
+        step = getattr(cache, "chunk", None) or T
+        for begin in range(0, T, step):
+            last = self._prefill_pass(cache, ids[begin:begin + step])
+        self._project([self.ex.lm_head], last, self.logits)
+        sampler(self.logits, self.token, cache.out_tokens, self.seen, self.pos, self.step, self.seed,
+                advance_pos=False)
+
+    def _prefill_pass(self, cache: PagedKVCache, ids: torch.Tensor) -> torch.Tensor:
+        """Every layer over `ids` [T] at positions cache.length..; advances the cache and self.pos by T
+        and returns the last position's final-normed hidden state."""
         from .kernels.activation import glu
         from .kernels.attention import prefill as attend
         from .kernels.norm import add_rmsnorm
         from .kernels.rope import rope_append
 
-        ids = ids.to(device=self.device, dtype=torch.long)
         T, start = ids.numel(), cache.length
-        cache.check_room(T)
-        cache.reserve(start + T)
         self.pos.fill_(start)
         residual = self._embed(ids)
         normed = torch.empty_like(residual)
@@ -136,9 +151,10 @@ class DecodeEngine:
             self._whole_qk_norm(a, qkv)
             q = torch.empty(T, self.num_heads, self.head_dim, dtype=self.dtype, device=self.device)
             k_cache, v_cache = cache.layer(index)
-            rope_append(qkv, q, k_cache, v_cache, cache.block_table, self.pos, self.num_heads, self.num_kv_heads,
+            table = _block_table(cache, index)
+            rope_append(qkv, q, k_cache, v_cache, table, self.pos, self.num_heads, self.num_kv_heads,
                         self.head_dim, rope=_tables(a), **_qk_norms(a))
-            out = attend(q, k_cache, v_cache, cache.block_table, start, scale=a.scale, window=a.sliding_window,
+            out = attend(q, k_cache, v_cache, table, start, scale=a.scale, window=a.sliding_window,
                          softcap=a.logit_softcap, sinks=getattr(a, "sinks", None))
             add_rmsnorm(residual, normed, dense=a.o(out), post=_norm(layer.attn_post_norm),
                         norm=_norm(layer.ffn_norm))
@@ -162,11 +178,9 @@ class DecodeEngine:
                 down = down if mlp.shift is None else down + mlp.shift
             following = layers[index + 1].attn_norm if index + 1 < len(layers) else self.ex.final_norm
             add_rmsnorm(residual, normed, dense=down, post=_norm(layer.ffn_post_norm), norm=_norm(following))
-        self._project([self.ex.lm_head], normed[-1], self.logits)
         self.pos.add_(T)
         cache.advance(T)
-        sampler(self.logits, self.token, cache.out_tokens, self.seen, self.pos, self.step, self.seed,
-                advance_pos=False)
+        return normed[-1]
 
     @torch.inference_mode()
     def decode_one_token(self, cache: PagedKVCache, sampler) -> None:
@@ -183,14 +197,15 @@ class DecodeEngine:
         for index, layer in enumerate(layers):
             a = layer.attention
             k_cache, v_cache = cache.layer(index)
+            table = _block_table(cache, index)
             with mark("qkv"):
                 self._project(a.qkv, self.normed, self.qkv)
                 self._whole_qk_norm(a, self.qkv[None])
             with mark("qk norm + rope + append"):
-                rope_append(self.qkv, self.q, k_cache, v_cache, cache.block_table, self.pos, self.num_heads,
+                rope_append(self.qkv, self.q, k_cache, v_cache, table, self.pos, self.num_heads,
                             self.num_kv_heads, self.head_dim, rope=_tables(a), **_qk_norms(a))
             with mark("attention"):
-                cache.attention(self.q, k_cache, v_cache, cache.block_table, self.pos, self.attn, scale=a.scale,
+                cache.attention(self.q, k_cache, v_cache, table, self.pos, self.attn, scale=a.scale,
                                 window=a.sliding_window, softcap=a.logit_softcap, sinks=getattr(a, "sinks", None),
                                 log=cache.attended if index == 0 else None, step=self.step)
             with mark("o"):
@@ -448,6 +463,13 @@ def _check_supported(executor) -> None:
         problems.append("clamped SwiGLU (GPT-OSS)")
     if problems:
         raise EngineUnsupported(f"the decode engine does not run {', '.join(problems)} yet")
+
+
+def _block_table(cache, index: int) -> torch.Tensor:
+    """The block table of layer `index` (a sliding layer's ring has its own; a cache without rings,
+    such as the batch engine's slot view, has one table)."""
+    table = getattr(cache, "table", None)
+    return table(index) if table is not None else cache.block_table
 
 
 def _mlp_width(ffn) -> int:

@@ -6,8 +6,15 @@ list when positions are reserved and go back when the sequence is truncated, so 
 shared and grown by tables, not copies. Kernels find a position's slot through the table
 (runtime/kernels/rope.py writes, attention.py reads).
 
+A sliding-window layer (`windows`) keeps a ring of blocks instead, bounded by its window and not
+by the sequence: logical block i lives in ring block i % R, R = ceil((window + chunk) / block_size)
++ 1, its own table (`table(layer)`) fixed. Decode attention reads the last `window` positions, which
+the ring always holds; a prefill pass must take at most `chunk` tokens (the engine prefills in chunks),
+so the keys its first query needs are not yet overwritten by its last. Rolling back past what a ring
+still holds is not possible (`keepable`): a conversation starts over.
+
 It keeps the interface of kv_cache.KVCache that generate and ConversationCache use: `length`,
-`max_seq_len`, `check_room`, `advance`, `truncate`, `reset`.
+`max_seq_len`, `check_room`, `advance`, `keepable`, `truncate`, `reset`.
 """
 
 from __future__ import annotations
@@ -17,21 +24,41 @@ import torch
 from .kv_cache import CacheFullError
 
 BLOCK_SIZE = 16
+PREFILL_CHUNK = 512  # tokens a prefill pass may take when sliding layers keep rings
 
 
 class PagedKVCache:
     """Keys and values of one sequence of up to `max_seq_len` tokens, in blocks of `block_size`."""
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_seq_len: int, dtype: torch.dtype,
-                 device: torch.device | str, block_size: int = BLOCK_SIZE):
+                 device: torch.device | str, block_size: int = BLOCK_SIZE, windows: list[int | None] | None = None,
+                 chunk: int = PREFILL_CHUNK):
         if max_seq_len <= 0:
             raise ValueError(f"max_seq_len must be positive, got {max_seq_len}")
+        windows = list(windows) if windows is not None else [None] * num_layers
+        if len(windows) != num_layers or any(w is not None and w <= 0 for w in windows) or chunk <= 0:
+            raise ValueError(f"windows must give a positive window or None for each of {num_layers} layers, "
+                             "and the prefill chunk must be positive")
         self.block_size = block_size
         self.num_blocks = -(-max_seq_len // block_size)
         self.max_seq_len = self.num_blocks * block_size
-        shape = (num_layers, self.num_blocks, num_kv_heads, block_size, head_dim)
+        # Ring blocks of each sliding layer; None where the whole sequence is kept (no window, or a
+        # sequence no longer than the ring).
+        rings = [None if w is None else -(-(w + chunk) // block_size) + 1 for w in windows]
+        self.rings = [r if r is not None and r < self.num_blocks else None for r in rings]
+        self.windows = windows
+        self.chunk = chunk if any(self.rings) else None
+        ring_blocks = max((r for r in self.rings if r), default=0)
+        full = [i for i, r in enumerate(self.rings) if r is None]
+        ringed = [i for i, r in enumerate(self.rings) if r is not None]
+        self._where = {i: (False, j) for j, i in enumerate(full)} | {i: (True, j) for j, i in enumerate(ringed)}
+        shape = (len(full), self.num_blocks, num_kv_heads, block_size, head_dim)
         self.keys = torch.zeros(shape, dtype=dtype, device=device)
         self.values = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (len(ringed), ring_blocks, num_kv_heads, block_size, head_dim)
+        self.ring_keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.ring_values = torch.zeros(shape, dtype=dtype, device=device)
+        self.ring_table = (torch.arange(self.num_blocks, dtype=torch.int32) % max(ring_blocks, 1)).to(device)
         # Logical -> physical block; unreserved entries point at block 0 and are never read.
         self.block_table = torch.zeros(self.num_blocks, dtype=torch.int32, device=device)
         self._table: list[int] = []  # host copy of the reserved prefix of the table
@@ -43,11 +70,16 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        return 2 * self.keys.numel() * self.keys.element_size()
+        return 2 * (self.keys.numel() + self.ring_keys.numel()) * self.keys.element_size()
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The key and value blocks of one layer: [blocks, kv_heads, block_size, head_dim] each."""
-        return self.keys[index], self.values[index]
+        ring, j = self._where[index]
+        return (self.ring_keys[j], self.ring_values[j]) if ring else (self.keys[j], self.values[j])
+
+    def table(self, index: int) -> torch.Tensor:
+        """The block table the kernels read for layer `index` (its ring's, for a sliding layer)."""
+        return self.ring_table if self._where[index][0] else self.block_table
 
     def check_room(self, n: int) -> None:
         """Raise CacheFullError unless `n` more tokens fit."""
@@ -72,10 +104,24 @@ class PagedKVCache:
         """Move the position past `n` tokens, once every layer has stored them."""
         self.length += n
 
+    def keepable(self, n: int) -> int:
+        """The most tokens, at most `n`, that `truncate` can keep: `n`, unless a sliding layer's ring no
+        longer holds the window the token after them sees; then 0 (start over)."""
+        if self.length == 0:
+            return n
+        last = (self.length - 1) // self.block_size  # the latest block written: the ring holds last - R + 1 ..
+        for window, ring in zip(self.windows, self.rings):
+            if ring is not None and max(0, n - window + 1) // self.block_size <= last - ring and n > 0:
+                return 0
+        return n
+
     def truncate(self, n: int) -> None:
         """Keep the first `n` stored tokens; blocks past them go back to the free list."""
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot keep {n} tokens of a cache holding {self.length}")
+        if self.keepable(n) != n:
+            raise ValueError(f"cannot keep {n} of {self.length} tokens: a sliding-window layer holds only the "
+                             "last blocks of its window (see keepable)")
         self.length = n
         keep = -(-n // self.block_size)
         while len(self._table) > keep:

@@ -110,3 +110,38 @@ def test_bench_counts_only_the_routed_experts_a_token_reads(models):
     moe = ir.layers[0].ffn
     assert experts > 0 and expert_bytes_per_token(art) == round(experts * moe.top_k / moe.num_experts)
     assert bytes_per_token(art) == others + expert_bytes_per_token(art)
+
+
+@pytest.mark.parametrize("family", ["gpt_oss", "mixtral"])
+def test_sliding_layers_keep_a_bounded_ring(models, family):
+    """A cache whose sliding layers (window 8) keep rings of two 16-position blocks, prefilled in chunks
+    of 8 tokens: 40 prompt and 10 new tokens wrap each ring, and the tokens are still the executor's."""
+    from thin.runtime.engine import DecodeEngine
+    from thin.runtime.engine import generate as engine_generate
+
+    model = models(family)
+    engine = DecodeEngine(model.executor)
+    prompt = _prompt(40, seed=11)
+    cache = engine.new_cache(len(prompt) + 10, chunk=8)
+    windows = [layer.attention.sliding_window for layer in model.executor.layers]
+    assert [r is not None for r in cache.rings] == [w is not None for w in windows] and any(windows)
+    assert cache.ring_keys.shape[1] == 2 < cache.num_blocks
+    opts = GenerationOptions(max_new_tokens=10, stop_token_ids=())
+    assert list(engine_generate(engine, prompt, opts, cache=cache)) == _tokens(model, prompt, 10)
+
+
+def test_a_ring_cannot_roll_back_past_its_window():
+    from thin.runtime.paged_kv import PagedKVCache
+
+    cache = PagedKVCache(2, 1, 8, 128, torch.float32, "cpu", block_size=4, windows=[None, 6], chunk=4)
+    assert cache.rings == [None, 4] and cache.ring_keys.shape[:2] == (1, 4)
+    cache.advance(30)  # the ring holds blocks 4..7 (positions 16..31)
+    assert cache.keepable(30) == 30
+    assert cache.keepable(21) == 21  # the token at 21 sees 16..21
+    assert cache.keepable(20) == 0  # ... at 20 sees 15, overwritten: start over
+    with pytest.raises(ValueError, match="sliding-window"):
+        cache.truncate(20)
+    cache.truncate(21)
+    assert cache.length == 21 and cache.keepable(0) == 0
+    cache.reset()
+    assert cache.length == 0
