@@ -1,0 +1,149 @@
+"""The mixture-of-experts decode kernels alone (runtime/kernels/experts.py), at a benchmark shape's
+expert dimensions, on one GPU:
+
+    python examples/benchmarks/bench_experts.py [--shape moe-a3b] [--formats bf16,int4,mxfp4] [--group-size 128]
+
+One set of random experts (num_experts, in each format) serves every layer of the shape, and layer
+l's router is biased towards experts l*k .. l*k+k-1, so a step over the layers reads each expert once
+(more bytes than the 50 MB L2, as a model's step does). Each of router / gate_up / down / the whole
+layer is captured in a CUDA graph over all the layers and replayed; the table gives microseconds per
+layer and the bandwidth of the bytes read (the k experts' packed weights, the float32 router). Launch
+tiles are the ones the engine's load would pick (timed). `--device cpu` runs it once through Triton's
+interpreter at any shape given by --hidden/--inter/--experts/--top-k/--layers (a smoke test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+import torch
+
+SHAPES = {"moe-a3b": (2048, 768, 128, 8, 16, {}), "gpt-oss-20b": (2880, 2880, 32, 4, 24, {"clamp": True})}
+
+
+def build(fmt: str, params: dict, hidden: int, inter: int, experts: int, top_k: int, layers: int, clamp: bool,
+          device, dtype):
+    """([MoEKernels] for `layers` layers sharing one set of experts, (gate_up, down) bytes a layer reads)."""
+    from thin.ir import Encoding, Tensor, formats
+    from thin.runtime.ffn import MLPPlan, MoEPlan
+    from thin.runtime.kernels.experts import MoEKernels
+    from thin.runtime.linear import make_linear
+
+    gen = torch.Generator().manual_seed(0)
+    params = formats.get(fmt).normalize(params)
+
+    def op(shape):
+        w = 0.02 * torch.randn(*shape, generator=gen)
+        record = Tensor("layers.0.mlp.experts.0.w", "moe.expert.up", 0, shape, Encoding(fmt, params), "bf16")
+        bias = (0.01 * torch.randn(shape[0], generator=gen)).to(dtype).to(device) if clamp else None
+        return make_linear(record, formats.encode(fmt, w.to(device), params).cpu(), bias, device, dtype)
+
+    extra = dict(alpha=1.702, limit=7.0, up_offset=1.0) if clamp else {}
+    mlps = [MLPPlan("silu", True, [op((2 * inter, hidden))], op((hidden, inter)), **extra) for _ in range(experts)]
+    up_bytes, down_bytes = (formats.nbytes(fmt, s, params) for s in ((2 * inter, hidden), (hidden, inter)))
+    out = []
+    for layer in range(layers):
+        router = 0.01 * torch.randn(experts, hidden, generator=gen)
+        bias = torch.zeros(experts)
+        chosen = [(layer * top_k + j) % experts for j in range(top_k)]
+        bias[chosen] = 30.0 + torch.arange(top_k, 0, -1).float()  # these k, in this order
+        plan = MoEPlan(top_k, True, "softmax", router.to(device), bias.to(device), mlps, None, None)
+        out.append(MoEKernels(plan, device, dtype))
+    return out, (top_k * up_bytes, top_k * down_bytes)
+
+
+def step(kernels, x, partials, part: str) -> None:
+    """Launch `part` (router, gate_up, down or all) of every layer's expert kernels for x."""
+    for k in kernels:
+        if part in ("router", "all"):
+            k.route(x)
+        for i in range(len(k.groups)):
+            if part in ("gate_up", "all"):
+                k._gate_up(i, x, k.config(i, "gate_up"))
+            if part in ("down", "all"):
+                k._down(i, partials, k.config(i, "down"))
+
+
+def graph_time(fn, replays: int = 20) -> float:
+    """Median milliseconds of one call of `fn`, captured in a CUDA graph."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        stop.record()
+        stop.synchronize()
+        times.append(start.elapsed_time(stop))
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="moe-a3b")
+    ap.add_argument("--formats", default="bf16,int4,mxfp4")
+    ap.add_argument("--group-size", type=int, default=None, help="int4's group (default 128, 64 for 2880 columns)")
+    ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    for name in ("hidden", "inter", "experts", "top-k", "layers"):
+        ap.add_argument(f"--{name}", type=int, default=None, help="override the shape's")
+    args = ap.parse_args()
+    hidden, inter, experts, top_k, layers, extra = SHAPES[args.shape]
+    hidden, inter = args.hidden or hidden, args.inter or inter
+    experts, top_k, layers = args.experts or experts, args.top_k or top_k, args.layers or layers
+    device = torch.device(args.device)
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise SystemExit("--device cpu runs the kernels through Triton's interpreter: set TRITON_INTERPRET=1")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("no CUDA device here (--device cpu with TRITON_INTERPRET=1 for a smoke run)")
+    dtype = torch.bfloat16
+    group = args.group_size or (128 if hidden % 128 == 0 and inter % 128 == 0 else 64)
+    rows = []
+    for fmt in args.formats.split(","):
+        params = {"group_size": group} if fmt.startswith("int") and fmt != "int8" else {}
+        began = time.perf_counter()
+        kernels, (up_bytes, down_bytes) = build(fmt, params, hidden, inter, experts, top_k, layers,
+                                                extra.get("clamp", False), device, dtype)
+        x = torch.randn(hidden, device=device).to(dtype)
+        partials = torch.zeros(top_k, hidden, dtype=torch.float32, device=device)
+        for k in kernels:
+            k.warm_up()
+        setup = time.perf_counter() - began
+        router_bytes = experts * hidden * 4
+
+        if device.type == "cpu":
+            step(kernels, x, partials, "all")
+            print(f"{fmt}: ran {layers} layers through the interpreter (setup {setup:.1f} s)")
+            continue
+        ms = {part: graph_time(lambda p=part, k=kernels, x=x, out=partials: step(k, x, out, p))
+              for part in ("router", "gate_up", "down", "all")}
+        per = {p: 1e3 * t / layers for p, t in ms.items()}
+        read = {"router": router_bytes, "gate_up": up_bytes, "down": down_bytes,
+                "all": up_bytes + down_bytes + router_bytes}
+        rows.append((fmt, per, {p: read[p] / (per[p] * 1e-6) / 1e9 for p in per}, up_bytes + down_bytes, setup,
+                     kernels[0].config(0, "gate_up"), kernels[0].config(0, "down")))
+        kernels.clear()
+        torch.cuda.empty_cache()
+    if not rows:
+        return
+    print(f"\n{args.shape} experts: hidden {hidden}, FFN {inter}, {experts} experts top-{top_k}, {layers} layers "
+          f"sharing them ({torch.cuda.get_device_name()}); us per layer (GB/s of the bytes read)")
+    print("| format | routed expert MB/layer | router | gate_up | down | layer | tiles (gate_up; down) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
+    for fmt, per, bw, nbytes, _, gu, dn in rows:
+        cells = " | ".join(f"{per[p]:.1f} ({bw[p]:.0f})" for p in ("router", "gate_up", "down", "all"))
+        tiles = f"{gu.block_n}x{gu.groups}/{gu.num_warps}w{'+pf' if gu.prefetch else ''}; " \
+                f"{dn.block_n}x{dn.groups}/{dn.num_warps}w{'+pf' if dn.prefetch else ''}"
+        print(f"| {fmt} | {nbytes / 1e6:.1f} | {cells} | {tiles} |")
+
+
+if __name__ == "__main__":
+    main()
