@@ -320,9 +320,11 @@ def _gate_up_kernel(base, gate_table, up_table, member_ptr, logits_ptr, chosen_p
                     FMT: tl.constexpr, DT: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, BN: tl.constexpr,
                     ASYM: tl.constexpr, HAS_BIAS: tl.constexpr, EP: tl.constexpr, TOP_K: tl.constexpr,
                     NORMALIZE: tl.constexpr, ACT: tl.constexpr, CLAMP: tl.constexpr, GAIN: tl.constexpr,
-                    PREFETCH: tl.constexpr):
+                    PREFETCH: tl.constexpr, FUSED: tl.constexpr):
     """Program (slot, i): h[slot, i*BN..] = act(gate) * (up + up_offset) of the slot's expert, as the
-    torch path rounds it (projection outputs, then the product, in h's dtype)."""
+    torch path rounds it (projection outputs, then the product, in h's dtype). FUSED: gate and up
+    are row halves of one weight, read in one pass over x (gate row r and up row n + r interleaved in
+    a tile of 2 * BN rows)."""
     slot = tl.program_id(0)
     expert, weight = _route(logits_ptr, slot, E, EP, TOP_K, NORMALIZE)
     if tl.program_id(1) == 0:  # for the down kernel (every format's launch stores the same)
@@ -335,8 +337,14 @@ def _gate_up_kernel(base, gate_table, up_table, member_ptr, logits_ptr, chosen_p
         dtype: tl.constexpr = h_ptr.dtype.element_ty
         g_offs = gate_table + member * 6
         u_offs = up_table + member * 6
-        gate = _rows_dot(base, g_offs, x_ptr, rows, row_mask, K, FMT, DT, G, NG, BN, ASYM, PREFETCH)
-        up = _rows_dot(base, u_offs, x_ptr, rows + up_row0, row_mask, K, FMT, DT, G, NG, BN, ASYM, PREFETCH)
+        if FUSED:
+            both = tl.reshape(tl.join(rows, rows + up_row0), [2 * BN])
+            both_mask = tl.reshape(tl.join(row_mask, row_mask), [2 * BN])
+            total = _rows_dot(base, g_offs, x_ptr, both, both_mask, K, FMT, DT, G, NG, 2 * BN, ASYM, PREFETCH)
+            gate, up = tl.split(tl.reshape(total, [BN, 2]))
+        else:
+            gate = _rows_dot(base, g_offs, x_ptr, rows, row_mask, K, FMT, DT, G, NG, BN, ASYM, PREFETCH)
+            up = _rows_dot(base, u_offs, x_ptr, rows + up_row0, row_mask, K, FMT, DT, G, NG, BN, ASYM, PREFETCH)
         gate = (gate + _bias(base, g_offs, rows, row_mask, HAS_BIAS, dtype)).to(dtype).to(tl.float32)
         up = (up + _bias(base, u_offs, rows + up_row0, row_mask, HAS_BIAS, dtype)).to(dtype).to(tl.float32)
         if CLAMP:  # GPT-OSS: gate clamped from above, up on both sides
@@ -548,11 +556,30 @@ class MoEKernels:
                 self._configs[key] = candidates[0]
             else:
                 if shape not in _CHOSEN:
-                    _CHOSEN[shape] = min(candidates, key=lambda c: self._time(index, kind, c))
+                    times = {c: self._time(index, kind, c) for c in candidates}
+                    best = min(times, key=times.get)
+                    if times[best] == float("inf"):
+                        raise RuntimeError(f"no launch tiling of the {kind} expert kernel compiles here")
+                    _CHOSEN[shape] = best
                 self._configs[key] = _CHOSEN[shape]
         return self._configs[key]
 
     def _time(self, index: int, kind: str, config: ExpertConfig) -> float:
+        """Median milliseconds of one launch with `config`; infinite when it does not compile here (a
+        tiling past the registers or shared memory this GPU has)."""
+        from triton.compiler.errors import CompilationError
+        from triton.runtime.errors import OutOfResources
+
+        try:
+            return self._timed(index, kind, config)
+        except (CompilationError, OutOfResources):
+            return float("inf")
+        except RuntimeError as e:  # the backend's own passes and ptxas report through RuntimeError
+            if not any(word in str(e) for word in ("PassManager", "ptxas", "out of resource")):
+                raise
+            return float("inf")
+
+    def _timed(self, index: int, kind: str, config: ExpertConfig) -> float:
         x = torch.randn(self.hidden, device=self.device).to(self.dtype)
         self.route(x)
         self._gate_up(index, x, self.candidates(self.groups[index], "gate_up")[0])  # routing for the down kernel
@@ -608,7 +635,7 @@ class MoEKernels:
             G=g.group or config.groups, NG=config.groups if g.group else 1, BN=config.block_n,
             ACT=ACTIVATION_CODES[self.act], CLAMP=self.limit is not None, GAIN=self.alpha != 1.0,
             EP=max(2, next_power_of_2(self.num_experts)), TOP_K=self.top_k, NORMALIZE=self.normalize,
-            PREFETCH=config.prefetch, num_warps=config.num_warps, **self._common(g))
+            FUSED=self.fused, PREFETCH=config.prefetch, num_warps=config.num_warps, **self._common(g))
 
     def _down(self, index: int, out: torch.Tensor, config: ExpertConfig) -> None:
         g = self.groups[index]
