@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 from thin.ir import MLP, Model, MoE, Program
 
-from .expert_statistics import MIN_EXPERT_TOKENS, fill_starved_experts, routed_counts
+from .expert_statistics import MIN_EXPERT_TOKENS, RoutingWeights, fill_starved_experts, routed_counts, routing_weights
 from .runner import PassContext
 
 DEFAULT_TOKENS = 16384
@@ -72,8 +72,11 @@ def calibrate_inputs(program: Program, ctx: PassContext) -> Program:
     reached it (an expert sees only those routed to it; N counts every calibration token, so a
     rarely used expert weighs less); also the token ids used and each token's frequency (for the
     embedding). An expert routed fewer than MIN_EXPERT_TOKENS tokens gets estimated statistics
-    (expert_statistics.py) instead of none. annotations['calibration'] records the text's hash and
-    the counts, tokens routed to each expert among them, and which experts were starved."""
+    (expert_statistics.py) instead of none. A routed expert's tokens count in its `hessian` with the
+    square of their routing weight (the share of the expert's output in the layer's), so its matrix
+    measures the error the layer's output gets: it carries the expert's routing frequency and weight.
+    annotations['calibration'] records the text's hash and the counts, tokens routed to each expert
+    among them and their mean squared routing weight, and which experts were starved."""
     import torch
 
     options: CalibrateOptions = ctx.config.calibrate
@@ -95,6 +98,7 @@ def calibrate_inputs(program: Program, ctx: PassContext) -> Program:
         leaders.setdefault(key, name)
     leader_of = {name: key for key, name in leaders.items()}
     sums: dict[str, dict] = {}
+    routing = RoutingWeights(program)
 
     def observe(name: str, x) -> None:
         key = leader_of.get(name)
@@ -106,8 +110,14 @@ def calibrate_inputs(program: Program, ctx: PassContext) -> Program:
             k = x.shape[-1]
             slot = sums[key] = {"hessian": torch.zeros(k, k, device=x.device), "sum": torch.zeros(k, device=x.device),
                                 "abssum": torch.zeros(k, device=x.device),
-                                "absmax": torch.zeros(k, device=x.device), "count": 0}
-        slot["hessian"].addmm_(x.T, x)
+                                "absmax": torch.zeros(k, device=x.device), "count": 0, "weight2": 0.0}
+        g = routing(key, x)
+        if g is None:
+            slot["hessian"].addmm_(x.T, x)
+            slot["weight2"] += x.shape[0]
+        else:  # a routed expert's error reaches the layer output scaled by its routing weight
+            slot["hessian"].addmm_(x.T, x * (g * g).unsqueeze(1))
+            slot["weight2"] += float((g * g).sum())
         slot["sum"] += x.sum(0)
         slot["abssum"] += x.abs().sum(0)
         slot["absmax"] = torch.maximum(slot["absmax"], x.abs().amax(0))
@@ -122,6 +132,7 @@ def calibrate_inputs(program: Program, ctx: PassContext) -> Program:
     del session
     unreached = sorted(k for k in leaders if k not in sums)
     routed = routed_counts(program.model, sums)
+    weights = routing_weights(program.model, sums)
     starved = fill_starved_experts(program, sums)
     total = sum(len(w) for w in windows)
     used = torch.tensor([t for w in windows for t in w], dtype=torch.long)
@@ -142,7 +153,8 @@ def calibrate_inputs(program: Program, ctx: PassContext) -> Program:
     note = {"source": options.source, "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
             "tokens": total, "windows": len(windows), "window": window,
             "inputs": dict(sorted(groups.items())),
-            "unreached": unreached, "expert_tokens": routed, "min_expert_tokens": MIN_EXPERT_TOKENS,
+            "unreached": unreached, "expert_tokens": routed, "expert_weight2": weights,
+            "min_expert_tokens": MIN_EXPERT_TOKENS,
             "starved_experts": starved}
     return program.replace(annotations={**program.annotations, "calibration": note})
 

@@ -13,13 +13,69 @@ fewer than MIN_EXPERT_TOKENS tokens (a starved expert) this estimates what its i
 The estimate keeps the shape of the second moment (what GPTQ and the scores use) and weighs it by
 the expert's own routing count (at least one token), so a rarely routed expert still counts for
 less in the budget but is never quantized without statistics.
+
+`RoutingWeights` gives calibration each routed token's weight in its expert's share of the layer
+output (the router's top-k probability, renormalised as the model does), so an expert's second
+moment is sum g^2 x x^T: an error in a rarely chosen or lightly weighted expert costs the layer
+less, and the planner's bits per expert follow routing frequency times routing weight.
 """
 
 from __future__ import annotations
 
+import re
+
 from thin.ir import MLP, Model, MoE, Program, formats
 
 MIN_EXPERT_TOKENS = 128
+_EXPERT_INPUT = re.compile(r"layers\.(\d+)\.expert\.(\d+)\.(down\.)?in")
+
+
+class RoutingWeights:
+    """routing(input key, x) -> each row's routing weight when `x` is a routed expert's input, else
+    None. The rows of an expert's gate/up input are the tokens routed to it, so their weights are the
+    router's (softmax over the experts, top-k, renormalised when the model does: the runtime's
+    arithmetic, in float32); its down input follows for the same tokens (run_mlp runs gate/up, then
+    down) and reuses them."""
+
+    def __init__(self, program: Program):
+        self.program = program
+        self.routers: dict[int, tuple] = {}
+        self.last: dict[tuple[int, int], object] = {}
+
+    def __call__(self, key: str, x):
+        import torch
+        import torch.nn.functional as F
+
+        match = _EXPERT_INPUT.fullmatch(key)
+        if match is None:
+            return None
+        layer, expert = int(match.group(1)), int(match.group(2))
+        if match.group(3):
+            g = self.last.pop((layer, expert), None)
+            return g if g is not None and g.shape[0] == x.shape[0] else None
+        moe = self.program.model.layers[layer].ffn
+        if layer not in self.routers:
+            bias = _decode(self.program, moe.router.bias)
+            self.routers[layer] = (_decode(self.program, moe.router.weight), bias)
+        weight, bias = self.routers[layer]
+        probs = torch.softmax(F.linear(x, weight.to(x.device), None if bias is None else bias.to(x.device)), dim=-1)
+        top, chosen = torch.topk(probs, moe.top_k, dim=-1)
+        if moe.normalize_top_k:
+            top = top / top.sum(dim=-1, keepdim=True)
+        g = (top * (chosen == expert)).sum(-1)
+        self.last[(layer, expert)] = g
+        return g
+
+
+def routing_weights(model: Model, sums: dict) -> dict[str, list[float]]:
+    """{"layers.L": [mean squared routing weight of the tokens routed to expert e, ...]} (0 for none)."""
+    out = {}
+    for layer in model.layers:
+        if isinstance(layer.ffn, MoE):
+            slots = [sums.get(f"layers.{layer.index}.expert.{e}.in", {}) for e in range(layer.ffn.num_experts)]
+            out[f"layers.{layer.index}"] = [round(s["weight2"] / s["count"], 4) if s.get("count") else 0.0
+                                            for s in slots]
+    return out
 
 
 def routed_counts(model: Model, sums: dict) -> dict[str, list[int]]:
@@ -66,14 +122,16 @@ def _estimate(program, expert: MLP, sums: dict, prefix: str, e: int, pool: list[
 
     parts = [sums[f"{prefix}{j}.in"] for j in pool]
     n = sum(p["count"] for p in parts)
-    second = sum(p["hessian"] for p in parts) / n  # E[x x^T] over the pooled tokens
+    weighted = sum(p["hessian"] for p in parts)  # sum g^2 x x^T over the pooled tokens
+    g2 = sum(p.get("weight2", p["count"]) for p in parts) / n  # their mean squared routing weight
     mean = sum(p["sum"] for p in parts) / n
     own = sums.get(f"{prefix}{e}.in", {}).get("count", 0)
     weight = max(own, 1)  # scaled to the expert's own routing count, never to nothing
-    sums[f"{prefix}{e}.in"] = {"hessian": second * weight, "sum": mean * weight, "count": own,
-                               "absmax": torch.stack([p["absmax"] for p in parts]).amax(0)}
-    # Synthetic inputs with the pooled mean and covariance, through the expert's own gate/up.
-    covariance = second - torch.outer(mean, mean)
+    sums[f"{prefix}{e}.in"] = {"hessian": weighted / n * weight, "sum": mean * weight, "count": own,
+                               "weight2": g2 * weight, "absmax": torch.stack([p["absmax"] for p in parts]).amax(0)}
+    # Synthetic inputs with the pooled mean and covariance (E[x x^T] without the routing weights,
+    # taken as independent of x), through the expert's own gate/up.
+    covariance = weighted / (g2 * n) - torch.outer(mean, mean)
     eigenvalues, basis = torch.linalg.eigh(covariance.double())
     root = (basis * eigenvalues.clamp(min=0).sqrt()).float()
     generator = torch.Generator(device="cpu").manual_seed(seed)
@@ -83,9 +141,10 @@ def _estimate(program, expert: MLP, sums: dict, prefix: str, e: int, pool: list[
     down = sums.get(f"{prefix}{e}.down.in")
     real_hh = down["hessian"] if down else 0
     real_sum = down["sum"] if down else 0
-    per_token = (real_hh + h.T @ h) / min_tokens
+    per_token = (real_hh + g2 * (h.T @ h)) / min_tokens
     sums[f"{prefix}{e}.down.in"] = {
         "hessian": per_token * weight, "sum": (real_sum + h.sum(0)) / min_tokens * weight, "count": own,
+        "weight2": g2 * weight,
         "absmax": torch.maximum(down["absmax"], h.abs().amax(0)) if down else h.abs().amax(0)}
 
 

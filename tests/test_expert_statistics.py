@@ -4,6 +4,7 @@ experts the calibration text starves."""
 from __future__ import annotations
 
 import dataclasses
+import importlib
 
 import pytest
 import torch
@@ -16,17 +17,22 @@ from thin.passes import PassContext, Scratch, calibrate_inputs, quantize_weights
 from thin.passes.calibrate_inputs import load_statistics
 from thin.passes.expert_statistics import MIN_EXPERT_TOKENS, fill_starved_experts
 
-from hf_tiny import make_checkpoint
+from hf_tiny import load_reference, make_checkpoint
 from tiny_tokenizer import TEXT, write_tokenizer
 
 pytest.importorskip("transformers")
 
 
 @pytest.fixture(scope="module")
-def mixtral(tmp_path_factory):
+def mixtral_path(tmp_path_factory):
     path = make_checkpoint("mixtral", tmp_path_factory.mktemp("mixtral"), vocab_size=320)
     write_tokenizer(path)
-    return load_checkpoint(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def mixtral(mixtral_path):
+    return load_checkpoint(mixtral_path)
 
 
 def _with_router(program: Program, rows: torch.Tensor) -> Program:
@@ -94,3 +100,38 @@ def test_only_moe_layers_are_touched(mixtral):
     dense = dataclasses.replace(model, layers=())
     assert fill_starved_experts(mixtral.program.replace(model=dense), {}) == []
     assert fill_starved_experts(mixtral.program, {}) == []
+
+
+def test_expert_inputs_weigh_each_token_by_its_routing_weight(mixtral, mixtral_path, tmp_path, monkeypatch):
+    """An expert's second moment is sum g^2 x x^T / N over the tokens routed to it, g the token's
+    renormalised top-k weight: checked against transformers' own router on the same tokens."""
+    calibration = importlib.import_module("thin.passes.calibrate_inputs")  # the module, not the pass
+    monkeypatch.setattr(calibration, "fill_starved_experts", lambda program, sums: [])  # real statistics only
+    config = CompileConfig.from_options(quant="int4", group_size=32, method="gptq", calib_tokens=64, device="cpu")
+    ctx = PassContext(config=config, evaluator=make_evaluator("cpu", mixtral.tokenizer_files),
+                      source=mixtral.program, calibration_text=TEXT, scratch=Scratch(tmp_path), device="cpu")
+    program = calibrate_inputs(mixtral.program, ctx)
+    ids = ctx.scratch.load("calibration/ids")["ids"]
+    reference = load_reference(mixtral_path)
+    seen = {}
+    router = reference.model.layers[0].mlp.gate
+    router.register_forward_hook(lambda module, args, out: seen.update(x=args[0].reshape(-1, 64), g=out[1], e=out[2]))
+    with torch.no_grad():
+        reference(ids[None])
+    note = program.annotations["calibration"]
+    checked = 0
+    for e, expert in enumerate(program.model.layers[0].ffn.experts):
+        rows, slot = torch.where(seen["e"] == e)
+        if len(rows) == 0:
+            continue
+        g = seen["g"][rows, slot]
+        x = seen["x"][rows]
+        stats = load_statistics(ctx, program, expert.gate.weight)
+        torch.testing.assert_close(stats["hessian"], (x * (g * g)[:, None]).T @ x / len(ids), rtol=1e-3, atol=1e-6)
+        assert note["expert_weight2"]["layers.0"][e] == pytest.approx(float((g * g).mean()), abs=1e-4)
+        # The down projection's input is the same tokens' hidden activations, weighed the same way.
+        down = load_statistics(ctx, program, expert.down.weight)["hessian"]
+        unweighted = down.trace() / float((g * g).mean())
+        assert 0 < down.trace() < unweighted
+        checked += 1
+    assert checked >= 2
