@@ -31,6 +31,8 @@ _UNCERTIFIED_HELP = "Write the artifact even when the gate fails; its certificat
 _DEVICE_HELP = "Where calibration and certification run: cuda or cpu (default: cuda when available)."
 _MAP_HELP = "Draw the format of every tensor, layer by layer, into FILE (.svg or .png)."
 _TIE_HELP = "Give q/k/v and gate/up one format each so they fuse into one matmul (speed over quality)."
+_EXPERT_FORMATS_HELP = ("Routed experts take only these formats (any of their group sizes), e.g. q2 or q1,q2; the "
+                        "planner spends the rest of the budget on everything else. Needs a budget and a MoE model.")
 _STREAM_HELP = ("With --vram: the budget bounds the GPU only, and routed experts that do not fit it stay in host "
                "memory (the least routed by the calibration text), streamed through a cache of GPU slots. The "
                "precision comes from --bpw or --quant (or stays as stored). Calibrates (runs the model).")
@@ -47,11 +49,13 @@ def _config(no_fuse: bool, quant: str | None, group_size: int | None, asymmetric
                                       asymmetric=asymmetric, keep_lm_head=keep_lm_head, **budget)
 
 
-def _budget(vram, bpw, ctx, calib, calib_tokens, method, max_kld, allow_uncertified, device, tie_fused) -> dict:
+def _budget(vram, bpw, ctx, calib, calib_tokens, method, max_kld, allow_uncertified, device, tie_fused,
+            expert_formats=None) -> dict:
     """The planner, calibration and certificate flags as CompileConfig's flat options."""
     return {"vram": vram, "bpw": bpw, "ctx": ctx, "calib_source": "file" if calib is not None else None,
             "calib_tokens": calib_tokens, "method": method, "max_kld": max_kld,
-            "allow_uncertified": allow_uncertified, "device": device, "tie_fused": tie_fused}
+            "allow_uncertified": allow_uncertified, "device": device, "tie_fused": tie_fused,
+            "expert_formats": expert_formats}
 
 
 def _fail(message: str, code: int = 1) -> None:
@@ -153,6 +157,8 @@ def compile(
     allow_uncertified: bool = typer.Option(False, "--allow-uncertified", help=_UNCERTIFIED_HELP),
     device: str | None = typer.Option(None, "--device", metavar="cuda|cpu", help=_DEVICE_HELP),
     tie_fused: bool = typer.Option(False, "--tie-fused", help=_TIE_HELP),
+    expert_formats: str | None = typer.Option(None, "--expert-formats", metavar="FORMAT[,FORMAT...]",
+                                              help=_EXPERT_FORMATS_HELP),
     ffn_levels: str | None = typer.Option(None, "--ffn-levels", metavar="F[,F...]", help=_LEVELS_HELP),
     stream_experts: bool = typer.Option(False, "--stream-experts", help=_STREAM_HELP),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="Print only the summary."),
@@ -166,7 +172,8 @@ def compile(
     def run():
         config = _config(no_fuse, quant, group_size, asymmetric, keep_lm_head, ffn_levels=ffn_levels,
                          stream_experts=stream_experts, **_budget(
-            vram, bpw, ctx, calib, calib_tokens, method, max_kld, allow_uncertified, device, tie_fused))
+            vram, bpw, ctx, calib, calib_tokens, method, max_kld, allow_uncertified, device, tie_fused,
+            expert_formats))
         return build(model_dir, output, config, cache_dir=cache_dir, dump_ir=dump_ir,
                      progress=_StageProgress(quiet), calib=calib)
 
@@ -256,6 +263,8 @@ def key(
     allow_uncertified: bool = typer.Option(False, "--allow-uncertified", help=_UNCERTIFIED_HELP),
     device: str | None = typer.Option(None, "--device", metavar="cuda|cpu", help=_DEVICE_HELP),
     tie_fused: bool = typer.Option(False, "--tie-fused", help=_TIE_HELP),
+    expert_formats: str | None = typer.Option(None, "--expert-formats", metavar="FORMAT[,FORMAT...]",
+                                              help=_EXPERT_FORMATS_HELP),
     ffn_levels: str | None = typer.Option(None, "--ffn-levels", metavar="F[,F...]", help=_LEVELS_HELP),
     stream_experts: bool = typer.Option(False, "--stream-experts", help=_STREAM_HELP),
 ):
@@ -269,7 +278,8 @@ def key(
         inventory = take_inventory(model_dir)  # the same list of files a compile reads and hashes
         config = _config(no_fuse, quant, group_size, asymmetric, keep_lm_head, ffn_levels=ffn_levels,
                          stream_experts=stream_experts, **_budget(
-            vram, bpw, ctx, calib, calib_tokens, method, max_kld, allow_uncertified, device, tie_fused))
+            vram, bpw, ctx, calib, calib_tokens, method, max_kld, allow_uncertified, device, tie_fused,
+            expert_formats))
         inputs = {name: inventory.folder.path / name for name in inventory.names()}
         return input_key(inputs, inventory.folder.identities, config, *evaluation_texts(config, calib))
 
@@ -291,6 +301,8 @@ def plan(
     method: str | None = typer.Option(None, "--method", metavar="gptq|rtn", help=_METHOD_HELP),
     device: str | None = typer.Option(None, "--device", metavar="cuda|cpu", help=_DEVICE_HELP),
     tie_fused: bool = typer.Option(False, "--tie-fused", help=_TIE_HELP),
+    expert_formats: str | None = typer.Option(None, "--expert-formats", metavar="FORMAT[,FORMAT...]",
+                                              help=_EXPERT_FORMATS_HELP),
     no_fuse: bool = typer.Option(False, "--no-fuse", help=_FUSE_HELP),
     as_json: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="Print only the table."),
@@ -303,6 +315,7 @@ def plan(
         budgets += [{"bpw": b} for b in _budget_list(bpw, float)]
         return plan_budgets(model_dir, budgets, progress=_StageProgress(quiet), calib=calib, ctx=ctx,
                             calib_tokens=calib_tokens, method=method, device=device, tie_fused=tie_fused,
+                            expert_formats=expert_formats,
                             fuse_projections=not no_fuse)
 
     result = _guard(run)

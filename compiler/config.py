@@ -116,7 +116,7 @@ class CompileConfig:
         """Build from keyword options, refusing names that are not options. The pass options may be
         given flat: quant="int4", group_size=64, asymmetric=True, keep_lm_head=True, method="gptq",
         bpw=4.5, vram="8G", ctx=4096, tie_fused=True, calib_tokens=8192, calib_source="file",
-        max_kld=0.01, allow_uncertified=True, formats=("int4", "q2"), ffn_levels=(0.75, 0.5),
+        max_kld=0.01, allow_uncertified=True, formats=("int4", "q2"), expert_formats="q2", ffn_levels=(0.75, 0.5),
         ffn_importance="output", ffn_per_layer=True, ffn_correction="scale", stream_experts=True (with vram:
         the budget then bounds the device and the residency plan meets it). `device` defaults to cuda
         when a GPU is present for a compile that runs the model."""
@@ -126,7 +126,8 @@ class CompileConfig:
                 "bpw": ("plan", "bpw"), "vram": ("plan", "vram"), "ctx": ("plan", "ctx"),
                 "tie_fused": ("plan", "tie_fused"), "calib_tokens": ("calibrate", "tokens"),
                 "calib_source": ("calibrate", "source"), "formats": ("score", "formats"),
-                "probe_windows": ("score", "probe_windows"), "max_kld": ("certify", "max_kld"),
+                "probe_windows": ("score", "probe_windows"),
+                "expert_formats": ("score", "expert_formats"), "max_kld": ("certify", "max_kld"),
                 "allow_uncertified": ("certify", "allow_uncertified"), "ffn_levels": ("ffn", "levels"),
                 "ffn_importance": ("ffn", "importance"), "ffn_per_layer": ("ffn", "per_layer"),
                 "ffn_correction": ("ffn", "correction"), "stream_experts": ("residency", "stream")}
@@ -148,6 +149,10 @@ class CompileConfig:
                 plan["vram"] = parse_size(plan["vram"])
             if "formats" in groups.get("score", {}):
                 groups["score"]["formats"] = tuple(groups["score"]["formats"])
+            if "expert_formats" in groups.get("score", {}):
+                value = groups["score"]["expert_formats"]
+                groups["score"]["expert_formats"] = tuple(
+                    f.strip() for f in (value.split(",") if isinstance(value, str) else value) if f.strip())
             if groups.get("residency", {}).pop("stream", False):
                 if "vram" not in plan:
                     raise CompileOptionError("--stream-experts needs --vram SIZE: the device budget the experts "
@@ -229,6 +234,7 @@ def _check_flags(options: dict, groups: dict) -> None:
             groups["certify"].get("max_kld") is None:
         raise CompileOptionError("--allow-uncertified needs a certificate: a budget or --max-kld")
     if not planned and "score" in groups:
-        raise CompileOptionError("formats and probe_windows are planner options: give a budget (--bpw / --vram)")
+        raise CompileOptionError("--expert-formats, formats and probe_windows are planner options: give a "
+                                 "budget (--bpw / --vram)")
     if "ffn" in groups and "levels" not in groups["ffn"]:
         raise CompileOptionError("ffn_importance, ffn_per_layer and ffn_correction shape FFN levels: give --ffn-levels")

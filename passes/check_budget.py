@@ -9,16 +9,26 @@ from thin.ir import Program, formats
 from .memory_ledger import ledger
 from .plan_precision import BudgetError, PlanOptions, parameters, stored_bytes, weight_budget
 from .runner import PassContext
-from .score_formats import candidates, plannable
+from .score_formats import ScoreOptions, candidates, plannable
 
 
-def smallest_encodings(program: Program, allowed: tuple[str, ...] | None = None) -> dict:
-    """{tensor: its smallest candidate encoding} over every plannable tensor."""
+def smallest_encodings(program: Program, options: ScoreOptions | None = None) -> dict:
+    """{tensor: its smallest candidate encoding} over every plannable tensor, among the formats
+    `options` allow it. BudgetError when `--expert-formats` leaves a routed expert no candidate or
+    the model has no routed expert for it to apply to."""
+    options = options or ScoreOptions()
     records = program.model.tensor_map()
     out = {}
-    for name in plannable(program.model):
+    names = plannable(program.model)
+    if options.expert_formats is not None and not any(records[n].expert is not None for n in names):
+        raise BudgetError("--expert-formats applies to routed experts, and this model has none")
+    for name in names:
         r = records[name]
-        out[name] = min(candidates(r, allowed), key=lambda e: formats.nbytes(e.format, r.shape, e.params))
+        found = candidates(r, *options.allowed(r))
+        if not found:
+            raise BudgetError(f"{name} {list(r.shape)}: no variant of --expert-formats "
+                              f"{','.join(options.expert_formats)} can store it")
+        out[name] = min(found, key=lambda e: formats.nbytes(e.format, r.shape, e.params))
     return out
 
 
@@ -29,7 +39,7 @@ def check_budget(program: Program, ctx: PassContext) -> Program:
     options: PlanOptions = ctx.config.plan
     model = program.model
     budget, fixed = weight_budget(model, options)
-    smallest = stored_bytes(model, smallest_encodings(program, ctx.config.score.formats), ctx.config.fuse_projections)
+    smallest = stored_bytes(model, smallest_encodings(program, ctx.config.score), ctx.config.fuse_projections)
     if smallest > budget:
         params = parameters(model)
         need = []

@@ -51,13 +51,31 @@ class ScoreOptions:
 
     # Formats the planner may pick (every parameter variant of each); None: every registered one.
     formats: tuple[str, ...] | None = None
+    # `--expert-formats`: the only formats routed experts may take (every parameter variant of each,
+    # never their stored format unless listed), so "q2 experts" is a plan; None: as `formats`.
+    expert_formats: tuple[str, ...] | None = None
     probe_windows: int = PROBE_WINDOWS  # calibration windows of PROBE_TOKENS each per probe
 
     def __post_init__(self):
-        if self.formats is not None:
-            unknown = [f for f in self.formats if f not in formats.FORMATS]
-            if unknown:
-                raise ValueError(f"unknown format(s) {', '.join(unknown)}; known: {', '.join(formats.FORMATS)}")
+        for name in ("formats", "expert_formats"):
+            value = getattr(self, name)
+            if value is None:
+                continue
+            unknown = [f for f in value if f not in formats.FORMATS]
+            if unknown or not value:
+                raise ValueError(f"unknown format(s) {', '.join(map(str, unknown)) or '(none given)'}; "
+                                 f"known: {', '.join(formats.FORMATS)}")
+        if self.expert_formats is not None and any(formats.get(f).dense for f in self.expert_formats):
+            quantized = [f.name for f in formats.FORMATS.values() if not f.dense]
+            raise ValueError(f"--expert-formats takes quantized formats ({', '.join(quantized)}), "
+                             f"got {','.join(self.expert_formats)}")
+
+    def allowed(self, record) -> tuple[tuple[str, ...] | None, bool]:
+        """(formats `record` may take, strict): a routed expert under `expert_formats` may take only
+        those (strict); any other tensor `formats` and its stored format."""
+        if record.expert is not None and self.expert_formats is not None:
+            return self.expert_formats, True
+        return self.formats, False
         if type(self.probe_windows) is not int or self.probe_windows < 1:
             raise ValueError(f"probe_windows must be a positive integer, got {self.probe_windows!r}")
 
@@ -70,13 +88,15 @@ def plannable(model: Model) -> list[str]:
     return names
 
 
-def candidates(record, allowed: tuple[str, ...] | None = None) -> list[Encoding]:
+def candidates(record, allowed: tuple[str, ...] | None = None, strict: bool = False) -> list[Encoding]:
     """Every encoding `record` can be stored in: each quantized format with each combination of its
-    parameters that fits the shape, plus the stored dense format and any narrower dense one."""
+    parameters that fits the shape, plus the stored dense format and any narrower dense one. With
+    `allowed`, only those formats and the stored one; `strict`: only those."""
     stored = formats.get(record.encoding.format)
-    out = [record.encoding] if stored.dense else []
+    keep_stored = not strict or allowed is None or stored.name in allowed
+    out = [record.encoding] if stored.dense and keep_stored else []
     for fmt in formats.FORMATS.values():
-        if allowed is not None and fmt.name not in allowed and fmt.name != record.encoding.format:
+        if allowed is not None and fmt.name not in allowed and (strict or fmt.name != record.encoding.format):
             continue
         if fmt.dense:
             # bf16 is the one narrower dense choice for an f32 or f16 source.
@@ -119,7 +139,7 @@ def score_formats(program: Program, ctx: PassContext) -> Program:
     method = ctx.config.quantize.method or "gptq"
     tensors: dict[str, dict] = {}
     probe_errors: dict[str, float] = {}
-    encodings = {enc for name in names for enc in candidates(records[name], options.formats)}
+    encodings = {enc for name in names for enc in candidates(records[name], *options.allowed(records[name]))}
     correction = _gptq_corrections(program, ctx, encodings) if method == "gptq" else {}
     for i, name in enumerate(names):
         ctx.report("score formats", i, len(names))
@@ -128,7 +148,7 @@ def score_formats(program: Program, ctx: PassContext) -> Program:
                                                   torch.float32).to(ctx.device)
         error = _error_model(program, ctx, name, w, method, correction)
         rows = []
-        for enc in candidates(r, options.formats):
+        for enc in candidates(r, *options.allowed(r)):
             e = 0.0 if enc == r.encoding else error(enc)
             rows.append([enc.format, [list(p) for p in enc.params], formats.nbytes(enc.format, r.shape, enc.params),
                          e])

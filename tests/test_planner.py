@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import types
 
 import pytest
 
-from thin.ir import Encoding, Program, formats
+from thin.ir import MLP, Encoding, Linear, MoE, Program, Tensor, formats
 from thin.passes import (
     BudgetError,
     PassContext,
@@ -87,14 +88,14 @@ def test_solve_refuses_a_budget_below_the_smallest_options():
         solve({"a": [(2, 1.0), (3, 0.0)], "b": [(3, 1.0)]}, 4)
 
 
-def _scored(model, sensitivity):
+def _scored(model, sensitivity, options: ScoreOptions | None = None):
     """A program whose scores say: error of a candidate = sensitivity x 2^-bits per weight."""
     records = model.tensor_map()
     tensors = {}
     for name in plannable(model):
         r = records[name]
         rows = []
-        for enc in candidates(r):
+        for enc in candidates(r, *(options or ScoreOptions()).allowed(r)):
             size = formats.nbytes(enc.format, r.shape, enc.params)
             bits = 8 * size / (r.shape[0] * r.shape[1])
             error = 0.0 if enc == r.encoding else 2.0 ** -bits
@@ -103,10 +104,29 @@ def _scored(model, sensitivity):
     return Program(model, {}, {"scores": {"tensors": tensors}})
 
 
-def _ctx(**plan):
-    config = types.SimpleNamespace(plan=PlanOptions(**plan), fuse_projections=True, score=ScoreOptions(),
+def _ctx(score: ScoreOptions | None = None, **plan):
+    config = types.SimpleNamespace(plan=PlanOptions(**plan), fuse_projections=True, score=score or ScoreOptions(),
                                    quantize=types.SimpleNamespace(method="gptq"))
     return PassContext(config=config)
+
+
+def _moe_model(experts: int = 4, hidden: int = 64, inter: int = 64):
+    """tiny_model with every layer's FFN a mixture of `experts` routed experts (top-2)."""
+    base = tiny_model(num_layers=2, hidden=hidden, vocab=64, inter=inter)
+    tensors = [t for t in base.tensors if not t.role.startswith("ffn.")]
+    layers = []
+    for layer in base.layers:
+        def t(name, role, shape, e=None, i=layer.index):
+            tensors.append(Tensor(name, role, i, shape, Encoding("f32"), "f32", expert=e))
+            return Linear(name)
+
+        p = f"layers.{layer.index}.moe."
+        mlps = tuple(MLP("silu", down=t(f"{p}{e}.down.weight", "moe.expert.down", (hidden, inter), e),
+                         gate=t(f"{p}{e}.gate.weight", "moe.expert.gate", (inter, hidden), e),
+                         up=t(f"{p}{e}.up.weight", "moe.expert.up", (inter, hidden), e)) for e in range(experts))
+        router = t(f"{p}router.weight", "moe.router", (experts, hidden))
+        layers.append(dataclasses.replace(layer, ffn=MoE(experts, 2, router, mlps)))
+    return dataclasses.replace(base, layers=tuple(layers), tensors=tuple(tensors))
 
 
 def _bits(model, choice):
@@ -191,3 +211,28 @@ def test_parse_size(text, size):
 def test_parse_size_refuses_nonsense(text):
     with pytest.raises(ValueError):
         parse_size(text)
+
+
+def test_expert_formats_confine_routed_experts_and_the_rest_takes_the_budget():
+    """--expert-formats q2: every routed expert in a q2 variant (the hot expert at the finer groups),
+    the rest of the model planned within what is left; a dense model refuses it."""
+    model = _moe_model()
+    score = ScoreOptions(expert_formats=("q2",))
+    # Expert 0 of each layer is routed 8x as often as the others: its errors cost 8x as much.
+    program = _scored(model, lambda name: 8.0 if ".moe.0." in name else 1.0, score)
+    for bpw in (3.5, 4.5):
+        ctx = _ctx(score, bpw=bpw)
+        plan = plan_precision(check_budget(program, ctx), ctx).annotations["precision_plan"]
+        assert plan["bits_per_weight"] <= bpw
+        experts = {n: c for n, c in plan["choices"].items() if c["expert"] is not None}
+        assert len(experts) == 2 * 4 * 3 and {c["format"] for c in experts.values()} == {"q2"}
+        others = {c["format"] for c in plan["choices"].values() if c["expert"] is None}
+        assert others - {"q2"}, "the rest of the model is not confined"
+        hot = [c["bytes"] for n, c in experts.items() if ".moe.0." in n]
+        cold = [c["bytes"] for n, c in experts.items() if ".moe.0." not in n]
+        assert min(hot) >= max(cold)
+    with pytest.raises(BudgetError, match="no routed experts|has none"):
+        check_budget(_scored(tiny_model(num_layers=2, hidden=64, vocab=64, inter=128), lambda n: 1.0),
+                     _ctx(score, bpw=4.0))
+    with pytest.raises(ValueError, match="quantized formats"):
+        ScoreOptions(expert_formats=("bf16",))
