@@ -36,7 +36,7 @@ def models(tmp_path_factory):
         if (family, quant) not in out:
             src = tmp / f"{family}-{len(out)}"
             make_checkpoint(family, src)
-            options = {"quant": quant, **({"group_size": 32} if quant == "int4" else {})} if quant else {}
+            options = {"quant": quant, **({"group_size": 32} if quant.startswith("int") else {})} if quant else {}
             out[family, quant] = load(compile_model(src, tmp / f"{family}-{len(out)}.thin", **options),
                                       device=DEVICE.type)
         return out[family, quant]
@@ -88,13 +88,13 @@ def test_decode_step_logits_match_the_executor(models):
     assert torch.allclose(got, want.cpu(), rtol=1e-3, atol=1e-3 * want.abs().max().item())
 
 
-def test_unsupported_expert_formats_leave_the_executor(models, tmp_path):
-    from thin.runtime.engine import DecodeEngine, EngineUnsupported
+def test_two_plane_expert_formats_match_the_executor(models):
+    """int5 experts (a 4-bit and a 1-bit code plane) through the engine."""
+    from thin.runtime.engine import DecodeEngine
 
-    src = make_checkpoint("mixtral", tmp_path / "src")
-    model = load(compile_model(src, tmp_path / "m.thin", quant="int3", group_size=32), device=DEVICE.type)
-    with pytest.raises(EngineUnsupported, match="int3 experts"):
-        DecodeEngine(model.executor)
+    model = models("mixtral", "int5")
+    prompt = _prompt(9, seed=12)
+    assert _tokens(model, prompt, 6, DecodeEngine(model.executor)) == _tokens(model, prompt, 6)
 
 
 def test_bench_counts_only_the_routed_experts_a_token_reads(models):

@@ -89,7 +89,8 @@ def _weight(probs, chosen, slot, plan):
 
 FORMATS = {
     "f32": {}, "int8": {}, "fp8_e4m3": {}, "int4": {"group_size": 32}, "int4-asym": {"group_size": 32, "asymmetric": 1},
-    "mxfp4": {}, "q2": {"group_size": 16}, "q1": {"group_size": 32},
+    "int3": {"group_size": 32}, "int5": {"group_size": 32}, "int6-asym": {"group_size": 32, "asymmetric": 1},
+    "int6": {"group_size": 32}, "mxfp4": {}, "q2": {"group_size": 16}, "q1": {"group_size": 32},
 }
 
 
@@ -112,7 +113,7 @@ def test_separate_gate_and_up_without_renormalising():
 def test_experts_of_different_formats_in_one_layer():
     """Routing-aware bits: one launch per format, each writing only the slots of its experts."""
     fmts = [("int4", {"group_size": 32}), ("q2", {"group_size": 16}), ("mxfp4", {}), ("f32", {}),
-            ("q1", {"group_size": 32}), ("int8", {})]
+            ("q1", {"group_size": 32}), ("int8", {}), ("int5", {"group_size": 32}), ("int3", {"group_size": 32})]
     _check(_plan(fmts, top_k=4, seed=6))
 
 
@@ -126,11 +127,16 @@ def test_uneven_shapes_mask_their_tails():
     _check(_plan([("f32", {})] * 3, hidden=96, inter=48, seed=9))
 
 
-def test_unsupported_expert_formats_are_refused():
+def test_what_the_kernels_do_not_run_is_refused():
+    import dataclasses
+
     from thin.runtime.kernels.experts import MoEKernels
 
-    with pytest.raises(NotImplementedError, match="int3 experts"):
-        MoEKernels(_plan([("int3", {"group_size": 32})] * 2), DEVICE, torch.float32)
+    plan = _plan([("int4", {"group_size": 32})] * 2)
+    with pytest.raises(NotImplementedError, match="shared experts"):
+        MoEKernels(dataclasses.replace(plan, shared_expert=plan.experts[0]), DEVICE, torch.float32)
+    with pytest.raises(NotImplementedError, match="scoring"):
+        MoEKernels(dataclasses.replace(plan, scoring="sigmoid"), DEVICE, torch.float32)
 
 
 @pytest.mark.gpu

@@ -21,9 +21,10 @@ load from that table. Experts of different formats in one layer (routing-aware b
 by one launch per format, each program checking that its slot's expert is one of the group's
 (`member` is -1 otherwise, and it writes nothing).
 
-Formats: bf16 / f16 / f32, int8, fp8_e4m3, int4, mxfp4, q2, q1 (each tile decoded in registers,
-the format's reference `decode` is what it must match). Other formats raise NotImplementedError
-at construction, which the engine turns into a clear refusal.
+Formats: bf16 / f16 / f32, int8, fp8_e4m3, int3-int6 (one or two code planes), mxfp4, q2, q1 (each
+tile decoded in registers; the format's reference `decode` is what it must match). What the
+kernels do not run (shared experts, other router scorings, experts kept in host memory) raises
+NotImplementedError at construction, which the engine turns into a clear refusal.
 """
 
 from __future__ import annotations
@@ -40,13 +41,14 @@ from . import interpreting
 from .common import ACTIVATION_CODES, next_power_of_2
 from .tiles import activate
 
-# Format codes of the kernels' FMT constexpr.
-DENSE, INT8, FP8, INT4, MXFP4, Q2, Q1 = range(7)
-_CODES = {"bf16": DENSE, "f16": DENSE, "f32": DENSE, "int8": INT8, "fp8_e4m3": FP8, "int4": INT4,
-          "mxfp4": MXFP4, "q2": Q2, "q1": Q1}
-# The parts each format's kernel reads, in the table's column order (column 5 is the bias).
+# Format codes of the kernels' FMT constexpr; SUB is a dense format's dtype code or a grouped int's bits.
+DENSE, INT8, FP8, GINT, MXFP4, Q2, Q1 = range(7)
+_CODES = {"bf16": DENSE, "f16": DENSE, "f32": DENSE, "int8": INT8, "fp8_e4m3": FP8, "int3": GINT, "int4": GINT,
+          "int5": GINT, "int6": GINT, "mxfp4": MXFP4, "q2": Q2, "q1": Q1}
+# The parts each format's kernel reads, in the table's column order (column 5 is the bias; a grouped
+# int's low code plane is "codes" for int4, "codes_low" otherwise, its high plane column 3).
 _PARTS = {DENSE: ("weight",), INT8: ("values", "scales"), FP8: ("values", "scales"),
-          INT4: ("codes", "scales", "offsets"), MXFP4: ("values", "scales"),
+          GINT: ("codes", "scales", "offsets", "codes_high"), MXFP4: ("values", "scales"),
           Q2: ("codes", "scales", "offsets", "row_scale", "row_offset"), Q1: ("signs", "scales", "row_scale")}
 _DENSE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 SUPPORTED = tuple(_CODES)
@@ -153,13 +155,13 @@ def _e8m0(byte):
 
 
 @triton.jit
-def _grouped_dot(base, offs, x_ptr, rows, row_mask, K, FMT: tl.constexpr, G: tl.constexpr, NG: tl.constexpr,
-                 BN: tl.constexpr, ASYM: tl.constexpr, PREFETCH: tl.constexpr):
-    """sum_k W[rows, k] x[k] for the formats with a scale per group of G columns (int4, mxfp4, q2,
-    q1): NG groups a step, each group's packed bytes [BN, NG, GB] decoded in registers against x
-    split the same way (_x_split). float32 [BN]. PREFETCH: the next step's codes are loaded before
-    this step's math."""
-    PER: tl.constexpr = 2 if FMT == 3 or FMT == 4 else (4 if FMT == 5 else 8)
+def _grouped_dot(base, offs, x_ptr, rows, row_mask, K, FMT: tl.constexpr, SUB: tl.constexpr, G: tl.constexpr,
+                 NG: tl.constexpr, BN: tl.constexpr, ASYM: tl.constexpr, PREFETCH: tl.constexpr):
+    """sum_k W[rows, k] x[k] for the formats with a scale per group of G columns (int3-int6, mxfp4,
+    q2, q1): NG groups a step, each group's packed bytes [BN, NG, GB] (a grouped int's low plane)
+    decoded in registers against x split the same way (_x_split). float32 [BN]. PREFETCH: the next
+    step's codes are loaded before this step's math."""
+    PER: tl.constexpr = (4 if SUB == 3 else 2) if FMT == 3 else (2 if FMT == 4 else (4 if FMT == 5 else 8))
     GB: tl.constexpr = G // PER
     groups = K // G
     row_bytes = K // PER
@@ -184,35 +186,59 @@ def _grouped_dot(base, offs, x_ptr, rows, row_mask, K, FMT: tl.constexpr, G: tl.
             b = b_next
             following = row_mask[:, None] & (g0 + NG + gi < groups)[None, :]
             b_next = tl.load(codes_ptr + byte_offs + (g0 + NG) * GB, mask=following[:, :, None], other=0)
-            acc = _group_step(acc, b.to(tl.int32), base, offs, x_ptr, g0, gi, row_mask, side_offs, groups, row_scale,
-                              row_offset, FMT, G, GB, PER, ASYM)
+            acc = _group_step(acc, b.to(tl.int32), base, offs, x_ptr, g0, gi, r64, row_mask, side_offs, groups,
+                              row_scale, row_offset, K, FMT, SUB, G, GB, PER, ASYM)
     else:
         for g0 in range(0, groups, NG):
             mask2 = row_mask[:, None] & (g0 + gi < groups)[None, :]
             b = tl.load(codes_ptr + byte_offs + g0 * GB, mask=mask2[:, :, None], other=0).to(tl.int32)
-            acc = _group_step(acc, b, base, offs, x_ptr, g0, gi, row_mask, side_offs, groups, row_scale, row_offset,
-                              FMT, G, GB, PER, ASYM)
+            acc = _group_step(acc, b, base, offs, x_ptr, g0, gi, r64, row_mask, side_offs, groups, row_scale,
+                              row_offset, K, FMT, SUB, G, GB, PER, ASYM)
     return tl.sum(tl.sum(acc, axis=2), axis=1)
 
 
 @triton.jit
-def _group_step(acc, b, base, offs, x_ptr, g0, gi, row_mask, side_offs, groups, row_scale, row_offset,
-                FMT: tl.constexpr, G: tl.constexpr, GB: tl.constexpr, PER: tl.constexpr, ASYM: tl.constexpr):
+def _group_step(acc, b, base, offs, x_ptr, g0, gi, r64, row_mask, side_offs, groups, row_scale, row_offset, K,
+                FMT: tl.constexpr, SUB: tl.constexpr, G: tl.constexpr, GB: tl.constexpr, PER: tl.constexpr,
+                ASYM: tl.constexpr):
     """acc [BN, NG, GB] + the products of one step's codes `b` (int32 bytes) with x, scaled per group."""
     gmask = g0 + gi < groups
     mask2 = row_mask[:, None] & gmask[None, :]
     xs = _x_split(x_ptr, g0 * G, gi, gmask, GB, G, PER)
-    if FMT == 3:  # int4: (u - 8) * scale, or u * scale + offset
+    if FMT == 3 and SUB == 4 and not ASYM:  # int4: (u - 8) * scale, the 8 taken off in _small_int
         scale = tl.load(_part(base, offs, 1, tl.float16) + side_offs + g0, mask=mask2, other=0.0).to(tl.float32)
+        lo, hi = _small_int(b & 15, 8.0), _small_int(b >> 4, 8.0)
+        acc += scale[:, :, None] * (lo * xs[0][None] + hi * xs[1][None])
+    elif FMT == 3:  # int3-int6: u = low | high << WL; (u - 2^(bits-1)) * scale, or u * scale + offset
+        scale = tl.load(_part(base, offs, 1, tl.float16) + side_offs + g0, mask=mask2, other=0.0).to(tl.float32)
+        if PER == 2:  # a 4-bit low plane
+            dot = _small_int(b & 15, 0.0) * xs[0][None] + _small_int(b >> 4, 0.0) * xs[1][None]
+            xsum = xs[0] + xs[1]
+        else:  # int3's 2-bit low plane
+            dot = _small_int(b & 3, 0.0) * xs[0][None] + _small_int((b >> 2) & 3, 0.0) * xs[1][None] \
+                + _small_int((b >> 4) & 3, 0.0) * xs[2][None] + _small_int(b >> 6, 0.0) * xs[3][None]
+            xsum = xs[0] + xs[1] + xs[2] + xs[3]
         if ASYM:
             offset = tl.load(_part(base, offs, 2, tl.float16) + side_offs + g0, mask=mask2,
                              other=0.0).to(tl.float32)
-            lo, hi = _small_int(b & 15, 0.0), _small_int(b >> 4, 0.0)
-            acc += scale[:, :, None] * (lo * xs[0][None] + hi * xs[1][None]) \
-                + offset[:, :, None] * (xs[0] + xs[1])[None]
-        else:  # the codes come out of _small_int already less 8
-            lo, hi = _small_int(b & 15, 8.0), _small_int(b >> 4, 8.0)
-            acc += scale[:, :, None] * (lo * xs[0][None] + hi * xs[1][None])
+            acc += scale[:, :, None] * dot + offset[:, :, None] * xsum[None]
+        else:
+            acc += scale[:, :, None] * (dot - (1 << (SUB - 1)) * xsum[None])
+        WL: tl.constexpr = 8 // PER
+        WH: tl.constexpr = SUB - WL
+        if WH > 0:
+            # The high plane's codes weigh 2^WL. Its dot has its own split of x ([.., G / (8 / WH)]), so
+            # its per-group sum is spread evenly over the low plane's GB lanes (GB is a power of 2: exact).
+            PH: tl.constexpr = 8 // WH
+            GH: tl.constexpr = G // PH
+            hb = tl.load(_part(base, offs, 3, tl.uint8) + r64[:, None, None] * (K // PH)
+                         + (g0 + gi)[None, :, None] * GH + tl.arange(0, GH)[None, None, :],
+                         mask=mask2[:, :, None], other=0).to(tl.int32)
+            xh = _x_split(x_ptr, g0 * G, gi, gmask, GH, G, PH)
+            high = tl.zeros(hb.shape, dtype=tl.float32)
+            for j in tl.static_range(PH):
+                high += _small_int((hb >> (j * WH)) & ((1 << WH) - 1), 0.0) * xh[j][None]
+            acc += (scale * tl.sum(high, axis=2) * ((1 << WL) / GB))[:, :, None]
     elif FMT == 4:  # mxfp4: E2M1 * 2^(scale byte - 127)
         e8 = tl.load(_part(base, offs, 1, tl.uint8) + side_offs + g0, mask=mask2, other=127).to(tl.int32)
         scale = _e8m0(e8)
@@ -234,13 +260,13 @@ def _group_step(acc, b, base, offs, x_ptr, g0, gi, row_mask, side_offs, groups, 
 
 
 @triton.jit
-def _rows_dot(base, offs, x_ptr, rows, row_mask, K, FMT: tl.constexpr, DT: tl.constexpr, G: tl.constexpr,
+def _rows_dot(base, offs, x_ptr, rows, row_mask, K, FMT: tl.constexpr, SUB: tl.constexpr, G: tl.constexpr,
               NG: tl.constexpr, BN: tl.constexpr, ASYM: tl.constexpr, PREFETCH: tl.constexpr):
     """sum_k W[rows, k] x[k] of the expert whose offsets row is `offs`, any format: float32 [BN]."""
     if FMT == 0:
-        if DT == 0:
+        if SUB == 0:
             w_ptr = _part(base, offs, 0, tl.bfloat16)
-        elif DT == 1:
+        elif SUB == 1:
             w_ptr = _part(base, offs, 0, tl.float16)
         else:
             w_ptr = _part(base, offs, 0, tl.float32)
@@ -252,7 +278,7 @@ def _rows_dot(base, offs, x_ptr, rows, row_mask, K, FMT: tl.constexpr, DT: tl.co
         total = _bytewise_dot(_part(base, offs, 0, tl.uint8), x_ptr, rows, row_mask, K, FMT, BN, G, PREFETCH)
         total *= tl.load(_part(base, offs, 1, tl.float32) + rows, mask=row_mask, other=0.0)
     else:
-        total = _grouped_dot(base, offs, x_ptr, rows, row_mask, K, FMT, G, NG, BN, ASYM, PREFETCH)
+        total = _grouped_dot(base, offs, x_ptr, rows, row_mask, K, FMT, SUB, G, NG, BN, ASYM, PREFETCH)
     return total
 
 
@@ -317,7 +343,7 @@ def _route(logits_ptr, slot, E, EP: tl.constexpr, TOP_K: tl.constexpr, NORMALIZE
 def _gate_up_kernel(base, gate_table, up_table, member_ptr, logits_ptr, chosen_ptr, weights_ptr, x_ptr, h_ptr, E, K, n,
                     up_row0,
                     alpha, limit, up_offset,
-                    FMT: tl.constexpr, DT: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, BN: tl.constexpr,
+                    FMT: tl.constexpr, SUB: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, BN: tl.constexpr,
                     ASYM: tl.constexpr, HAS_BIAS: tl.constexpr, EP: tl.constexpr, TOP_K: tl.constexpr,
                     NORMALIZE: tl.constexpr, ACT: tl.constexpr, CLAMP: tl.constexpr, GAIN: tl.constexpr,
                     PREFETCH: tl.constexpr, FUSED: tl.constexpr):
@@ -340,11 +366,11 @@ def _gate_up_kernel(base, gate_table, up_table, member_ptr, logits_ptr, chosen_p
         if FUSED:
             both = tl.reshape(tl.join(rows, rows + up_row0), [2 * BN])
             both_mask = tl.reshape(tl.join(row_mask, row_mask), [2 * BN])
-            total = _rows_dot(base, g_offs, x_ptr, both, both_mask, K, FMT, DT, G, NG, 2 * BN, ASYM, PREFETCH)
+            total = _rows_dot(base, g_offs, x_ptr, both, both_mask, K, FMT, SUB, G, NG, 2 * BN, ASYM, PREFETCH)
             gate, up = tl.split(tl.reshape(total, [BN, 2]))
         else:
-            gate = _rows_dot(base, g_offs, x_ptr, rows, row_mask, K, FMT, DT, G, NG, BN, ASYM, PREFETCH)
-            up = _rows_dot(base, u_offs, x_ptr, rows + up_row0, row_mask, K, FMT, DT, G, NG, BN, ASYM, PREFETCH)
+            gate = _rows_dot(base, g_offs, x_ptr, rows, row_mask, K, FMT, SUB, G, NG, BN, ASYM, PREFETCH)
+            up = _rows_dot(base, u_offs, x_ptr, rows + up_row0, row_mask, K, FMT, SUB, G, NG, BN, ASYM, PREFETCH)
         gate = (gate + _bias(base, g_offs, rows, row_mask, HAS_BIAS, dtype)).to(dtype).to(tl.float32)
         up = (up + _bias(base, u_offs, rows + up_row0, row_mask, HAS_BIAS, dtype)).to(dtype).to(tl.float32)
         if CLAMP:  # GPT-OSS: gate clamped from above, up on both sides
@@ -361,7 +387,7 @@ def _gate_up_kernel(base, gate_table, up_table, member_ptr, logits_ptr, chosen_p
 
 @triton.jit
 def _down_kernel(base, table, member_ptr, chosen_ptr, weights_ptr, h_ptr, out_ptr, K, n,
-                 FMT: tl.constexpr, DT: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, BN: tl.constexpr,
+                 FMT: tl.constexpr, SUB: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, BN: tl.constexpr,
                  ASYM: tl.constexpr, HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr):
     """Program (slot, i): out[slot, i*BN..] = w_slot * (down h[slot] + bias), float32, each factor
     rounded to h's dtype as the torch path rounds it."""
@@ -374,7 +400,7 @@ def _down_kernel(base, table, member_ptr, chosen_ptr, weights_ptr, h_ptr, out_pt
         row_mask = rows < n
         dtype: tl.constexpr = h_ptr.dtype.element_ty
         offs = table + member * 6
-        y = _rows_dot(base, offs, h_ptr + slot * K, rows, row_mask, K, FMT, DT, G, NG, BN, ASYM, PREFETCH)
+        y = _rows_dot(base, offs, h_ptr + slot * K, rows, row_mask, K, FMT, SUB, G, NG, BN, ASYM, PREFETCH)
         y = (y + _bias(base, offs, rows, row_mask, HAS_BIAS, dtype)).to(dtype).to(tl.float32)
         w = weight.to(dtype).to(tl.float32)
         tl.store(out_ptr + slot * n + rows, (y * w).to(dtype).to(tl.float32), mask=row_mask)
@@ -414,9 +440,9 @@ class _Group:
         fmt_name, dense_dtype, params, has_bias = key
         self.fmt = _CODES[fmt_name]
         self.params = dict(params)
-        self.dt = _DENSE_DTYPES.get(dense_dtype, 0)
+        self.dt = int(fmt_name[3:]) if self.fmt == GINT else _DENSE_DTYPES.get(dense_dtype, 0)
         self.asym = bool(self.params.get("asymmetric", 0))
-        self.group = {INT4: self.params.get("group_size", 0), MXFP4: 32, Q2: self.params.get("group_size", 0),
+        self.group = {GINT: self.params.get("group_size", 0), MXFP4: 32, Q2: self.params.get("group_size", 0),
                       Q1: self.params.get("group_size", 0)}.get(self.fmt, 0)
         self.has_bias = has_bias
         self.fused = fused
@@ -430,20 +456,22 @@ class _Group:
             rows = []
             for op in ops:
                 _, parts, _ = weight_parts(op)
-                names = _PARTS[self.fmt]
-                if self.fmt == INT4 and not self.asym:
-                    names = names[:2]
-                row = [parts[name] for name in names]
-                self.tensors += row
+                names = list(_PARTS[self.fmt])
+                if self.fmt == GINT and "codes_low" in parts:
+                    names[0] = "codes_low"
+                row = [parts.get(name) for name in names]  # absent parts (offsets, a high plane): 0
+                self.tensors += [t for t in row if t is not None]
                 if op.bias is not None:
                     self.tensors.append(op.bias)
-                rows.append([t.data_ptr() for t in row] + [0] * (5 - len(row))
+                rows.append([t.data_ptr() if t is not None else 0 for t in row] + [0] * (5 - len(row))
                             + [op.bias.data_ptr() if op.bias is not None else 0])
             self.addresses[role] = rows
 
     def tables(self, base: int, device) -> None:
         for role, rows in self.addresses.items():
             table = torch.tensor([[a - base if a else 0 for a in row] for row in rows], dtype=torch.int64)
+            if (table < 0).any():
+                raise NotImplementedError("an expert part below the base address")
             if (table[:, :5] % 16).any():
                 raise NotImplementedError("an expert part is not 16-byte aligned")
             setattr(self, f"{role}_table", table.to(device))
@@ -622,7 +650,7 @@ class MoEKernels:
                                             HAS_BIAS=self.router_bias is not None, num_warps=4)
 
     def _common(self, g: _Group) -> dict:
-        return dict(FMT=g.fmt, DT=g.dt, ASYM=g.asym, HAS_BIAS=g.has_bias)
+        return dict(FMT=g.fmt, SUB=g.dt, ASYM=g.asym, HAS_BIAS=g.has_bias)
 
     def _gate_up(self, index: int, x: torch.Tensor, config: ExpertConfig) -> None:
         g = self.groups[index]
