@@ -365,7 +365,7 @@ def _gate_up_kernel(base, gate_table, up_table, member_ptr, logits_ptr, chosen_p
         u_offs = up_table + member * 6
         if FUSED:
             both = tl.reshape(tl.join(rows, rows + up_row0), [2 * BN])
-            both_mask = tl.reshape(tl.join(row_mask, row_mask), [2 * BN])
+            both_mask = tl.reshape(tl.join(rows, rows), [2 * BN]) < n
             total = _rows_dot(base, g_offs, x_ptr, both, both_mask, K, FMT, SUB, G, NG, 2 * BN, ASYM, PREFETCH)
             gate, up = tl.split(tl.reshape(total, [BN, 2]))
         else:
