@@ -159,6 +159,8 @@ def _residency_error(value) -> str | None:
         return err
     if value["host"] and (value["slots"] < 1 or value["slot_bytes"] < 1):
         return "memory.residency keeps experts in host memory but gives no GPU slots for them"
+    if value["slots"] > len(value["host"]):  # a slot per host-resident expert is all a cache can use
+        return "memory.residency has more GPU slots than experts in host memory"
     return None
 
 

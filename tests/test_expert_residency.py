@@ -190,6 +190,9 @@ def test_a_residency_plan_without_slots_is_refused():
                             "policy": "least recently used", "ranked_by": "calibration routing counts"}}
     with pytest.raises(ArtifactWriteError, match="no GPU slots"):
         encode_sections({"memory": memory})
+    memory["residency"].update(slots=2, slot_bytes=4096)
+    with pytest.raises(ArtifactWriteError, match="more GPU slots than experts"):
+        encode_sections({"memory": memory})
     memory["residency"]["host"] = [[0, "1"]]
     with pytest.raises(ArtifactWriteError, match="host has the wrong type"):
         encode_sections({"memory": memory})
