@@ -55,9 +55,13 @@ def certify_ffn_levels(program: Program, ctx: PassContext) -> Program:
     records = ffn_weights(model)
     full = ffn_bytes(model)
     none = (None,) * len(widths)
+    plans = [(keep, _channels(keep, widths, records, full, costs)) for keep in sorted(options.levels, reverse=True)]
+    for i, width in enumerate(widths):  # layer by layer: each layer's statistics are read once for every level
+        for _, channels in plans:
+            if channels[i] < width:
+                corrections.get(i, channels[i])
     levels, tensors = [FFNLevel(1.0, tuple(widths), none, none)], []
-    for j, keep in enumerate(sorted(options.levels, reverse=True), start=1):
-        channels = _channels(keep, widths, records, full, costs)
+    for j, (keep, channels) in enumerate(plans, start=1):
         shift, scale = [], []
         for i, k in enumerate(channels):
             s, b = corrections.get(i, k) if k < widths[i] else (None, None)
