@@ -48,6 +48,12 @@ def compile_one(src: str, dst: str, quant: str, levels: str | None, calib_tokens
         return encode(self, tensor.to("cuda"), params).cpu()
 
     QuantizedFormat.encode = on_gpu
+    # The compile's certification runs the projections before fusion (q, k, v, gate, up apart): each takes
+    # its default launch instead of timing every candidate configuration (minutes of kernel compiles
+    # here; the same products up to summation order; the decode engine later tunes the fused shapes it runs).
+    from thin.runtime.kernels import common
+
+    common._small = lambda op: True
     options = {"quant": quant, **({"group_size": 128} if quant == "int4" else {})}
     if levels:
         options.update(ffn_levels=levels, ffn_per_layer=per_layer, calib_tokens=calib_tokens, device="cuda")
