@@ -92,8 +92,8 @@ class DenseKernelLinear(KernelLinear):
     def _matvec(self, x, out, config, act, partial, rows=None, cols=None):
         n, programs, config = prefix_rows(self, config, act, rows)
         K = self.in_features if cols is None else cols
-        if K % config.split:  # an elastic prefix of the columns: a split that divides it
-            config = prefix_split(config, K)
+        if cols is not None:  # an elastic prefix of the columns: a split that divides it, whole steps if it can
+            config = prefix_split(config, K, config.chunk)
         even = K % (config.split * config.chunk) == 0
         prefetch = not interpreting() and even
         _matvec_kernel[(programs, config.split)](
