@@ -110,6 +110,27 @@ def test_thin_exec_reports_transfers_per_token(compiled):
     assert re.search(r"decode: 4 tokens, [0-9.]+ tok/s, [0-9.]+ expert transfers/token", result.stderr), result.stderr
 
 
+def test_bench_measures_a_streamed_model_on_the_executor(compiled, monkeypatch):
+    """thin-exec bench's path for streamed experts, with the CUDA-only measurements stubbed (host and
+    device are the CPU here): transfers per token from the cache, the slots, the render's row."""
+    from thin.runtime import bench
+
+    _, _, tight, _ = compiled
+    model = load(tight)
+    monkeypatch.setattr(bench, "copy_bandwidth", lambda device: 1e9)
+    for name, value in (("reset_peak_memory_stats", None), ("max_memory_allocated", 0), ("get_device_name", "cpu")):
+        monkeypatch.setattr(torch.cuda, name, lambda *args, value=value: value)
+    with pytest.raises(bench.BenchCheckError, match="--profile"):
+        bench.run(model, prompt_len=8, new_tokens=6, runs=2, profile=True)
+    before = model.executor.expert_cache.transfers
+    result = bench.run(model, prompt_len=8, new_tokens=6, runs=2)
+    assert result.expert_slots == model.executor.expert_cache.slots and result.graph is False
+    reads = sum(layer.ffn.top_k for layer in model.ir.layers if isinstance(layer.ffn, MoE))  # experts a token reads
+    assert 0 < result.expert_transfers_per_token <= reads
+    assert model.executor.expert_cache.transfers > before
+    assert "transfers per token from host memory" in result.render()
+
+
 def test_the_cache_counts_transfers_and_evicts_the_least_recently_used(compiled):
     _, roomy, _, _ = compiled
     with open_artifact(roomy) as art:
