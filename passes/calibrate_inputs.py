@@ -72,9 +72,12 @@ def calibrate_inputs(program: Program, ctx: PassContext) -> Program:
     reached it (an expert sees only those routed to it; N counts every calibration token, so a
     rarely used expert weighs less); also the token ids used and each token's frequency (for the
     embedding). An expert routed fewer than MIN_EXPERT_TOKENS tokens gets estimated statistics
-    (expert_statistics.py) instead of none. A routed expert's tokens count in its `hessian` with the
-    square of their routing weight (the share of the expert's output in the layer's), so its matrix
-    measures the error the layer's output gets: it carries the expert's routing frequency and weight.
+    (expert_statistics.py) instead of none. Within a routed expert, each token counts in its
+    `hessian` in proportion to the square of its routing weight (the expert's share of the layer's
+    output for that token), scaled so the matrix keeps the mass of the expert's token count: GPTQ
+    minimises the error the layer's output gets, and the planner prices an expert by how often it
+    is routed. (Pricing by the squared weight as well measured worse: at tight budgets it sent
+    lightly weighted experts to q1, whose cost the first-order prediction understates; BENCHMARKS.md.)
     annotations['calibration'] records the text's hash and the counts, tokens routed to each expert
     among them and their mean squared routing weight, and which experts were starved."""
     import torch
@@ -145,8 +148,10 @@ def calibrate_inputs(program: Program, ctx: PassContext) -> Program:
         if slot is None:  # an expert no calibration token was routed to
             continue
         count = max(slot["count"], 1)
+        # Routing-weighted tokens: back to the mass of the token count (1 for every other input).
+        mass = count / slot["weight2"] if slot.get("weight2") else 1.0
         ctx.scratch.save(statistics_key(key), {
-            "hessian": slot["hessian"] / total, "mean": slot["sum"] / count, "absmax": slot["absmax"],
+            "hessian": slot["hessian"] * (mass / total), "mean": slot["sum"] / count, "absmax": slot["absmax"],
             "count": torch.tensor(slot["count"]), "tokens": torch.tensor(total),
             # (estimated statistics of a starved expert have no mean |x|)
             **({"absmean": slot["abssum"] / count} if "abssum" in slot else {})})

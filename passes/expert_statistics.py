@@ -15,9 +15,9 @@ the expert's own routing count (at least one token), so a rarely routed expert s
 less in the budget but is never quantized without statistics.
 
 `RoutingWeights` gives calibration each routed token's weight in its expert's share of the layer
-output (the router's top-k probability, renormalised as the model does), so an expert's second
-moment is sum g^2 x x^T: an error in a rarely chosen or lightly weighted expert costs the layer
-less, and the planner's bits per expert follow routing frequency times routing weight.
+output (the router's top-k probability, renormalised as the model does), so within an expert a
+token counts with g^2 (calibrate_inputs then keeps the mass of the expert's token count: the
+planner's bits per expert follow routing frequency, GPTQ's objective each token's weight).
 """
 
 from __future__ import annotations
