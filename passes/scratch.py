@@ -14,7 +14,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from pathlib import Path
+
+from thin.ir import ThinError
+
+
+class ScratchError(ThinError, OSError):
+    """An intermediate result could not be spilled to the scratch folder (a full disk, mostly)."""
 
 
 def default_memory_limit() -> int:
@@ -54,7 +61,16 @@ class Scratch:
             return
         import torch
 
-        torch.save(cpu, self._path(key))
+        path = self._path(key)
+        try:
+            torch.save(cpu, path)
+        except (OSError, RuntimeError) as e:  # torch reports a short write as a RuntimeError
+            path.unlink(missing_ok=True)
+            free = shutil.disk_usage(self.root).free
+            raise ScratchError(
+                f"could not write {size / 2**20:.0f} MiB of intermediate statistics to {self.root} "
+                f"({free / 2**20:.0f} MiB free there): point TMPDIR at a disk with more room, or compile "
+                f"on a machine with more RAM (up to a quarter of it is used before spilling)") from e
 
     def has(self, key: str) -> bool:
         return key in self._memory or (self.root is not None and self._path(key).is_file())

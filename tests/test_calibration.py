@@ -89,8 +89,12 @@ def test_experts_see_the_tokens_routed_to_them(tmp_path):
             model(torch.tensor([w]))
     handle.remove()
     x = torch.cat(inputs).double()
-    # transformers' own routing: softmax over the router, top-k experts per token.
-    chosen = torch.softmax(x @ block.gate.weight.double().T, -1).topk(model.config.num_experts_per_tok, -1).indices
+    # transformers' own routing: softmax over the router, top-k experts per token (renormalised when
+    # the config says so), each token's weight in its experts' share of the output.
+    top = torch.softmax(x @ block.gate.weight.double().T, -1).topk(model.config.num_experts_per_tok, -1)
+    chosen, weight = top.indices, top.values
+    if model.config.norm_topk_prob:
+        weight = weight / weight.sum(-1, keepdim=True)
     note = program.annotations["calibration"]
     starved = set(note["starved_experts"])
     checked = 0
@@ -101,7 +105,9 @@ def test_experts_see_the_tokens_routed_to_them(tmp_path):
         assert int(stats["count"]) == int(routed.sum())
         if note["inputs"][name].removesuffix(".in") in starved:  # too few tokens: estimated statistics (expert_statistics.py)
             continue
-        want = (x[routed].T @ x[routed] / note["tokens"]).float()
+        # Each token weighs with its squared routing weight, the whole keeping the token count's mass.
+        g2 = (weight * (chosen == e)).sum(-1)[routed] ** 2
+        want = ((x[routed] * g2[:, None]).T @ x[routed] * (len(g2) / g2.sum()) / note["tokens"]).float()
         torch.testing.assert_close(stats["hessian"], want, rtol=1e-4, atol=1e-5 * float(want.abs().max()))
         checked += 1
     assert checked >= 6
@@ -117,3 +123,22 @@ def test_calibration_refuses_too_little_text(tmp_path):
                       scratch=Scratch())
     with pytest.raises(CalibrationError, match="at least 64"):
         calibrate_inputs(source.program, ctx)
+
+
+def test_a_spill_that_cannot_be_written_is_one_clear_error(tmp_path, monkeypatch):
+    from thin.passes.scratch import ScratchError
+
+    scratch = Scratch(tmp_path, memory_limit=0)  # everything spills
+    scratch.save("ok", {"m": torch.randn(4, 4)})
+    assert scratch.load("ok")["m"].shape == (4, 4)
+
+    def short_write(obj, path):
+        with open(path, "wb") as fh:
+            fh.write(b"partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 1152 vs 1046")
+
+    monkeypatch.setattr(torch, "save", short_write)
+    with pytest.raises(ScratchError, match="could not write .* MiB free there"):
+        scratch.save("full", {"m": torch.randn(64, 64)})
+    assert not scratch.has("full")  # no truncated file left to be read back
+    assert scratch.has("ok")
