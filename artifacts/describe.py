@@ -199,7 +199,10 @@ def render_description(d: dict) -> str:
             lines.append(f"  residency: {residency_summary(memory['residency'])}")
     plan = (d.get("precision_plan") or {}).get("plan")
     if plan is not None:
-        lines += ["", f"precision plan: {plan['bits_per_weight']:.3f} bits per weight, predicted KLD "
+        experts = plan.get("experts")
+        experts = f" (routed experts {experts['bits_per_weight']:.3f})" if isinstance(experts, dict) and \
+            isinstance(experts.get("bits_per_weight"), (int, float)) else ""
+        lines += ["", f"precision plan: {plan['bits_per_weight']:.3f} bits per weight{experts}, predicted KLD "
                       f"{plan['predicted_kld']:.5f}, {len(plan['choices'])} tensors planned ({plan['method']})"]
     lines += ["", f"header    {human_size(d['header_bytes'])}"]
     # Every field but the sizes comes from the file: each line is made printable before the join.

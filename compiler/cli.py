@@ -348,7 +348,8 @@ def _quality_rows(report) -> list[tuple[str, str]]:
         budget = plan["budget"]
         asked = " and ".join(x for x in (f"--bpw {budget['bpw']}" if budget["bpw"] is not None else "",
                                          f"--vram {human_size(budget['vram'])}" if budget["vram"] else "") if x)
-        rows.append(("plan", f"{asked}: {plan['bits_per_weight']:.3f} bits per weight, predicted KLD "
+        experts = f", routed experts {plan['experts']['bits_per_weight']:.2f}" if plan.get("experts") else ""
+        rows.append(("plan", f"{asked}: {plan['bits_per_weight']:.3f} bits per weight{experts}, predicted KLD "
                              f"{plan['predicted_kld']:.5f} ({plan['method']})"))
     if report.memory is not None:
         lines = ", ".join(f"{k.replace('_', ' ')} {human_size(v)}" for k, v in report.memory["lines"].items())

@@ -60,6 +60,8 @@ def plan_budgets(model_dir, budgets: list[dict], *, progress=None, calib=None, *
                 mix[label] = mix.get(label, 0) + 1
             row.update(memory=memory, bits_per_weight=plan["bits_per_weight"], weight_bytes=plan["weight_bytes"],
                        predicted_kld=plan["predicted_kld"], formats=dict(sorted(mix.items())))
+            if "experts" in plan:
+                row["expert_bits_per_weight"] = plan["experts"]["bits_per_weight"]
             rows.append(row)
     return {"model": str(model_dir), "method": first.quantize.method, "device": first.device, "rows": rows,
             "seconds": {k: round(v, 2) for k, v in seconds.items()}}
@@ -84,7 +86,9 @@ def render_plan(result: dict) -> str:
         sizes = [human_size(lines[k]) for k in ("weights", "kv_cache", "activations", "workspace", "cuda_context")]
         rows.append((name, *sizes, human_size(r["memory"]["total"]), f"{r['bits_per_weight']:.3f}",
                      f"{r['predicted_kld']:.5f}"))
-        notes.append(f"{name}: " + ", ".join(f"{k} x{v}" for k, v in r["formats"].items()))
+        experts = f" (routed experts {r['expert_bits_per_weight']:.2f} bits per weight)" \
+            if "expert_bits_per_weight" in r else ""
+        notes.append(f"{name}: " + ", ".join(f"{k} x{v}" for k, v in r["formats"].items()) + experts)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     out = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]
     ctx = next((r["memory"]["ctx"] for r in result["rows"] if "memory" in r), None)

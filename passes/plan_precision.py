@@ -255,7 +255,8 @@ def weight_budget(model: Model, options: PlanOptions) -> tuple[int, dict]:
 def plan_precision(program: Program, ctx: PassContext) -> Program:
     """Afterwards annotations['precision_plan'] gives every plannable tensor an encoding such that
     all tensors' bytes (norms and the like at their stored size, fused blobs as fused) fit the
-    budget, with the least total predicted KLD the scores allow; annotations['memory'] holds the
+    budget, with the least total predicted KLD the scores allow (and, for a mixture of experts, the
+    routed experts' share under "experts"); annotations['memory'] holds the
     memory ledger of that plan. Sensitivities scaled by annotations['plan_adjustments'] (set by
     certify_model's promotion rounds) are used as scaled."""
     options: PlanOptions = ctx.config.plan
@@ -289,6 +290,12 @@ def plan_precision(program: Program, ctx: PassContext) -> Program:
             "weight_bytes": total_bytes, "parameters": params_count,
             "bits_per_weight": round(8 * total_bytes / params_count, 4), "predicted_kld": predicted,
             "method": ctx.config.quantize.method, "tie_fused": options.tie_fused, "choices": choices}
+    experts = [name for name in scores if records[name].expert is not None]
+    if experts:  # the share of the weights' bytes the routed experts took
+        expert_bytes, expert_params = (sum(choices[n]["bytes"] for n in experts),
+                                       sum(prod(records[n].shape) for n in experts))
+        plan["experts"] = {"tensors": len(experts), "parameters": expert_params, "weight_bytes": expert_bytes,
+                           "bits_per_weight": round(8 * expert_bytes / expert_params, 4)}
     memory = ledger(model, total_bytes, ctx=options.ctx)
     memory["budget"] = options.vram
     return program.replace(annotations={**program.annotations, "precision_plan": plan, "memory": memory})

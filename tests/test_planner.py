@@ -228,6 +228,11 @@ def test_expert_formats_confine_routed_experts_and_the_rest_takes_the_budget():
         assert len(experts) == 2 * 4 * 3 and {c["format"] for c in experts.values()} == {"q2"}
         others = {c["format"] for c in plan["choices"].values() if c["expert"] is None}
         assert others - {"q2"}, "the rest of the model is not confined"
+        expert_bits = 8 * sum(c["bytes"] for c in experts.values()) / sum(
+            c["shape"][0] * c["shape"][1] for c in experts.values())
+        assert plan["experts"]["tensors"] == len(experts)
+        assert plan["experts"]["bits_per_weight"] == pytest.approx(expert_bits, abs=1e-4)
+        assert expert_bits < bpw  # the q2 experts sit below the average the rest of the model raises
         hot = [c["bytes"] for n, c in experts.items() if ".moe.0." in n]
         cold = [c["bytes"] for n, c in experts.items() if ".moe.0." not in n]
         assert min(hot) >= max(cold)
