@@ -304,30 +304,46 @@ class BatchEngine:
 
         outs = []
         for op in ops:
-            block_n = self._rows_kernel(op, x)
-            outs.append(rows_matmul(op, x, block_n) if block_n else op(x))
+            choice = self._rows_kernel(op, x)
+            outs.append(rows_matmul(op, x, choice[1], choice[0]) if choice else op(x))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
-    def _rows_kernel(self, op, x: torch.Tensor) -> int | None:
-        """The band width the int4 batch kernel runs `op` with for x's rows, or None for the op's own
-        matmul: on CUDA whichever timed fastest at this shape and row count on the first step of the
-        bucket (self.choices keeps the times, in microseconds)."""
+    def _rows_kernel(self, op, x: torch.Tensor) -> tuple[str, int] | None:
+        """The (scheme, band width) the int4 batch kernel runs `op` with for x's rows, or None for the
+        op's own matmul: on CUDA whichever timed fastest at this shape and row count on the first step
+        of the bucket (self.choices keeps the times, in microseconds)."""
         from .kernels import grouped_int_batch
 
         b = x.shape[0]
         if b > grouped_int_batch.MAX_ROWS or not grouped_int_batch.takes(op):
             return None
         if self.device.type != "cuda":
-            return grouped_int_batch.block_candidates(op)[0]
+            return grouped_int_batch.candidates(op)[0]
         key = (op.out_features, op.in_features, op.group, op.asym, b)
         if key not in self.choices:
             probe = torch.randn(b, op.in_features, device=self.device).to(x.dtype)
-            times = {f"rows/{bn}": _time(lambda bn=bn: grouped_int_batch.rows_matmul(op, probe, bn))
-                     for bn in grouped_int_batch.block_candidates(op)}
+            rows_matmul = grouped_int_batch.rows_matmul
+            times = {f"{scheme}/{bn}": _time_or_inf(lambda s=scheme, bn=bn: rows_matmul(op, probe, bn, s))
+                     for scheme, bn in grouped_int_batch.candidates(op)}
             times["matmul"] = _time(lambda: op(probe))
             self.choices[key] = times
         best = min(self.choices[key].items(), key=lambda kv: kv[1])[0]
-        return None if best == "matmul" else int(best.removeprefix("rows/"))
+        if best == "matmul":
+            return None
+        scheme, bn = best.split("/")
+        return scheme, int(bn)
+
+
+def _time_or_inf(launch) -> float:
+    """_time, or infinity for a candidate that does not compile on this GPU (too many registers or too
+    much shared memory for it): the step then runs another."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        return _time(launch)
+    except (CompilationError, OutOfResources):
+        return float("inf")
 
 
 def _time(launch) -> float:

@@ -11,9 +11,10 @@ from linear_kernel_cases import make_op
 @pytest.mark.parametrize("rows", [2, 5, 16, 33])
 @pytest.mark.parametrize("params", [{"group_size": 32}, {"group_size": 128, "asymmetric": 1}])
 def test_rows_matmul_matches_the_reference(rows, params):
-    from thin.runtime.kernels.grouped_int_batch import block_candidates, rows_matmul, takes
+    from thin.runtime.kernels.grouped_int_batch import candidates, rows_matmul, takes
 
     op, dense, bias = make_op("int4", (64, 256), params, bias=True, seed=rows)
+    assert {scheme for scheme, _ in candidates(op)} == {"rows", "nibble"}
     assert takes(op)
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(DEVICE)
     want = x.cpu() @ dense.T + bias.cpu()
@@ -22,8 +23,9 @@ def test_rows_matmul_matches_the_reference(rows, params):
     assert rel_err(got, want) < tolerance(torch.float32)
     # A row alone gives what it gives among others.
     assert torch.equal(rows_matmul(op, x[1:2].clone()), got[1:2])
-    for block_n in block_candidates(op):
-        assert rel_err(rows_matmul(op, x, block_n), want) < tolerance(torch.float32), block_n
+    for scheme, block_n in candidates(op):
+        got = rows_matmul(op, x, block_n, scheme)
+        assert rel_err(got, want) < tolerance(torch.float32), (scheme, block_n)
 
 
 def test_rows_matmul_refuses_what_it_does_not_take():

@@ -10,6 +10,15 @@ codes a word, in the format's order: code j of a word at bits 4j), turning them 
 dtype with the group's scale (one scale a row and step: BK divides the group) and multiplying with
 tl.dot against all the rows of activations at once. Every output row is computed from its own
 activations only, whatever the other rows hold.
+
+Two schemes, timed against each other per shape and row count (`candidates`):
+- "rows": the band's codes unpacked into a [BN, BK] tile (a reshape of [BN, BK / 8, 8]) for one
+  tl.dot a step; the reshape moves every code between lanes through shared memory.
+- "nibble": no reshape. Code position j (0..7) of every word is one [BN, BK / 8] tile by itself,
+  the codes of columns k0 + 8c + j, so a step is eight tl.dots of [BM, BK / 8] activations (a
+  stride-8 load of x, cheap: x is a few KB and stays in cache) against those tiles. Each word is
+  loaded once and shifted in place; the group scale (and offset) is one [BN, BK / 8] load a step
+  (BK / 8 consecutive words never cross a group of 32 or more).
 """
 
 from __future__ import annotations
@@ -53,6 +62,42 @@ def _rows_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, M, N, K
     tl.store(out_ptr + tok[:, None] * N + rows[None, :], acc.to(out_ptr.dtype.element_ty), mask=tok_mask[:, None])
 
 
+
+@triton.jit
+def _nibble_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, M, N, K, MID: tl.constexpr,
+                   ASYM: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                   HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
+    """Program i: out[:M, i*BN:(i+1)*BN] = x[:M] @ W[rows].T (+ bias), W read once, by code position."""
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    tok = tl.arange(0, BM)
+    tok_mask = tok < M
+    words_per_row = K // 8
+    c = tl.arange(0, BK // 8)
+    row_words = rows[:, None].to(tl.int64) * words_per_row
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        words = tl.load(w_ptr + row_words + (k0 // 8 + c)[None, :])
+        side = rows[:, None].to(tl.int64) * (K // G) + ((k0 + 8 * c) // G)[None, :]
+        scale = tl.load(scale_ptr + side).to(tl.float32)
+        if ASYM:
+            offset = tl.load(offset_ptr + side).to(tl.float32)
+        x_row = x_ptr + tok[:, None] * K + (k0 + 8 * c)[None, :]
+        for j in tl.static_range(8):
+            codes = (words >> (4 * j)) & 0xF
+            if ASYM:  # noqa: SIM108  (constexpr branches: only one is compiled)
+                w = codes.to(tl.float32) * scale + offset
+            else:
+                w = (codes - MID).to(tl.float32) * scale
+            x = tl.load(x_row + j, mask=tok_mask[:, None], other=0.0)
+            if IEEE:
+                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(x.dtype).to(tl.float32)), input_precision="ieee")
+            else:
+                acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows).to(tl.float32)[None, :]
+    tl.store(out_ptr + tok[:, None] * N + rows[None, :], acc.to(out_ptr.dtype.element_ty), mask=tok_mask[:, None])
+
+
 MAX_ROWS = 64
 
 
@@ -77,17 +122,36 @@ def block_candidates(op) -> list[int]:
     return [bn for bn in (16, 32, 64) if op.out_features % bn == 0]
 
 
-def rows_matmul(op, x: torch.Tensor, block_n: int = 16) -> torch.Tensor:
+SCHEMES = ("rows", "nibble")
+
+
+def candidates(op) -> list[tuple[str, int]]:
+    """(scheme, band width) pairs worth timing for `op` (the nibble scheme needs 128 columns a
+    step: eight dots of at least 16)."""
+    out = [("rows", bn) for bn in block_candidates(op)]
+    if op.in_features % 128 == 0 and op.group % 32 == 0:
+        out += [("nibble", bn) for bn in block_candidates(op)]
+    return out
+
+
+def rows_matmul(op, x: torch.Tensor, block_n: int = 16, scheme: str = "rows") -> torch.Tensor:
     """x [M, K] (M <= 64) @ W.T (+ bias) -> [M, N] in x's dtype, for an op `takes` accepts, in bands
-    of `block_n` output rows (one of block_candidates(op))."""
+    of `block_n` output rows, by `scheme` ((scheme, block_n) one of candidates(op))."""
     M, K = x.shape
     N = op.out_features
-    if not takes(op) or op.in_features != K or not 1 <= M <= MAX_ROWS or block_n not in block_candidates(op):
-        raise ValueError(f"rows_matmul takes int4 weights, 1..{MAX_ROWS} rows of {op.in_features} and bands that "
-                         f"divide the rows, got {op!r}, {tuple(x.shape)} and {block_n}")
+    if (not takes(op) or op.in_features != K or not 1 <= M <= MAX_ROWS
+            or (scheme, block_n) not in candidates(op)):
+        raise ValueError(f"rows_matmul takes int4 weights, 1..{MAX_ROWS} rows of {op.in_features} and a scheme and "
+                         f"band of candidates(op), got {op!r}, {tuple(x.shape)}, {scheme} and {block_n}")
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     bn = block_n
     bias = op.bias if op.bias is not None else x
+    if scheme == "nibble":
+        _nibble_kernel[(N // bn,)](
+            x.contiguous(), op.low32, op.scales, op.offsets, bias, out, M, N, K, MID=op.mid, ASYM=op.asym,
+            G=op.group, BM=max(16, next_power_of_2(M)), BN=bn, BK=128, HAS_BIAS=op.bias is not None,
+            IEEE=x.dtype == torch.float32 or interpreting(), num_warps=4, num_stages=3)
+        return out
     _rows_kernel[(N // bn,)](
         x.contiguous(), op.low32, op.scales, op.offsets, bias, out, M, N, K, MID=op.mid, ASYM=op.asym, G=op.group,
         BM=max(16, next_power_of_2(M)), BN=bn, BK=_block_k(op), HAS_BIAS=op.bias is not None,
