@@ -335,28 +335,15 @@ class BatchEngine:
 
 
 def _time_or_inf(launch) -> float:
-    """_time, or infinity for a candidate that does not compile on this GPU (too many registers or too
-    much shared memory for it): the step then runs another."""
-    from triton.compiler.errors import CompilationError
-    from triton.runtime.errors import OutOfResources
+    """Median microseconds of one call of `launch` (compile excluded), or infinity for a candidate
+    that does not compile on this GPU: the step then runs another."""
+    from .kernels.common import median_ms_or_inf
 
-    try:
-        return _time(launch)
-    except (CompilationError, OutOfResources):
-        return float("inf")
+    return 1000 * median_ms_or_inf(launch, repeats=5)
 
 
 def _time(launch) -> float:
     """Median microseconds of one call of `launch` on the current CUDA stream (compile excluded)."""
-    launch()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(5):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
-            launch()
-        stop.record()
-        stop.synchronize()
-        times.append(1000 * start.elapsed_time(stop) / 5)
-    return sorted(times)[2]
+    from .kernels.common import median_ms
+
+    return 1000 * median_ms(launch, repeats=5)

@@ -183,17 +183,39 @@ def _time(op: KernelLinear, config: MatvecConfig, mode: str) -> float:
     def launch():
         op._matvec(x, out, config, act, mode == "partial")
 
-    launch()  # compile
-    torch.cuda.synchronize()
+    return median_ms(launch)
+
+
+def median_ms_or_inf(launch, **timing) -> float:
+    """median_ms, or infinity for a launch that does not compile on this GPU (a tiling past its
+    registers or shared memory): a tuner then takes another candidate."""
+    from triton.compiler.errors import CompilationError
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        return median_ms(launch, **timing)
+    except (CompilationError, OutOfResources):
+        return float("inf")
+    except RuntimeError as e:  # the backend's own passes and ptxas report through RuntimeError
+        if not any(word in str(e) for word in ("PassManager", "ptxas", "out of resource")):
+            raise
+        return float("inf")
+
+
+def median_ms(launch, repeats: int = 7, inner: int = 5, device=None) -> float:
+    """Median milliseconds of one call of `launch` on the current CUDA stream: one call first (it
+    compiles), then `repeats` timings of `inner` calls back to back."""
+    launch()
+    torch.cuda.synchronize(device)
     times = []
-    for _ in range(7):
+    for _ in range(repeats):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(5):
+        for _ in range(inner):
             launch()
         stop.record()
         stop.synchronize()
-        times.append(start.elapsed_time(stop) / 5)
+        times.append(start.elapsed_time(stop) / inner)
     return sorted(times)[len(times) // 2]
 
 

@@ -38,7 +38,7 @@ import triton.language as tl
 from thin.ir import formats
 
 from . import interpreting
-from .common import ACTIVATION_CODES, next_power_of_2
+from .common import ACTIVATION_CODES, median_ms_or_inf, next_power_of_2
 from .tiles import activate
 
 # Format codes of the kernels' FMT constexpr; SUB is a dense format's dtype code or a grouped int's bits.
@@ -595,42 +595,21 @@ class MoEKernels:
     def _time(self, index: int, kind: str, config: ExpertConfig) -> float:
         """Median milliseconds of one launch with `config`; infinite when it does not compile here (a
         tiling past the registers or shared memory this GPU has)."""
-        from triton.compiler.errors import CompilationError
-        from triton.runtime.errors import OutOfResources
-
-        try:
-            return self._timed(index, kind, config)
-        except (CompilationError, OutOfResources):
-            return float("inf")
-        except RuntimeError as e:  # the backend's own passes and ptxas report through RuntimeError
-            if not any(word in str(e) for word in ("PassManager", "ptxas", "out of resource")):
-                raise
-            return float("inf")
-
-    def _timed(self, index: int, kind: str, config: ExpertConfig) -> float:
         x = torch.randn(self.hidden, device=self.device).to(self.dtype)
-        self.route(x)
-        self._gate_up(index, x, self.candidates(self.groups[index], "gate_up")[0])  # routing for the down kernel
         out = torch.empty(self.top_k, self.hidden, dtype=torch.float32, device=self.device)
+        ready = []
 
         def launch():
+            if not ready:  # the first (compiling) call also routes x, which the down kernel reads
+                self.route(x)
+                self._gate_up(index, x, self.candidates(self.groups[index], "gate_up")[0])
+                ready.append(True)
             if kind == "gate_up":
                 self._gate_up(index, x, config)
             else:
                 self._down(index, out, config)
 
-        launch()
-        torch.cuda.synchronize(self.device)
-        times = []
-        for _ in range(5):
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(10):
-                launch()
-            stop.record()
-            stop.synchronize()
-            times.append(start.elapsed_time(stop) / 10)
-        return sorted(times)[len(times) // 2]
+        return median_ms_or_inf(launch, repeats=5, inner=10, device=self.device)
 
     def warm_up(self) -> None:
         """Choose every kernel's tiles now (timed on a GPU), not inside the first decode step."""
