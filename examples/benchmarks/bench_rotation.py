@@ -1,0 +1,256 @@
+"""Experiment: does a randomized Hadamard rotation of the routed experts' inputs (incoherence
+processing, as in QuIP# and QuaRot) make low-bit experts better? Measured on held-out text, as
+bench_budgets.py measures, with and without the rotation, at several `--bpw` budgets.
+
+    OMP_NUM_THREADS=1 python3 examples/benchmarks/bench_rotation.py examples/models/tiny-coder-moe \
+        --bpw 3.0,3.5,4.2 --expert-formats q2 --group-sizes
+
+Calibration and scoring run once; per budget the compile's own passes plan and quantize
+(check_budget, plan_precision, quantize_weights with GPTQ), as `thinc compile --bpw B
+--expert-formats F` does before certifying. That program is the `none` row. Then, for every routed
+expert projection W [out, in] the plan stores in a quantized format, with S its input's calibration
+second moment (the statistics GPTQ used for it) and R = diag(random signs) H (signs first, then the
+mixing, as QuIP# orders them so that any fixed W is made incoherent; H the normalized
+Hadamard matrix of size `in`, block-diagonal with the largest power-of-two block dividing `in` when
+`in` is not a power of two), W' = W R is quantized by the same GPTQ (passes/gptq.py) to the same
+format and parameters the plan chose, under S' = R^T S R, and the model runs with the effective
+weight decode(W') R^T in place of the plan's (a dense override in the evaluator's session, so
+nothing is stored differently: the bits per weight are the plan's). A runtime would keep decode(W')
+and rotate the activation instead, x -> R^T x: once per MoE layer for gate and up (every expert reads
+the same x, so one R per layer), and once per selected expert for down's input (each expert's own
+intermediate). Rows: `none`; `gate/up` (gate and up rotated); `all` (down too); `exact` (a bound,
+not a rotation: every routed expert at its source weights, the rest of the model as planned, so what
+no better expert format could go below at that plan).
+
+Columns: bits per weight of the stored program, mean KLD, top-1 and perplexity against the float32
+source, and `layer error`: the rotated experts' GPTQ objective, sum over them of trace((W - W_hat)
+S (W - W_hat)^T), relative to the same sum for the plan's unrotated weights (1 for `none`, 0 for
+`exact`). `--group-sizes` adds a table per expert role and group size: that objective summed over
+every expert, unrotated and rotated, and how coherent the weights and inputs are without and with R.
+Not a compile option: thin's artifacts and runtime have no rotation.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from pathlib import Path
+
+VARIANTS = {"none": (), "gate/up": ("moe.expert.gate", "moe.expert.up"),
+            "all": ("moe.expert.gate", "moe.expert.up", "moe.expert.down"), "exact": ()}
+
+
+def hadamard(n: int):
+    """The normalized Sylvester Hadamard matrix of size n (a power of two), float64."""
+    import torch
+
+    if n < 1 or n & (n - 1):
+        raise ValueError(f"a Sylvester Hadamard matrix needs a power-of-two size, got {n}")
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / n ** 0.5
+
+
+def rotation(n: int, seed: int):
+    """R = diag(s) blockdiag(H_b, ...) [n, n], orthogonal: s random signs (from `seed`), H_b the
+    normalized Hadamard matrix of the largest power of two b dividing n. x -> R^T x = H (s * x) is
+    what a runtime would do: flip signs, then a fast Walsh-Hadamard transform per block of b."""
+    import torch
+
+    block = n & -n
+    h = torch.block_diag(*[hadamard(block)] * (n // block))
+    signs = torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 2 - 1
+    return signs[:, None] * h
+
+
+def rotated_weights(program, ctx, quantized, roles, seed: int):
+    """({name: effective weight decode(W R) R^T, float32}, rotated error, unrotated error) for every
+    quantized routed expert projection of `quantized` whose role is in `roles`."""
+    import torch
+
+    from thin.ir import formats
+    from thin.passes.calibrate_inputs import load_statistics
+    from thin.passes.gptq import gptq, output_error
+
+    out, err_rot, err_plain = {}, 0.0, 0.0
+    source = program.model.tensor_map()
+    for rec in quantized.model.tensors:
+        fmt = formats.get(rec.encoding.format)
+        if rec.role not in roles or rec.expert is None or fmt.dense:
+            continue
+        src = source[rec.name]
+        w = formats.get(src.encoding.format).decode(program.load(rec.name), src.shape, src.encoding.params,
+                                                    torch.float32).double()
+        plain = fmt.decode(quantized.load(rec.name), rec.shape, rec.encoding.params, torch.float32).double()
+        # One R per layer and input: gate and up share theirs (all experts read the same x).
+        r = rotation(rec.shape[1], seed + 2 * rec.layer + (rec.role == "moe.expert.down"))
+        stats = load_statistics(ctx, program, rec.name)
+        if stats is None:  # no calibration statistics: round to nearest, as quantize_weights does
+            blob = fmt.encode((w @ r).float(), rec.encoding.params)
+        else:
+            hessian = stats["hessian"].double()
+            blob, _ = gptq((w @ r).float(), (r.T @ hessian @ r).float(), fmt, rec.encoding.params)
+        effective = fmt.decode(blob, rec.shape, rec.encoding.params, torch.float32).double() @ r.T
+        out[rec.name] = effective.float()
+        if stats is not None:
+            err_rot += output_error(w, effective, stats["hessian"].double())
+            err_plain += output_error(w, plain, stats["hessian"].double())
+    return out, err_rot, err_plain
+
+
+def source_experts(program, quantized) -> dict:
+    """{name: source weight, float32} for every routed expert projection `quantized` stores quantized."""
+    import torch
+
+    from thin.ir import formats
+
+    source = program.model.tensor_map()
+    return {t.name: formats.get(s.encoding.format).decode(program.load(t.name), s.shape, s.encoding.params,
+                                                          torch.float32)
+            for t in quantized.model.tensors
+            if t.expert is not None and not formats.get(t.encoding.format).dense
+            for s in (source[t.name],)}
+
+
+def by_group_size(program, ctx, fmt_name: str, seed: int) -> list[dict]:
+    """Per role of the routed experts and per group size of `fmt_name`: the GPTQ objective summed over
+    every expert with calibration statistics, unrotated and rotated (the same R as `rotated_weights`),
+    and the incoherence of the weights (max |W| sqrt(numel) / ||W||_F, mean over experts) and of the
+    inputs (max diag S / mean diag S, mean over experts) without and with R."""
+    import torch
+
+    from thin.ir import formats
+    from thin.passes.calibrate_inputs import load_statistics
+    from thin.passes.gptq import gptq, output_error
+
+    fmt = formats.get(fmt_name)
+    sizes = fmt.params["group_size"].choices if "group_size" in fmt.params else (None,)
+    rows = {}
+    for rec in program.model.tensors:
+        stats = load_statistics(ctx, program, rec.name) if rec.expert is not None else None
+        if stats is None or not rec.role.startswith("moe.expert."):
+            continue
+        w = formats.get(rec.encoding.format).decode(program.load(rec.name), rec.shape, rec.encoding.params,
+                                                    torch.float32).double()
+        r = rotation(rec.shape[1], seed + 2 * rec.layer + (rec.role == "moe.expert.down"))
+        h = stats["hessian"].double()
+        row = rows.setdefault(rec.role, {"experts": 0, "shape": rec.shape, "mu_w": [0.0, 0.0], "mu_s": [0.0, 0.0],
+                                         **{g: [0.0, 0.0] for g in sizes}})
+        row["experts"] += 1
+        for k, (wk, hk) in enumerate(((w, h), (w @ r, r.T @ h @ r))):
+            row["mu_w"][k] += float(wk.abs().max() * wk.numel() ** 0.5 / wk.norm())
+            d = torch.diagonal(hk)
+            row["mu_s"][k] += float(d.max() / d.mean())
+            for g in sizes:
+                params = fmt.normalize({} if g is None else {"group_size": g})
+                _, w_hat = gptq(wk.float(), hk.float(), fmt, params)
+                row[g][k] += output_error(wk, w_hat.double(), hk)
+    def bits(shape, g) -> float:
+        return 8 * formats.nbytes(fmt_name, shape, fmt.normalize({} if g is None else {"group_size": g})) / \
+            torch.Size(shape).numel()
+
+    return [{"role": role, "group_size": g, "error": v[g], "mu_w": [m / v["experts"] for m in v["mu_w"]],
+             "mu_s": [m / v["experts"] for m in v["mu_s"]], "bits_per_weight": bits(v["shape"], g)}
+            for role, v in rows.items() for g in sizes]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model_dir", type=Path)
+    parser.add_argument("--bpw", required=True, help="comma-separated budgets")
+    parser.add_argument("--expert-formats", default="q2", help="formats the routed experts may take (default q2)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the rotations' random signs")
+    parser.add_argument("--tokens", type=int, default=4224)
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--stride", type=int, default=128)
+    parser.add_argument("--group-sizes", action="store_true",
+                        help="also: every expert at each group size of the first --expert-formats format, "
+                             "layer error and incoherence without and with the rotation")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    variants = args.variants.split(",")
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown variant {unknown[0]!r}; variants are {', '.join(VARIANTS)}")
+
+    import torch
+
+    from thin.compiler.config import CompileConfig
+    from thin.compiler.corpus import heldout_text
+    from thin.compiler.evaluate import make_evaluator
+    from thin.compiler.hf import load_checkpoint
+    from thin.compiler.inputs import evaluation_texts
+    from thin.ir import formats
+    from thin.passes import (
+        PassContext,
+        Scratch,
+        calibrate_inputs,
+        check_budget,
+        plan_precision,
+        quantize_weights,
+        score_formats,
+    )
+    from thin.runtime.quality import compare
+
+    torch.manual_seed(0)
+    budgets = [float(b) for b in args.bpw.split(",")]
+    configs = [CompileConfig.from_options(bpw=b, method="gptq", expert_formats=args.expert_formats, device="cpu")
+               for b in budgets]
+    source = load_checkpoint(args.model_dir)
+    evaluator = make_evaluator("cpu", dict(source.tokenizer_files))
+    calibration, _ = evaluation_texts(configs[0])
+    ctx = PassContext(config=configs[0], evaluator=evaluator, source=source.program, calibration_text=calibration,
+                      scratch=Scratch(), device="cpu")
+    t0 = time.perf_counter()
+    scored = score_formats(calibrate_inputs(source.program, ctx), ctx)
+    print(f"calibration and scoring {time.perf_counter() - t0:.1f}s", flush=True)
+    reference = evaluator.session(source.program)
+    ids = evaluator.tokenizer.encode(heldout_text())[:args.tokens]
+    parameters = sum(torch.Size(t.shape).numel() for t in source.program.model.tensors)
+    rows = []
+    for budget, config in zip(budgets, configs):
+        each = dataclasses.replace(ctx, config=config)
+        quantized = quantize_weights(plan_precision(check_budget(scored, each), each), each)
+        stored = sum(formats.nbytes(t.encoding.format, t.shape, t.encoding.params) for t in quantized.model.tensors)
+        session = evaluator.session(quantized)
+        for variant in variants:
+            t1 = time.perf_counter()
+            if variant == "exact":
+                weights, err_rot, err_plain = source_experts(scored, quantized), 0.0, 1.0
+            else:
+                weights, err_rot, err_plain = rotated_weights(scored, each, quantized, VARIANTS[variant], args.seed)
+            with session.overriding(weights):
+                result = compare(reference, session, ids, context=args.context, stride=args.stride)
+            rows.append({"bpw_budget": budget, "variant": variant, "bits_per_weight": 8 * stored / parameters,
+                         "rotated": len(weights), "layer_error": err_rot / err_plain if err_plain else 1.0,
+                         **result.to_plain()})
+            print(f"--bpw {budget} {variant}: {rows[-1]['bits_per_weight']:.3f} bpw, {len(weights)} replaced, layer "
+                  f"error x{rows[-1]['layer_error']:.3f}, {result.summary()} ({time.perf_counter() - t1:.0f}s)",
+                  flush=True)
+    print()
+    print("| --bpw | variant (experts replaced) | bits per weight | mean KLD | top-1 | ppl (source) | layer error |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['bpw_budget']} | {r['variant']} ({r['rotated']}) | {r['bits_per_weight']:.3f} | "
+              f"{r['mean_kld']:.5f} | {100 * r['top1_agreement']:.1f}% | {r['perplexity_candidate']:.3f} "
+              f"({r['perplexity_reference']:.3f}) | {r['layer_error']:.3f} |")
+    groups = by_group_size(scored, ctx, args.expert_formats.split(",")[0], args.seed) if args.group_sizes else []
+    if groups:
+        print()
+        print("| role | group size | bits per weight | layer error | rotated | ratio | max/rms W (rotated) "
+              "| max/mean diag S (rotated) |")
+        print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for g in groups:
+            e, mw, ms = g["error"], g["mu_w"], g["mu_s"]
+            print(f"| {g['role']} | {g['group_size']} | {g['bits_per_weight']:.3f} | {e[0]:.4g} | {e[1]:.4g} | "
+                  f"{e[1] / e[0]:.3f} | {mw[0]:.2f} ({mw[1]:.2f}) | {ms[0]:.2f} ({ms[1]:.2f}) |")
+    if args.json:
+        print(json.dumps({"rows": rows, "group_sizes": groups}, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
