@@ -345,3 +345,45 @@ def test_the_most_extreme_parameters_accepted_still_generate(model):
     for bad in ({"repetition_penalty": 0.001}, {"repetition_penalty": 1000.0}):
         with pytest.raises(ApiError):
             protocol.parse(protocol.CompletionRequest, {"model": "m", "prompt": "x", **bad})
+
+
+class SlowPrefillBackend(FakeBackend):
+    """FakeBackend whose prefill (add) waits until the test lets it go."""
+
+    def __init__(self):
+        super().__init__()
+        self.entered, self.go = threading.Event(), threading.Event()
+
+    def add(self, spec):
+        self.entered.set()
+        assert self.go.wait(10)
+        return super().add(spec)
+
+
+def test_requests_being_admitted_still_hold_their_places():
+    """A job taken off the queue for its prefill is in neither list until it joins the batch: the
+    queue must still count it, or one request too many gets in while a prefill runs."""
+    backend = SlowPrefillBackend()
+    scheduler = Scheduler(backend, max_batch=2, max_queue=1)
+    scheduler.start()
+    try:
+        sinks = []
+        for _ in range(3):
+            job, sink = _job(max_new=100000)
+            scheduler.submit(job)
+            sinks.append((job, sink))
+        assert backend.entered.wait(10)  # the scheduler is inside the first prefill
+        with pytest.raises(ApiError) as e:
+            scheduler.submit(_job(max_new=3)[0])
+        assert e.value.status == 429
+        backend.go.set()
+        while not backend.steps:
+            time.sleep(0.001)
+        with pytest.raises(ApiError) as e:
+            scheduler.submit(_job(max_new=3)[0])
+        assert e.value.status == 429
+        for job, _ in sinks:
+            scheduler.cancel(job)
+    finally:
+        backend.go.set()
+        scheduler.close()

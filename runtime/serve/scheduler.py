@@ -208,6 +208,9 @@ class Scheduler:
         self._cv = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._active: dict[int, Job] = {}  # touched by the scheduler thread only
+        # Jobs taken off the queue whose prefill is under way: in neither list, yet they hold a place
+        # (submit counts them, so a request can't slip into the room they seem to leave).
+        self._admitting = 0
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="thin-serve-scheduler", daemon=True)
 
@@ -233,7 +236,7 @@ class Scheduler:
         with self._cv:
             if not self.running:
                 raise ApiError(503, "the server is shutting down", code="unavailable")
-            if len(self._waiting) + len(self._active) >= self.max_batch + self.max_queue:
+            if len(self._waiting) + self._admitting + len(self._active) >= self.max_batch + self.max_queue:
                 raise ApiError(429, f"the server is busy: {self.max_batch} requests decoding and "
                                     f"{len(self._waiting)} waiting; retry later", code="server_busy")
             self._waiting.append(job)
@@ -264,11 +267,13 @@ class Scheduler:
             admitted = []
             while self._waiting and len(self._active) + len(admitted) < self.max_batch:
                 admitted.append(self._waiting.popleft())
+            self._admitting = len(admitted)
         try:
             for i, job in enumerate(admitted):
-                if not self._admit(job):
+                if not self._admit(job):  # else in the batch, or finished (refused, failed, cancelled)
                     with self._cv:  # back to the head of the queue, in order, until a sequence leaves
                         self._waiting.extendleft(reversed(admitted[i:]))
+                        self._admitting = 0
                     break
             for job in [j for j in self._active.values() if j.cancelled]:
                 self._leave(job)
@@ -276,6 +281,8 @@ class Scheduler:
             if self._active:
                 self._step()
         except Exception:
+            with self._cv:
+                self._admitting = 0
             log.exception("scheduler error; failing the %d requests in the batch", len(self._active))
             for job in admitted:  # any not yet in the batch (one that already finished ignores this)
                 if job.id not in self._active:
@@ -284,29 +291,42 @@ class Scheduler:
         return True
 
     def _admit(self, job: Job) -> bool:
-        """Prefill `job` into the batch; False when the backend has no room for it yet."""
+        """Prefill `job` into the batch; False when the backend has no room for it yet. The job's
+        place moves from `_admitting` to the batch (or is given up) before any event reaches its
+        client, who may send the next request as soon as it has the answer."""
         if job.cancelled:
+            self._placed()
             return True
         try:
             token = self.backend.add(job.spec)
         except TooLarge as e:
             log.info("%s: refused: %s", job.name, e)
+            self._placed()
             job.emit(Failed(str(e)))
             return True
         except NoRoom:
             if self._active:
                 return False
             log.warning("%s: does not fit in the backend even alone", job.name)
+            self._placed()
             job.emit(Failed("this request needs more KV cache than the server has; lower max_tokens"))
             return True
         except Exception:
             log.exception("%s: prefill failed", job.name)
             self.backend.remove(job.id)
+            self._placed()
             job.emit(Failed("the model failed on this request; see the server log"))
             return True
-        self._active[job.id] = job
+        self._placed(job)
         self._deliver(job, token)
         return True
+
+    def _placed(self, job: Job | None = None) -> None:
+        """An admitted job leaves `_admitting`: into the batch when given, else it is finished."""
+        with self._cv:
+            self._admitting -= 1
+            if job is not None:
+                self._active[job.id] = job
 
     def _step(self) -> None:
         try:
