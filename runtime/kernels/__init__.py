@@ -14,6 +14,8 @@ Everything else a decode step runs:
     activation.py   the IR's activations, and act(gate) * up for prefill
     experts.py      mixture of experts: router top-k, the chosen experts' gate/up + activation and
                     weighted down, reading each expert's packed bytes (indices stay on the device)
+    expert_rows.py  one expert's rows in any weight format, found through per-format offset tables
+    grouped_int_batch.py  int4 weights times a few rows of activations (the batched decode step)
     sampling.py     greedy argmax and temperature / top-k / top-p / min-p draws on the device
 
 Nothing here is imported by `thin.runtime` itself: `runtime/linear.py` registers the linear
