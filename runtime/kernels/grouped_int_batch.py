@@ -29,70 +29,52 @@ import triton.language as tl
 
 from . import interpreting
 from .common import next_power_of_2
+from .tiles import dot_tile
+
+
+@triton.jit
+def _dequant(codes, scale, offset, MID: tl.constexpr, ASYM: tl.constexpr):
+    """Codes (0..15) to float32 weights with their group's scale (and offset)."""
+    if ASYM:  # noqa: SIM108  (constexpr branches: only one is compiled)
+        w = codes.to(tl.float32) * scale + offset
+    else:
+        w = (codes - MID).to(tl.float32) * scale
+    return w
 
 
 @triton.jit
 def _rows_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, M, N, K, MID: tl.constexpr,
                  ASYM: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
-    """Program i: out[:M, i*BN:(i+1)*BN] = x[:M] @ W[rows].T (+ bias), W read once."""
+                 NIBBLE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
+    """Program i: out[:M, i*BN:(i+1)*BN] = x[:M] @ W[rows].T (+ bias), W read once; NIBBLE: by code
+    position (eight dots a step), else one [BN, BK] tile a step."""
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     tok = tl.arange(0, BM)
     tok_mask = tok < M
-    words_per_row = K // 8
-    shifts = tl.arange(0, 8) * 4
+    c = tl.arange(0, BK // 8)
+    row_words = rows[:, None].to(tl.int64) * (K // 8)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
         # The band's codes: BK / 8 words a row, 16-byte loads along the row.
-        words = tl.load(w_ptr + rows[:, None].to(tl.int64) * words_per_row + (k0 // 8 + tl.arange(0, BK // 8))[None, :])
-        codes = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xF, [BN, BK])
-        side = rows.to(tl.int64) * (K // G) + k0 // G
-        scale = tl.load(scale_ptr + side).to(tl.float32)[:, None]
-        if ASYM:
-            w = codes.to(tl.float32) * scale + tl.load(offset_ptr + side).to(tl.float32)[:, None]
-        else:
-            w = (codes - MID).to(tl.float32) * scale
-        x = tl.load(x_ptr + tok[:, None] * K + (k0 + tl.arange(0, BK))[None, :], mask=tok_mask[:, None], other=0.0)
-        if IEEE:
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(x.dtype).to(tl.float32)), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w.to(x.dtype)))
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows).to(tl.float32)[None, :]
-    tl.store(out_ptr + tok[:, None] * N + rows[None, :], acc.to(out_ptr.dtype.element_ty), mask=tok_mask[:, None])
-
-
-
-@triton.jit
-def _nibble_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, M, N, K, MID: tl.constexpr,
-                   ASYM: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
-    """Program i: out[:M, i*BN:(i+1)*BN] = x[:M] @ W[rows].T (+ bias), W read once, by code position."""
-    rows = tl.program_id(0) * BN + tl.arange(0, BN)
-    tok = tl.arange(0, BM)
-    tok_mask = tok < M
-    words_per_row = K // 8
-    c = tl.arange(0, BK // 8)
-    row_words = rows[:, None].to(tl.int64) * words_per_row
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
         words = tl.load(w_ptr + row_words + (k0 // 8 + c)[None, :])
-        side = rows[:, None].to(tl.int64) * (K // G) + ((k0 + 8 * c) // G)[None, :]
-        scale = tl.load(scale_ptr + side).to(tl.float32)
-        if ASYM:
-            offset = tl.load(offset_ptr + side).to(tl.float32)
-        x_row = x_ptr + tok[:, None] * K + (k0 + 8 * c)[None, :]
-        for j in tl.static_range(8):
-            codes = (words >> (4 * j)) & 0xF
-            if ASYM:  # noqa: SIM108  (constexpr branches: only one is compiled)
-                w = codes.to(tl.float32) * scale + offset
-            else:
-                w = (codes - MID).to(tl.float32) * scale
-            x = tl.load(x_row + j, mask=tok_mask[:, None], other=0.0)
-            if IEEE:
-                acc += tl.dot(x.to(tl.float32), tl.trans(w.to(x.dtype).to(tl.float32)), input_precision="ieee")
-            else:
-                acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+        if NIBBLE:
+            side = rows[:, None].to(tl.int64) * (K // G) + ((k0 + 8 * c) // G)[None, :]
+            scale = tl.load(scale_ptr + side).to(tl.float32)
+            offset = tl.load(offset_ptr + side).to(tl.float32) if ASYM else scale
+            x_row = x_ptr + tok[:, None] * K + (k0 + 8 * c)[None, :]
+            for j in tl.static_range(8):
+                w = _dequant((words >> (4 * j)) & 0xF, scale, offset, MID, ASYM)
+                x = tl.load(x_row + j, mask=tok_mask[:, None], other=0.0)
+                acc += dot_tile(x, w.to(x.dtype), IEEE)
+        else:
+            codes = tl.reshape((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF, [BN, BK])
+            side = rows.to(tl.int64) * (K // G) + k0 // G
+            scale = tl.load(scale_ptr + side).to(tl.float32)[:, None]
+            offset = tl.load(offset_ptr + side).to(tl.float32)[:, None] if ASYM else scale
+            w = _dequant(codes, scale, offset, MID, ASYM)
+            x = tl.load(x_ptr + tok[:, None] * K + (k0 + tl.arange(0, BK))[None, :], mask=tok_mask[:, None],
+                        other=0.0)
+            acc += dot_tile(x, w.to(x.dtype), IEEE)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows).to(tl.float32)[None, :]
     tl.store(out_ptr + tok[:, None] * N + rows[None, :], acc.to(out_ptr.dtype.element_ty), mask=tok_mask[:, None])
@@ -146,14 +128,10 @@ def rows_matmul(op, x: torch.Tensor, block_n: int = 16, scheme: str = "rows") ->
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     bn = block_n
     bias = op.bias if op.bias is not None else x
-    if scheme == "nibble":
-        _nibble_kernel[(N // bn,)](
-            x.contiguous(), op.low32, op.scales, op.offsets, bias, out, M, N, K, MID=op.mid, ASYM=op.asym,
-            G=op.group, BM=max(16, next_power_of_2(M)), BN=bn, BK=128, HAS_BIAS=op.bias is not None,
-            IEEE=x.dtype == torch.float32 or interpreting(), num_warps=4, num_stages=3)
-        return out
+    nibble = scheme == "nibble"
     _rows_kernel[(N // bn,)](
         x.contiguous(), op.low32, op.scales, op.offsets, bias, out, M, N, K, MID=op.mid, ASYM=op.asym, G=op.group,
-        BM=max(16, next_power_of_2(M)), BN=bn, BK=_block_k(op), HAS_BIAS=op.bias is not None,
-        IEEE=x.dtype == torch.float32 or interpreting(), num_warps=4, num_stages=4)
+        BM=max(16, next_power_of_2(M)), BN=bn, BK=128 if nibble else _block_k(op), NIBBLE=nibble,
+        HAS_BIAS=op.bias is not None, IEEE=x.dtype == torch.float32 or interpreting(), num_warps=4,
+        num_stages=3 if nibble else 4)
     return out
