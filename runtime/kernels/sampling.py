@@ -56,61 +56,13 @@ def uniform_kernel(seed_ptr, step_ptr, out_ptr):
 
 @triton.jit
 def _sample_kernel(vals_ptr, idx_ptr, n, inv_temperature, top_p, min_p, seed_ptr, token_ptr, out_ptr, seen_ptr,
-                   pos_ptr, step_ptr, BLOCK: tl.constexpr, SORTED: tl.constexpr, TOP_P: tl.constexpr,
-                   MIN_P: tl.constexpr, ADVANCE: tl.constexpr, SEEN: tl.constexpr):
-    """Draw from softmax(vals / T) over the candidates that survive top-p and min-p.
+                   pos_ptr, step_ptr, BLOCK: tl.constexpr, SORTED: tl.constexpr, ADVANCE: tl.constexpr,
+                   SEEN: tl.constexpr):
+    """Draw from softmax(vals / T) over the candidates that survive top-p and min-p (_draw).
 
     vals: n candidate logits, sorted descending when SORTED (then idx maps them to token ids)."""
-    # Pass 1: the largest scaled logit and the softmax's normaliser.
-    top = tl.load(vals_ptr).to(tl.float32) * inv_temperature  # the largest, when SORTED
-    if not SORTED:
-        for v0 in range(0, n, BLOCK):
-            v = v0 + tl.arange(0, BLOCK)
-            x = tl.load(vals_ptr + v, mask=v < n, other=float("-inf")).to(tl.float32) * inv_temperature
-            top = tl.maximum(top, tl.max(x, axis=0))
-    total = 0.0
-    for v0 in range(0, n, BLOCK):
-        v = v0 + tl.arange(0, BLOCK)
-        x = tl.load(vals_ptr + v, mask=v < n, other=float("-inf")).to(tl.float32) * inv_temperature
-        total += tl.sum(tl.exp(x - top), axis=0)
-    # Pass 2: the kept mass. top-p keeps a candidate while the mass strictly before it is < p
-    # (sorted descending, that is runtime/sampling.apply_top_p); min-p keeps p >= min_p * p_max.
-    kept = 0.0
-    before = 0.0
-    for v0 in range(0, n, BLOCK):
-        v = v0 + tl.arange(0, BLOCK)
-        e = tl.exp(tl.load(vals_ptr + v, mask=v < n, other=float("-inf")).to(tl.float32) * inv_temperature - top)
-        keep = v < n
-        if TOP_P:
-            keep &= (before + tl.cumsum(e, axis=0) - e) < top_p * total
-        if MIN_P:
-            keep &= e >= min_p
-        before += tl.sum(e, axis=0)
-        kept += tl.sum(tl.where(keep, e, 0.0), axis=0)
-    # Pass 3: the first kept candidate whose cumulative kept mass exceeds u * kept.
-    target = tl.rand(tl.load(seed_ptr), tl.load(step_ptr)) * kept
-    chosen = tl.full([], -1, dtype=tl.int32)
-    last = tl.full([], -1, dtype=tl.int32)
-    running = 0.0
-    before = 0.0
-    for v0 in range(0, n, BLOCK):
-        v = v0 + tl.arange(0, BLOCK)
-        e = tl.exp(tl.load(vals_ptr + v, mask=v < n, other=float("-inf")).to(tl.float32) * inv_temperature - top)
-        keep = v < n
-        if TOP_P:
-            keep &= (before + tl.cumsum(e, axis=0) - e) < top_p * total
-        if MIN_P:
-            keep &= e >= min_p
-        before += tl.sum(e, axis=0)
-        ek = tl.where(keep, e, 0.0)
-        cum = running + tl.cumsum(ek, axis=0)
-        hit = keep & (cum > target)
-        first = tl.min(tl.where(hit, v, 2147483647), axis=0)
-        chosen = tl.where((chosen < 0) & (first < 2147483647), first, chosen)
-        last = tl.maximum(last, tl.max(tl.where(keep, v, -1), axis=0))
-        running += tl.sum(ek, axis=0)
-    # Rounding can leave u * kept just above the sum: then the last kept candidate.
-    token = tl.where(chosen < 0, last, chosen)
+    token = _draw(vals_ptr, n, inv_temperature, top_p, min_p, tl.rand(tl.load(seed_ptr), tl.load(step_ptr)), SORTED,
+                  BLOCK)
     if SORTED:
         token = tl.load(idx_ptr + token).to(tl.int32)
     _finish(token, token_ptr, out_ptr, seen_ptr, pos_ptr, step_ptr, ADVANCE, SEEN)
@@ -162,8 +114,8 @@ class Sampler:
             vals, idx = logits, logits
         n = vals.shape[0]
         _sample_kernel[(1,)](vals, idx, n, 1.0 / o.temperature, float(o.top_p), float(o.min_p), seed, token, out,
-                             seen, pos, step, BLOCK=min(1024, next_power_of_2(n)), SORTED=sort, TOP_P=o.top_p < 1.0,
-                             MIN_P=o.min_p > 0.0, ADVANCE=advance, SEEN=track, num_warps=8)
+                             seen, pos, step, BLOCK=min(1024, next_power_of_2(n)), SORTED=sort, ADVANCE=advance,
+                             SEEN=track, num_warps=8)
 
 
 # ---- a batch of sequences, each with its own options (the serving engine's step) ----------------
@@ -202,9 +154,12 @@ def _argmax(x_ptr, V, BLOCK: tl.constexpr):
 
 @triton.jit
 def _draw(vals_ptr, n, inv_temperature, top_p, min_p, u, SORTED: tl.constexpr, BLOCK: tl.constexpr):
-    """_sample_kernel's three passes with run-time filters: the index of the candidate drawn for
-    uniform number u. top_p 1 keeps every candidate (the mass before one is finite), min_p 0 too
-    (e >= 0), as _sample_kernel without those filters."""
+    """The index of the candidate drawn for uniform number u from softmax(vals / T), in three passes:
+    the largest scaled logit and the normaliser; the kept mass, where top-p keeps a candidate while
+    the mass strictly before it is < p (sorted descending, that is runtime/sampling.apply_top_p) and
+    min-p keeps p >= min_p * p_max; then the first kept candidate whose cumulative kept mass exceeds
+    u * kept (rounding can leave that just above the sum: then the last kept one). top_p 1 keeps
+    every candidate (the mass before one is finite), min_p 0 too (e >= 0)."""
     top = tl.load(vals_ptr).to(tl.float32) * inv_temperature
     if not SORTED:
         for v0 in range(0, n, BLOCK):
