@@ -6,6 +6,7 @@ import json
 import signal
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import typer
 
@@ -39,6 +40,28 @@ _STREAM_HELP = ("With --vram: the budget bounds the GPU only, and routed experts
 _LEVELS_HELP = ("Elastic FFN: order each FFN's channels by importance in 128-channel superblocks and certify a "
                 "cheaper model per keep fraction F (share of FFN bytes read), e.g. 1,0.875,0.75,0.5 or 5/6; "
                 "thin-exec --ffn-keep F runs one. Calibrates and certifies (runs the model).")
+
+
+# Options several commands take, declared once (thinc compile, key, plan).
+NoFuse = Annotated[bool, typer.Option("--no-fuse", help=_FUSE_HELP)]
+Quant = Annotated[str | None, typer.Option("--quant", metavar="FORMAT", help=_QUANT_HELP)]
+GroupSize = Annotated[int | None, typer.Option("--group-size", metavar="N", help=_GROUP_HELP)]
+Asymmetric = Annotated[bool, typer.Option("--asymmetric", help=_ASYM_HELP)]
+KeepLmHead = Annotated[bool, typer.Option("--keep-lm-head", help=_KEEP_HEAD_HELP)]
+Vram = Annotated[str | None, typer.Option("--vram", metavar="SIZE", help=_VRAM_HELP)]
+Bpw = Annotated[float | None, typer.Option("--bpw", metavar="B", help=_BPW_HELP)]
+Ctx = Annotated[int | None, typer.Option("--ctx", metavar="N", help=_CTX_HELP)]
+Calib = Annotated[Path | None, typer.Option("--calib", metavar="FILE", help=_CALIB_HELP)]
+CalibTokens = Annotated[int | None, typer.Option("--calib-tokens", metavar="N", help=_CALIB_TOKENS_HELP)]
+Method = Annotated[str | None, typer.Option("--method", metavar="gptq|rtn", help=_METHOD_HELP)]
+MaxKld = Annotated[float | None, typer.Option("--max-kld", metavar="X", help=_MAX_KLD_HELP)]
+AllowUncertified = Annotated[bool, typer.Option("--allow-uncertified", help=_UNCERTIFIED_HELP)]
+Device = Annotated[str | None, typer.Option("--device", metavar="cuda|cpu", help=_DEVICE_HELP)]
+TieFused = Annotated[bool, typer.Option("--tie-fused", help=_TIE_HELP)]
+FfnLevels = Annotated[str | None, typer.Option("--ffn-levels", metavar="F[,F...]", help=_LEVELS_HELP)]
+StreamExperts = Annotated[bool, typer.Option("--stream-experts", help=_STREAM_HELP)]
+ExpertFormats = Annotated[str | None, typer.Option("--expert-formats", metavar="FORMAT[,FORMAT...]",
+                                                   help=_EXPERT_FORMATS_HELP)]
 
 
 def _config(no_fuse: bool, quant: str | None, group_size: int | None, asymmetric: bool, keep_lm_head: bool,
@@ -142,25 +165,24 @@ def compile(
     dump_ir: Path | None = typer.Option(None, "--dump-ir", help="Write the IR text after each pass here."),
     cache_dir: Path | None = typer.Option(
         None, "--cache-dir", help="Reuse DIR/<key>.thin when present; store new builds there."),
-    no_fuse: bool = typer.Option(False, "--no-fuse", help=_FUSE_HELP),
-    quant: str | None = typer.Option(None, "--quant", metavar="FORMAT", help=_QUANT_HELP),
-    group_size: int | None = typer.Option(None, "--group-size", metavar="N", help=_GROUP_HELP),
-    asymmetric: bool = typer.Option(False, "--asymmetric", help=_ASYM_HELP),
-    keep_lm_head: bool = typer.Option(False, "--keep-lm-head", help=_KEEP_HEAD_HELP),
-    vram: str | None = typer.Option(None, "--vram", metavar="SIZE", help=_VRAM_HELP),
-    bpw: float | None = typer.Option(None, "--bpw", metavar="B", help=_BPW_HELP),
-    ctx: int | None = typer.Option(None, "--ctx", metavar="N", help=_CTX_HELP),
-    calib: Path | None = typer.Option(None, "--calib", metavar="FILE", help=_CALIB_HELP),
-    calib_tokens: int | None = typer.Option(None, "--calib-tokens", metavar="N", help=_CALIB_TOKENS_HELP),
-    method: str | None = typer.Option(None, "--method", metavar="gptq|rtn", help=_METHOD_HELP),
-    max_kld: float | None = typer.Option(None, "--max-kld", metavar="X", help=_MAX_KLD_HELP),
-    allow_uncertified: bool = typer.Option(False, "--allow-uncertified", help=_UNCERTIFIED_HELP),
-    device: str | None = typer.Option(None, "--device", metavar="cuda|cpu", help=_DEVICE_HELP),
-    tie_fused: bool = typer.Option(False, "--tie-fused", help=_TIE_HELP),
-    expert_formats: str | None = typer.Option(None, "--expert-formats", metavar="FORMAT[,FORMAT...]",
-                                              help=_EXPERT_FORMATS_HELP),
-    ffn_levels: str | None = typer.Option(None, "--ffn-levels", metavar="F[,F...]", help=_LEVELS_HELP),
-    stream_experts: bool = typer.Option(False, "--stream-experts", help=_STREAM_HELP),
+    no_fuse: NoFuse = False,
+    quant: Quant = None,
+    group_size: GroupSize = None,
+    asymmetric: Asymmetric = False,
+    keep_lm_head: KeepLmHead = False,
+    vram: Vram = None,
+    bpw: Bpw = None,
+    ctx: Ctx = None,
+    calib: Calib = None,
+    calib_tokens: CalibTokens = None,
+    method: Method = None,
+    max_kld: MaxKld = None,
+    allow_uncertified: AllowUncertified = False,
+    device: Device = None,
+    tie_fused: TieFused = False,
+    expert_formats: ExpertFormats = None,
+    ffn_levels: FfnLevels = None,
+    stream_experts: StreamExperts = False,
     quiet: bool = typer.Option(False, "-q", "--quiet", help="Print only the summary."),
 ):
     """Compile MODEL_DIR into one .thin file. Without --vram, --bpw or --quant every tensor keeps its stored
@@ -248,25 +270,24 @@ def verify(file: Path = typer.Argument(..., help="A .thin file.")):
 @app.command()
 def key(
     model_dir: Path = typer.Argument(..., help="Hugging Face model folder."),
-    no_fuse: bool = typer.Option(False, "--no-fuse", help=_FUSE_HELP),
-    quant: str | None = typer.Option(None, "--quant", metavar="FORMAT", help=_QUANT_HELP),
-    group_size: int | None = typer.Option(None, "--group-size", metavar="N", help=_GROUP_HELP),
-    asymmetric: bool = typer.Option(False, "--asymmetric", help=_ASYM_HELP),
-    keep_lm_head: bool = typer.Option(False, "--keep-lm-head", help=_KEEP_HEAD_HELP),
-    vram: str | None = typer.Option(None, "--vram", metavar="SIZE", help=_VRAM_HELP),
-    bpw: float | None = typer.Option(None, "--bpw", metavar="B", help=_BPW_HELP),
-    ctx: int | None = typer.Option(None, "--ctx", metavar="N", help=_CTX_HELP),
-    calib: Path | None = typer.Option(None, "--calib", metavar="FILE", help=_CALIB_HELP),
-    calib_tokens: int | None = typer.Option(None, "--calib-tokens", metavar="N", help=_CALIB_TOKENS_HELP),
-    method: str | None = typer.Option(None, "--method", metavar="gptq|rtn", help=_METHOD_HELP),
-    max_kld: float | None = typer.Option(None, "--max-kld", metavar="X", help=_MAX_KLD_HELP),
-    allow_uncertified: bool = typer.Option(False, "--allow-uncertified", help=_UNCERTIFIED_HELP),
-    device: str | None = typer.Option(None, "--device", metavar="cuda|cpu", help=_DEVICE_HELP),
-    tie_fused: bool = typer.Option(False, "--tie-fused", help=_TIE_HELP),
-    expert_formats: str | None = typer.Option(None, "--expert-formats", metavar="FORMAT[,FORMAT...]",
-                                              help=_EXPERT_FORMATS_HELP),
-    ffn_levels: str | None = typer.Option(None, "--ffn-levels", metavar="F[,F...]", help=_LEVELS_HELP),
-    stream_experts: bool = typer.Option(False, "--stream-experts", help=_STREAM_HELP),
+    no_fuse: NoFuse = False,
+    quant: Quant = None,
+    group_size: GroupSize = None,
+    asymmetric: Asymmetric = False,
+    keep_lm_head: KeepLmHead = False,
+    vram: Vram = None,
+    bpw: Bpw = None,
+    ctx: Ctx = None,
+    calib: Calib = None,
+    calib_tokens: CalibTokens = None,
+    method: Method = None,
+    max_kld: MaxKld = None,
+    allow_uncertified: AllowUncertified = False,
+    device: Device = None,
+    tie_fused: TieFused = False,
+    expert_formats: ExpertFormats = None,
+    ffn_levels: FfnLevels = None,
+    stream_experts: StreamExperts = False,
 ):
     """Print the cache key `thinc compile` would give MODEL_DIR with these options (calibration text,
     planner options and certificate thresholds included)."""
@@ -295,15 +316,14 @@ def plan(
     model_dir: Path = typer.Argument(..., help="Hugging Face model folder."),
     vram: str | None = typer.Option(None, "--vram", metavar="SIZE[,SIZE...]", help="Budgets such as 4G,6G,8G."),
     bpw: str | None = typer.Option(None, "--bpw", metavar="B[,B...]", help="Bits-per-weight budgets such as 3.6,5."),
-    ctx: int | None = typer.Option(None, "--ctx", metavar="N", help=_CTX_HELP),
-    calib: Path | None = typer.Option(None, "--calib", metavar="FILE", help=_CALIB_HELP),
-    calib_tokens: int | None = typer.Option(None, "--calib-tokens", metavar="N", help=_CALIB_TOKENS_HELP),
-    method: str | None = typer.Option(None, "--method", metavar="gptq|rtn", help=_METHOD_HELP),
-    device: str | None = typer.Option(None, "--device", metavar="cuda|cpu", help=_DEVICE_HELP),
-    tie_fused: bool = typer.Option(False, "--tie-fused", help=_TIE_HELP),
-    expert_formats: str | None = typer.Option(None, "--expert-formats", metavar="FORMAT[,FORMAT...]",
-                                              help=_EXPERT_FORMATS_HELP),
-    no_fuse: bool = typer.Option(False, "--no-fuse", help=_FUSE_HELP),
+    ctx: Ctx = None,
+    calib: Calib = None,
+    calib_tokens: CalibTokens = None,
+    method: Method = None,
+    device: Device = None,
+    tie_fused: TieFused = False,
+    expert_formats: ExpertFormats = None,
+    no_fuse: NoFuse = False,
     as_json: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="Print only the table."),
 ):
