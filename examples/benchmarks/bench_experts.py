@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 
 import torch
+from bench_kernels import time_graph  # this folder: one CUDA-graph timer for the kernel benchmarks
 
 SHAPES = {"moe-a3b": (2048, 768, 128, 8, 16, {}), "gpt-oss-20b": (2880, 2880, 32, 4, 24, {"clamp": True})}
 
@@ -67,26 +67,6 @@ def step(kernels, x, partials, part: str) -> None:
                 k._down(i, partials, k.config(i, "down"))
 
 
-def graph_time(fn, replays: int = 20) -> float:
-    """Median milliseconds of one call of `fn`, captured in a CUDA graph."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop))
-    return statistics.median(times)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="moe-a3b")
@@ -123,7 +103,7 @@ def main() -> None:
             step(kernels, x, partials, "all")
             print(f"{fmt}: ran {layers} layers through the interpreter (setup {setup:.1f} s)")
             continue
-        ms = {part: graph_time(lambda p=part, k=kernels, x=x, out=partials: step(k, x, out, p))
+        ms = {part: 1e3 * time_graph([lambda p=part, k=kernels, x=x, out=partials: step(k, x, out, p)], reps=20)
               for part in ("router", "gate_up", "down", "all")}
         per = {p: 1e3 * t / layers for p, t in ms.items()}
         read = {"router": router_bytes, "gate_up": up_bytes, "down": down_bytes,
