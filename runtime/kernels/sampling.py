@@ -35,17 +35,7 @@ def _finish(token, token_ptr, out_ptr, seen_ptr, pos_ptr, step_ptr, ADVANCE: tl.
 def _greedy_kernel(logits_ptr, V, token_ptr, out_ptr, seen_ptr, pos_ptr, step_ptr, BLOCK: tl.constexpr,
                    ADVANCE: tl.constexpr, SEEN: tl.constexpr):
     """argmax over V logits, the lowest index among equal maxima (as torch.argmax)."""
-    best = tl.full([BLOCK], float("-inf"), dtype=tl.float32)
-    where = tl.full([BLOCK], 2147483647, dtype=tl.int32)
-    for v0 in range(0, V, BLOCK):
-        v = v0 + tl.arange(0, BLOCK)
-        x = tl.load(logits_ptr + v, mask=v < V, other=float("-inf")).to(tl.float32)
-        better = x > best
-        where = tl.where(better, v, where)
-        best = tl.where(better, x, best)
-    top = tl.max(best, axis=0)
-    token = tl.min(tl.where(best == top, where, 2147483647), axis=0)
-    _finish(token, token_ptr, out_ptr, seen_ptr, pos_ptr, step_ptr, ADVANCE, SEEN)
+    _finish(_argmax(logits_ptr, V, BLOCK), token_ptr, out_ptr, seen_ptr, pos_ptr, step_ptr, ADVANCE, SEEN)
 
 
 @triton.jit
