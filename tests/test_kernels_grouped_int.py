@@ -1,9 +1,13 @@
 """int3-int6 kernels (one family, bits constexpr) against the format's decode."""
 
+from dataclasses import replace
+
 import pytest
 import torch
-from kernel_support import DEVICE
+from kernel_support import DEVICE, poisoned, rel_err, tolerance
 from linear_kernel_cases import check_all, check_glu, check_matvec, make_op
+
+from thin.runtime.ffn import activate
 
 FORMATS = ["int3", "int4", "int5", "int6"]
 
@@ -49,3 +53,108 @@ def test_plain_path_on_gpu(fmt, asymmetric, monkeypatch):
     monkeypatch.setattr(common, "INLINE_ASM", False)
     op, dense, _ = make_op(fmt, (4096, 14336), {"group_size": 128, "asymmetric": asymmetric}, dtype=torch.bfloat16)
     check_matvec(op, dense, None, torch.bfloat16)
+
+
+# ---- the bf16-pair arithmetic (runtime/kernels/pairs.py), a candidate for symmetric int4 --------------
+
+def pairs_op(shape, group, seed=0):
+    """An int4 op under bf16 activations whose matvec modes all run the bf16-pair arithmetic."""
+    op, dense, _ = make_op("int4", shape, {"group_size": group}, dtype=torch.bfloat16, seed=seed)
+    for mode in ("direct", "partial", "glu"):
+        op._configs[mode] = next(c for c in op.candidates(mode) if c.packed)
+    return op, dense
+
+
+def pairs_reference(op, dense, x):
+    """What the pair arithmetic computes, in torch: per 32-column chunk and row, columns 8o + k and
+    8o + k + 4 (k < 4) summed in two bf16 running sums (each product added with one rounding),
+    then the halves added and scaled in float32."""
+    scales = op.scales.float().cpu().repeat_interleave(op.group, 1)
+    codes = torch.round(dense / scales)  # u - 8
+    x = x.float().cpu()
+    out = torch.zeros(op.out_features, dtype=torch.float64)
+    for c in range(op.in_features // 32):
+        halves = []
+        for half in (0, 1):
+            acc = torch.zeros(op.out_features, dtype=torch.float64)
+            for o in range(4):
+                for k in range(4):
+                    col = 32 * c + 8 * o + 4 * half + k
+                    acc = (codes[:, col].double() * x[col] + acc).float().bfloat16().double()
+            halves.append(acc)
+        out += scales[:, 32 * c].double() * (halves[0] + halves[1])
+    return out
+
+
+PAIRS_TOLERANCE = 1e-2  # against the float32 product: bf16 chunk sums (~0.5% rms at 4096 columns)
+
+
+def check_pairs(op, dense, exact):
+    """The pair kernels (plain and split-K) compute pairs_reference (to `exact`, float32 summation
+    order; bf16 output rounding for the plain one), which a wrong column fails, and stay within
+    PAIRS_TOLERANCE of the float32 product."""
+    x = torch.randn(op.in_features, generator=torch.Generator().manual_seed(1)).bfloat16().to(DEVICE)
+    want = x.float().cpu() @ dense.T
+    emulated = pairs_reference(op, dense, x)
+    got = op.matvec(x, out=poisoned(op.out_features, dtype=torch.bfloat16))
+    parts = op.matvec(x, partials=poisoned(8, op.out_features, dtype=torch.float32)).sum(0)
+    assert rel_err(parts, emulated) < exact, rel_err(parts, emulated)
+    assert rel_err(got, emulated) < tolerance(torch.bfloat16) / 2
+    assert rel_err(got, want) < PAIRS_TOLERANCE and rel_err(parts, want) < PAIRS_TOLERANCE
+    swapped = dense.clone()
+    swapped[:, [37, 41]] = swapped[:, [41, 37]]  # columns k and k + 4 of an octet: the two halves of a pair
+    assert rel_err(parts, pairs_reference(op, swapped, x)) > 100 * exact
+
+
+@pytest.mark.parametrize("group", [32, 128])
+def test_bf16_pairs_match_their_arithmetic_and_the_decode(group):
+    op, dense = pairs_op((48, 256), group)
+    check_pairs(op, dense, 1e-5)
+
+
+def test_bf16_pairs_glu():
+    op, dense = pairs_op((64, 128), 64, seed=4)
+    check_glu(op, dense, None, torch.bfloat16, "silu")
+
+
+def test_bf16_pairs_prefixes():
+    """Elastic FFN prefixes (the first rows of each half, the first columns) through the pairs."""
+    op, dense = pairs_op((512, 384), 32, seed=6)
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(384, generator=gen).bfloat16().to(DEVICE)
+    h = torch.randn(256, generator=gen).bfloat16().to(DEVICE)
+    sums = op.matvec(h, partials=poisoned(8, 512, dtype=torch.float32), cols=256)
+    assert rel_err(sums.sum(0), h.float().cpu() @ dense[:, :256].T) < PAIRS_TOLERANCE
+    y = (x.float().cpu() @ dense.T).bfloat16()
+    got = op.matvec(x, out=poisoned(128, dtype=torch.bfloat16), activation="silu", rows=128)
+    assert rel_err(got, activate("silu", y[:128]) * y[256:384]) < 2 * tolerance(torch.bfloat16)
+
+
+def test_bf16_pairs_only_where_they_apply():
+    op, _, _ = make_op("int4", (32, 128), {"group_size": 32}, dtype=torch.bfloat16)
+    assert any(c.packed for c in op.candidates("direct")) and not op.candidates("direct")[0].packed
+    for fmt, params, dtype in [("int4", {"asymmetric": 1}, torch.bfloat16), ("int5", {}, torch.bfloat16),
+                               ("int4", {}, torch.float16), ("int4", {}, torch.float32)]:
+        other, _, _ = make_op(fmt, (32, 128), {"group_size": 32, **params}, dtype=dtype)
+        assert not any(c.packed for mode in ("direct", "partial", "glu") for c in other.candidates(mode))
+        with pytest.raises(ValueError, match="bf16 pairs"):
+            other._matvec(torch.randn(128).to(dtype).to(DEVICE), poisoned(32, dtype=dtype),
+                          replace(other.candidates("direct")[0], packed=True), -1, False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(6144, 4096), (4096, 14336)])
+@pytest.mark.parametrize("inline_asm", [True, False])
+def test_bf16_pairs_real_shapes_on_gpu(shape, inline_asm, monkeypatch):
+    """The inline PTX and its plain-Triton twin (the interpreter's path) compiled for the GPU."""
+    from thin.runtime.kernels import common
+
+    monkeypatch.setattr(common, "INLINE_ASM", inline_asm)
+    op, dense = pairs_op(shape, 128)
+    check_pairs(op, dense, 1e-4)  # fma.rn.bf16x2 rounds once where the emulation may round twice
+
+
+@pytest.mark.gpu
+def test_bf16_pairs_glu_real_shape_on_gpu():
+    op, dense = pairs_op((28672, 4096), 128)
+    check_glu(op, dense, None, torch.bfloat16, "silu")

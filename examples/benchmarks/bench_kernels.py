@@ -23,6 +23,7 @@ import statistics
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor
+from dataclasses import replace
 
 import torch
 
@@ -69,6 +70,8 @@ def sweep_grid(op, mode: str):
             config = MatvecConfig(block_n, chunk, s, warps)
             if config not in out:
                 out.append(config)
+    if getattr(op, "pairs", False):  # grouped int4: each tiling again with the bf16-pair arithmetic
+        out += [replace(c, packed=True) for c in out]
     return out
 
 
@@ -257,7 +260,11 @@ def main() -> None:
         elif r["best"]:
             b, d = r["best"], r["best_of_default_candidates"]
             c = b["config"]
-            print(f"| {r['format']} | {r['shape']} | {c['block_n']}/{c['chunk']}/s{c['split']}/w{c['num_warps']} | "
+            tiles = f"{c['block_n']}/{c['chunk']}/s{c['split']}/w{c['num_warps']}"
+            if c["packed"]:  # and the float path's best, for comparison
+                floats = [x["us"] for x in r["all"] if "us" in x and not x["config"]["packed"]]
+                tiles += f"/bf16 pairs (float path {min(floats, default=float('nan')):.1f} us)"
+            print(f"| {r['format']} | {r['shape']} | {tiles} | "
                   f"{b['us']:.1f} | {b['GBps']:.0f} | {100 * r['fraction_of_copy_bw']:.0f}% | "
                   f"{d['us'] if d else float('nan'):.1f} |")
         else:

@@ -7,10 +7,14 @@ float16 scale (and offset) per group of G columns of a row. The matvec runs the 
 (tiles.py): a lane owns 32 columns of each row of its tile (16 bytes of a 4-bit plane), turns
 each code into a float in place with the zero point folded into the same add (one logic op, one
 add, one fused multiply-add a code and plane), and applies the group scale once per chunk
-(asymmetric: offset * sum of the chunk's x as well).
+(asymmetric: offset * sum of the chunk's x as well). Symmetric int4 under bfloat16 activations has a
+second arithmetic the launch tuner may pick (MatvecConfig.packed): two weights an instruction as
+bfloat16 pairs, the chunk's sums in bf16 (pairs.py, which also says what that costs in precision).
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import triton
@@ -30,6 +34,7 @@ from .common import (
     next_power_of_2,
     prefix_rows,
 )
+from .pairs import PAIR_MAGIC, pair_sum, word_dot, x_pairs, zero_pair
 from .tiles import (
     chunk_side,
     dot_tile,
@@ -47,14 +52,17 @@ from .tiles import (
 @triton.jit
 def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K, split_chunks, magic, WL: tl.constexpr,
               WH: tl.constexpr, MID: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr, C: tl.constexpr,
-              BN: tl.constexpr, GLU: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
+              BN: tl.constexpr, GLU: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
+              PACKED: tl.constexpr, ZERO_BITS: tl.constexpr):
     """sum_k W[rows, k] * x[k] over the tile's rows (tiles.tile_rows) and this program's chunks
     (split `program_id(1)`), float32 [rows].
 
     One step covers C chunks of 32 columns of every row (tiles.py, "chunk" scheme): each plane's
     words and the chunk's activations are loaded once per lane, the codes of an octet of columns
     become floats in place (zero point folded in) and go into a per-chunk dot product, which is
-    scaled by the chunk's group scale once (a chunk never straddles a group: G >= 32)."""
+    scaled by the chunk's group scale once (a chunk never straddles a group: G >= 32). PACKED
+    (symmetric 4-bit codes, bf16 x; magic = pairs.PAIR_MAGIC, ZERO_BITS = pairs.zero_pair(MID)):
+    the chunk's products are summed as bf16 pairs, word o of a row holding octet o's codes."""
     pid = tl.program_id(0)
     rows, row_mask = tile_rows(pid, n, BN, GLU)
     total = K // 32
@@ -67,20 +75,27 @@ def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K, split_chunk
         chunk = c0 + ci
         cmask = chunk < end
         low = plane_words(low_ptr, rows, row_mask, total, c0, end, C, WL, EVEN_N, EVEN_K, ASM)
-        low_up = upper_halves(low, WL, ASM)
-        if WH > 0:
-            high = plane_words(high_ptr, rows, row_mask, total, c0, end, C, WH, EVEN_N, EVEN_K, ASM)
-            high_up = upper_halves(high, WH, ASM)
-        dot = tl.zeros([rows.shape[0], C], dtype=tl.float32)
         xsum = tl.zeros([C], dtype=tl.float32)
-        for o in tl.static_range(4):
-            xs = x_octet(x_ptr, 32 * chunk + 8 * o, cmask, EVEN_K)
-            # Symmetric: u - MID through the low plane's add; the high plane's codes weigh 2^WL.
-            dot = octet_dot(dot, low, low_up, xs, o, WL, 0 if ASYM else MID, 1.0, False, magic)
+        if PACKED:
+            pairs = tl.zeros([rows.shape[0], C], dtype=tl.int32)  # bf16 pairs (0, 0)
+            for o in tl.static_range(4):
+                pairs = word_dot(pairs, low[o], x_pairs(x_ptr, 32 * chunk + 8 * o, cmask, EVEN_K, ASM), magic,
+                                 ZERO_BITS, ASM)
+            dot = pair_sum(pairs)
+        else:
+            low_up = upper_halves(low, WL, ASM)
             if WH > 0:
-                dot = octet_dot(dot, high, high_up, xs, o, WH, 0, 1 << WL, False, magic)
-            if ASYM:
-                xsum += x_sum8(xs)
+                high = plane_words(high_ptr, rows, row_mask, total, c0, end, C, WH, EVEN_N, EVEN_K, ASM)
+                high_up = upper_halves(high, WH, ASM)
+            dot = tl.zeros([rows.shape[0], C], dtype=tl.float32)
+            for o in tl.static_range(4):
+                xs = x_octet(x_ptr, 32 * chunk + 8 * o, cmask, EVEN_K)
+                # Symmetric: u - MID through the low plane's add; the high plane's codes weigh 2^WL.
+                dot = octet_dot(dot, low, low_up, xs, o, WL, 0 if ASYM else MID, 1.0, False, magic)
+                if WH > 0:
+                    dot = octet_dot(dot, high, high_up, xs, o, WH, 0, 1 << WL, False, magic)
+                if ASYM:
+                    xsum += x_sum8(xs)
         scale = chunk_side(scale_ptr, pid, n, groups, c0, end, G // 32, C, BN, GLU, EVEN_N, ASM).to(tl.float32)
         if ASYM:
             offset = chunk_side(offset_ptr, pid, n, groups, c0, end, G // 32, C, BN, GLU, EVEN_N, ASM)
@@ -94,11 +109,12 @@ def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K, split_chunk
 def _matvec_kernel(low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, x_ptr, out_ptr, n, K, split_chunks, magic,
                    WL: tl.constexpr, WH: tl.constexpr, MID: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr,
                    C: tl.constexpr, BN: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
-                   ACT: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
+                   ACT: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, PACKED: tl.constexpr,
+                   ZERO_BITS: tl.constexpr):
     """Program (i, s): output rows i*BN.., chunks of split s. With ACT >= 0 the weight is [gate; up]
     and the tile holds both rows of each output (gate row r, up row n + r), one pass over x."""
     total = _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K, split_chunks, magic, WL, WH, MID, ASYM,
-                      G, C, BN, ACT >= 0, EVEN_N, EVEN_K, ASM)
+                      G, C, BN, ACT >= 0, EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS)
     store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL)
 
 
@@ -151,20 +167,28 @@ class GroupedIntLinear(KernelLinear):
         self.scales = self.parts["scales"]
         self.offsets = self.parts["offsets"] if self.asym else self.scales
         self.low32, self.high32 = self.low.view(torch.int32), self.high.view(torch.int32)
+        # The bf16-pair arithmetic (pairs.py): one 4-bit plane, a zero point, bfloat16 activations.
+        self.pairs = (self.wl, self.wh, self.asym, dtype) == (4, 0, False, torch.bfloat16)
 
     def candidates(self, mode: str) -> list[MatvecConfig]:
         n = self.out_features // 2 if mode == "glu" else self.out_features
-        return chunk_candidates(n, self.in_features, 32, mode, self.wl + self.wh)
+        base = chunk_candidates(n, self.in_features, 32, mode, self.wl + self.wh)
+        return base + [replace(c, packed=True) for c in base] if self.pairs else base
 
     def _matvec(self, x, out, config, act, partial, rows=None, cols=None):
         n, programs, config = prefix_rows(self, config, act, rows)
         config, launch = chunk_prefix(config, self.in_features, cols)
         bias = self.bias if self.bias is not None else x
+        if config.packed and not (self.pairs and x.dtype == torch.bfloat16 and x.data_ptr() % 4 == 0):
+            raise ValueError(f"{self.format} {config}: bf16 pairs need symmetric int4, bfloat16 activations "
+                             f"(got {x.dtype}) and x 4-byte aligned")
         _matvec_kernel[(programs, config.split)](
             self.low32, self.high32, self.scales, self.offsets, bias, x, out, n, self.in_features, launch.split_chunks,
-            MAGIC_BITS, WL=self.wl, WH=self.wh, MID=self.mid, ASYM=self.asym, G=self.group, C=launch.chunks,
+            PAIR_MAGIC if config.packed else MAGIC_BITS,
+            WL=self.wl, WH=self.wh, MID=self.mid, ASYM=self.asym, G=self.group, C=launch.chunks,
             BN=config.block_n, EVEN_N=n % config.block_n == 0, EVEN_K=launch.even, ASM=launch.asm, ACT=act,
-            HAS_BIAS=self.bias is not None, PARTIAL=partial, num_warps=config.num_warps)
+            HAS_BIAS=self.bias is not None, PARTIAL=partial, PACKED=config.packed,
+            ZERO_BITS=zero_pair(self.mid) if config.packed else 0, num_warps=config.num_warps)
         return config.split
 
     def _matmul(self, x, rows=None, cols=None, halves=1):

@@ -1,0 +1,147 @@
+"""Packed bfloat16 pairs for the chunk-scheme matvecs (tiles.py): two 4-bit weights an instruction.
+
+Every value here is an int32 holding two bfloat16 (low half, high half), so the layout is explicit
+and the same in the GPU's inline PTX and in the plain-Triton twin the interpreter runs. For a word
+w of a 4-bit plane (code j at bits 4j) and k in 0..3,
+
+    (w >> 4k) & 0x000F000F | 0x43004300  ==  bf16 pair (128 + u_k, 128 + u_{k+4})    (exact)
+
+(bf16 has 7 mantissa bits: a nibble at bits 0..3 of each half lands in the mantissa of 128.0,
+whose unit is 1), one fused multiply-add of the pair by (1, 1) plus (-128 - ZERO, ...) makes it the
+exact small integers (u - ZERO), and one more multiplies it by the activations of the same two
+columns, (x_k, x_{k+4}), into a bf16 pair of running sums. A 32-column chunk (one group scale)
+sums 16 products in each half; the two halves are then widened to float32, added and scaled in
+float32 as the float path does. Per 8 weights: 3 shifts, 4 logic ops, 8 pair FMAs, against 8 logic
+ops, 8 adds and 8 FMAs of the float path.
+
+Precision: the pair FMA rounds each running sum to bf16 (8 significant bits), so a chunk's sum of
+16 products carries about 2^-9 of its size in rounding; on random weights and activations the
+products of a 4096-column row miss the float32 result by ~0.5% (rms, relative), about three times
+what rounding the output to bf16 costs and far below int4's own quantization error. That is why
+this is a candidate the launch tuner may pick for bfloat16 models, never the float32 path.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+ONE2 = tl.constexpr(0x3F803F80)  # bf16 pair (1.0, 1.0)
+PAIR_MAGIC = 0x43004300  # bf16 pair (128.0, 128.0), passed to the kernels as an argument
+LOW_NIBBLES = tl.constexpr(0x000F000F)
+HIGH_HALF = tl.constexpr(-65536)  # 0xFFFF0000 as an int32
+
+
+def zero_pair(zero: int) -> int:
+    """The int32 bits of the bf16 pair (-(128 + zero), -(128 + zero)) (exact for zero < 128)."""
+    import struct
+
+    bits = struct.unpack("<I", struct.pack("<f", -(128.0 + zero)))[0] >> 16
+    word = bits | bits << 16
+    return word - (1 << 32) if word >= 1 << 31 else word
+
+
+@triton.jit
+def _low(p):
+    """The low bf16 of pairs p, as float32 (exact)."""
+    return (p << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _high(p):
+    """The high bf16 of pairs p, as float32 (exact)."""
+    return (p & HIGH_HALF).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rounded(f):
+    """float32 f rounded to bf16, to nearest even, in the upper 16 bits of an int32 (integer
+    arithmetic: the interpreter's own conversion truncates). Finite values only."""
+    bits = f.to(tl.int32, bitcast=True)
+    return (bits + 0x7FFF + ((bits >> 16) & 1)) & HIGH_HALF
+
+
+@triton.jit
+def _to_pair(lo, hi):
+    """float32 lo, hi rounded to bf16 (to nearest even) and packed into one int32."""
+    return ((_rounded(lo) >> 16) & 0xFFFF) | _rounded(hi)
+
+
+@triton.jit
+def pair_fma(a, b, c, ASM: tl.constexpr):
+    """a * b + c on bf16 pairs (int32 [...]), each half rounded once to bf16 (fma.rn.bf16x2).
+    Without ASM: the same in float32 (exact products of two bf16), then rounded to bf16."""
+    if ASM:
+        out = tl.inline_asm_elementwise("fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c], dtype=tl.int32,
+                                        is_pure=True, pack=1)
+    else:
+        out = _to_pair(_low(a) * _low(b) + _low(c), _high(a) * _high(b) + _high(c))
+    return out
+
+
+@triton.jit
+def code_pair(word, k: tl.constexpr, magic, ZERO_BITS: tl.constexpr, ASM: tl.constexpr):
+    """(u_k - ZERO, u_{k+4} - ZERO) as a bf16 pair, for the 4-bit codes k and k + 4 of int32 words
+    (code j at bits 4j; `magic`: PAIR_MAGIC as a run-time value, so it stays in a register where a
+    second constant would be re-materialised next to every mask; ZERO_BITS: zero_pair(ZERO)). The
+    shift is arithmetic, harmless: the mask keeps bits up to 19, and 4k + 19 <= 31."""
+    biased = ((word >> (4 * k)) & LOW_NIBBLES) | magic  # (128 + u_k, 128 + u_{k+4}), one LOP3
+    one = tl.full([1, 1], ONE2, tl.int32)
+    zero = tl.full([1, 1], ZERO_BITS, tl.int32)
+    return pair_fma(biased, one, zero, ASM)
+
+
+@triton.jit
+def _halves(a, b, HIGH: tl.constexpr, ASM: tl.constexpr):
+    """The low (or with HIGH the high) 16 bits of a and of b, as one int32 (a's in its low half).
+    ASM: one byte permute (the compiler's own is a logic op and a shifted add)."""
+    if ASM:
+        if HIGH:
+            out = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x7632;", "=r,r,r", [a, b], dtype=tl.int32,
+                                            is_pure=True, pack=1)
+        else:
+            out = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, 0x5410;", "=r,r,r", [a, b], dtype=tl.int32,
+                                            is_pure=True, pack=1)
+    elif HIGH:
+        out = ((a >> 16) & 0xFFFF) | (b & HIGH_HALF)
+    else:
+        out = (a & 0xFFFF) | (b << 16)
+    return out
+
+
+@triton.jit
+def x_pairs(x_ptr, first, cmask, EVEN: tl.constexpr, ASM: tl.constexpr):
+    """bf16 activations at columns first + 0..7 of each chunk (`first` [C], even) as the four pairs
+    (x_k, x_{k+4}), k = 0..3, each int32 [C]: one 16-byte load per lane of the columns' four words
+    ((x_0, x_1), (x_2, x_3), ...), regrouped in registers (byte permutes, shared by every row)."""
+    words_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
+    offs = (first // 2)[:, None] + tl.arange(0, 4)[None, :]
+    if EVEN:  # noqa: SIM108  (constexpr branches: only one is compiled)
+        t = tl.load(words_ptr + offs)
+    else:
+        t = tl.load(words_ptr + offs, mask=cmask[:, None], other=0)
+    e, o = tl.split(tl.reshape(t, [first.shape[0], 2, 2]))
+    w0, w2 = tl.split(e)
+    w1, w3 = tl.split(o)
+    # (x0, x4), (x1, x5), (x2, x6), (x3, x7)
+    return (_halves(w0, w2, False, ASM), _halves(w0, w2, True, ASM), _halves(w1, w3, False, ASM),
+            _halves(w1, w3, True, ASM))
+
+
+@triton.jit
+def word_dot(acc, word, xp, magic, ZERO_BITS: tl.constexpr, ASM: tl.constexpr):
+    """acc (bf16 pairs [rows, C]) + the products of the 8 codes of `word` [rows, C] with their
+    activations (xp: x_pairs of the word's 8 columns; magic: PAIR_MAGIC): pair k holds columns k
+    and k + 4."""
+    for k in tl.static_range(4):
+        acc = pair_fma(code_pair(word, k, magic, ZERO_BITS, ASM), xp[k][None, :], acc, ASM)
+    return acc
+
+
+@triton.jit
+def pair_sum(acc):
+    """The two halves of bf16 pairs, widened to float32 and added."""
+    return _low(acc) + _high(acc)
+
+
+__all__ = ["PAIR_MAGIC", "code_pair", "pair_fma", "pair_sum", "triton", "word_dot", "x_pairs", "zero_pair"]
