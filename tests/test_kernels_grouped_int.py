@@ -90,20 +90,25 @@ PAIRS_TOLERANCE = 1e-2  # against the float32 product: bf16 chunk sums (~0.5% rm
 
 
 def check_pairs(op, dense, exact):
-    """The pair kernels (plain and split-K) compute pairs_reference (to `exact`, float32 summation
-    order; bf16 output rounding for the plain one), which a wrong column fails, and stay within
-    PAIRS_TOLERANCE of the float32 product."""
+    """Every bf16-pair candidate (plain and split-K) computes pairs_reference (to `exact`: float32
+    summation order; bf16 output rounding for the plain one), which a wrong column fails, and stays
+    within PAIRS_TOLERANCE of the float32 product."""
     x = torch.randn(op.in_features, generator=torch.Generator().manual_seed(1)).bfloat16().to(DEVICE)
     want = x.float().cpu() @ dense.T
     emulated = pairs_reference(op, dense, x)
-    got = op.matvec(x, out=poisoned(op.out_features, dtype=torch.bfloat16))
-    parts = op.matvec(x, partials=poisoned(8, op.out_features, dtype=torch.float32)).sum(0)
-    assert rel_err(parts, emulated) < exact, rel_err(parts, emulated)
-    assert rel_err(got, emulated) < tolerance(torch.bfloat16) / 2
-    assert rel_err(got, want) < PAIRS_TOLERANCE and rel_err(parts, want) < PAIRS_TOLERANCE
     swapped = dense.clone()
     swapped[:, [37, 41]] = swapped[:, [41, 37]]  # columns k and k + 4 of an octet: the two halves of a pair
-    assert rel_err(parts, pairs_reference(op, swapped, x)) > 100 * exact
+    wrong = pairs_reference(op, swapped, x)
+    for config in [c for c in op.candidates("partial") if c.packed]:
+        op._configs["partial"] = config
+        parts = op.matvec(x, partials=poisoned(8, op.out_features, dtype=torch.float32)).sum(0)
+        assert rel_err(parts, emulated) < exact, (config, rel_err(parts, emulated))
+        assert rel_err(parts, want) < PAIRS_TOLERANCE and rel_err(parts, wrong) > 10 * exact
+    for config in [c for c in op.candidates("direct") if c.packed]:
+        op._configs["direct"] = config
+        got = op.matvec(x, out=poisoned(op.out_features, dtype=torch.bfloat16))
+        assert rel_err(got, emulated) < tolerance(torch.bfloat16) / 2, config
+        assert rel_err(got, want) < PAIRS_TOLERANCE
 
 
 @pytest.mark.parametrize("group", [32, 128])
@@ -157,4 +162,6 @@ def test_bf16_pairs_real_shapes_on_gpu(shape, inline_asm, monkeypatch):
 @pytest.mark.gpu
 def test_bf16_pairs_glu_real_shape_on_gpu():
     op, dense = pairs_op((28672, 4096), 128)
-    check_glu(op, dense, None, torch.bfloat16, "silu")
+    for config in [c for c in op.candidates("glu") if c.packed]:
+        op._configs["glu"] = config
+        check_glu(op, dense, None, torch.bfloat16, "silu")
