@@ -68,6 +68,7 @@ def build_model(family: str, *, seed: int = 0, **overrides):
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     model = getattr(transformers, model_name)(config).eval()
+    _config_clamps(model)
     _randomise(model, family, seed)
     return model
 
@@ -106,4 +107,19 @@ def load_reference(path, dtype: torch.dtype = torch.float32):
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="eager")
+    _config_clamps(model)
     return model.eval()
+
+
+def _config_clamps(model) -> None:
+    """GPT-OSS: transformers before 5.18 fixed the experts' SwiGLU clamp at alpha 1.702 and limit 7.0
+    (the published checkpoints' values) whatever the config said; later versions read swiglu_alpha /
+    swiglu_limit from it, as thin does. Give an older reference the config's values, so the same
+    test checkpoint (limit 3.0, low enough that the clamp bites) means the same model on both."""
+    config = model.config
+    if getattr(config, "model_type", None) != "gpt_oss":
+        return
+    for module in model.modules():
+        if hasattr(module, "limit") and hasattr(module, "alpha"):
+            module.limit = getattr(config, "swiglu_limit", module.limit)
+            module.alpha = getattr(config, "swiglu_alpha", module.alpha)
