@@ -43,27 +43,68 @@ def kernel_factory(fmt: str):
 
 
 def check_matvec(op, dense, bias, dtype, *, seed=1):
+    """The plain output and the split-K partial sums, each against what the configuration the op
+    picked computes (`computed`)."""
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(op.in_features, generator=gen).to(dtype).to(DEVICE)
-    want = x.float().cpu() @ dense.T + (bias.float().cpu() if bias is not None else 0)
+    bias_f = bias.float().cpu() if bias is not None else 0
+    want = computed(op, "direct", dense, x) + bias_f
     out = poisoned(op.out_features, dtype=dtype)
     got = op.matvec(x, out=out)
     assert rel_err(got, want) < tolerance(dtype), f"matvec: {rel_err(got, want)}"
-    # Split-K partial sums add up to the same product (no bias in them).
+    # Split-K partial sums add up to the same product (no bias in them), to float32 summation order.
     parts = poisoned(8, op.out_features, dtype=torch.float32)
     sums = op.matvec(x, partials=parts)
-    plain = want - (bias.float().cpu() if bias is not None else 0)
-    assert rel_err(sums.sum(0), plain) < 2e-5, "partials"
+    plain = computed(op, "partial", dense, x)
+    exact = PAIRS_EXACT if op.config("partial").packed else 2e-5
+    assert rel_err(sums.sum(0), plain) < exact, f"partials {op.config('partial')}: {rel_err(sums.sum(0), plain)}"
 
 
 def check_glu(op, dense, bias, dtype, activation, *, seed=2):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(op.in_features, generator=gen).to(dtype).to(DEVICE)
-    y = (x.float().cpu() @ dense.T + (bias.float().cpu() if bias is not None else 0)).to(dtype)
+    y = (computed(op, "glu", dense, x) + (bias.float().cpu() if bias is not None else 0)).to(dtype)
     gate, up = y.chunk(2)
     want = activate(activation, gate) * up
     got = op.matvec(x, out=poisoned(op.out_features // 2, dtype=dtype), activation=activation)
     assert rel_err(got, want) < 2 * tolerance(dtype), f"glu {activation}: {rel_err(got, want)}"
+
+
+# The bf16-pair arithmetic (runtime/kernels/pairs.py): its sums against the emulation below (float32
+# summation order; on the GPU fma.rn.bf16x2 rounds once where the emulation may round twice), and
+# against the float32 product (its bf16 chunk sums cost ~0.5% rms at 4096 columns).
+PAIRS_EXACT = 1e-4
+PAIRS_TOLERANCE = 1e-2
+
+
+def computed(op, mode, dense, x) -> torch.Tensor:
+    """x @ dense.T (float32, CPU, no bias) as the configuration `op` runs in `mode` computes it: the
+    float32 product, or for a bf16-pair configuration its bf16 chunk sums (pairs_reference), which
+    then must stay within PAIRS_TOLERANCE of the float32 product."""
+    exact = x.float().cpu() @ dense.T
+    if not op.config(mode).packed:
+        return exact
+    emulated = pairs_reference(op, dense, x)
+    assert rel_err(emulated, exact) < PAIRS_TOLERANCE, f"bf16 pairs: {rel_err(emulated, exact)}"
+    return emulated
+
+
+def pairs_reference(op, dense, x) -> torch.Tensor:
+    """What the bf16-pair arithmetic computes, in torch (float32 [N]): per 32-column chunk and row,
+    columns 8o + k and 8o + k + 4 (octet o, k < 4) summed in two bf16 running sums (each product,
+    exact in float32, added with one float32 and one bf16 rounding, as the kernel's plain-Triton
+    twin does), then the halves added and scaled by the group scale in float32."""
+    n, k = dense.shape
+    scales = op.scales.float().cpu()
+    codes = torch.round(dense.view(n, k // op.group, op.group) / scales[:, :, None])  # u - zero point
+    codes = codes.view(n, k // 32, 4, 2, 4)  # [row, chunk, octet, half, k]
+    xs = x.float().cpu().view(k // 32, 4, 2, 4)
+    acc = torch.zeros(n, k // 32, 2)
+    for o in range(4):
+        for j in range(4):
+            acc = (codes[:, :, o, :, j] * xs[:, o, :, j] + acc).bfloat16().float()
+    chunk_scales = scales.repeat_interleave(op.group // 32, 1)
+    return (chunk_scales * acc.sum(-1)).sum(-1)
 
 
 def check_matmul(op, dense, bias, dtype, rows=5, *, seed=3):

@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 import torch
 from kernel_support import DEVICE, poisoned, rel_err, tolerance
-from linear_kernel_cases import check_all, check_glu, check_matvec, make_op
+from linear_kernel_cases import PAIRS_TOLERANCE, check_all, check_glu, check_matvec, make_op, pairs_reference
 
 from thin.runtime.ffn import activate
 
@@ -65,30 +65,6 @@ def pairs_op(shape, group, seed=0):
     return op, dense
 
 
-def pairs_reference(op, dense, x):
-    """What the pair arithmetic computes, in torch: per 32-column chunk and row, columns 8o + k and
-    8o + k + 4 (k < 4) summed in two bf16 running sums (each product added with one rounding),
-    then the halves added and scaled in float32."""
-    scales = op.scales.float().cpu().repeat_interleave(op.group, 1)
-    codes = torch.round(dense / scales)  # u - 8
-    x = x.float().cpu()
-    out = torch.zeros(op.out_features, dtype=torch.float64)
-    for c in range(op.in_features // 32):
-        halves = []
-        for half in (0, 1):
-            acc = torch.zeros(op.out_features, dtype=torch.float64)
-            for o in range(4):
-                for k in range(4):
-                    col = 32 * c + 8 * o + 4 * half + k
-                    acc = (codes[:, col].double() * x[col] + acc).float().bfloat16().double()
-            halves.append(acc)
-        out += scales[:, 32 * c].double() * (halves[0] + halves[1])
-    return out
-
-
-PAIRS_TOLERANCE = 1e-2  # against the float32 product: bf16 chunk sums (~0.5% rms at 4096 columns)
-
-
 def check_pairs(op, dense, exact, every=True):
     """Every bf16-pair candidate (plain and split-K; `every` False: the first of each) computes
     pairs_reference (to `exact`: float32 summation order; bf16 output rounding for the plain one),
@@ -115,6 +91,7 @@ def check_pairs(op, dense, exact, every=True):
 def test_bf16_pairs_match_their_arithmetic_and_the_decode(group):
     op, dense = pairs_op((48, 256), group)
     check_pairs(op, dense, 1e-5)
+    check_matvec(op, dense, None, torch.bfloat16)  # the shared check, on the pair configurations
 
 
 def test_bf16_pairs_glu():
