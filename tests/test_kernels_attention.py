@@ -73,7 +73,7 @@ def _attend(attention, qkv, cache, pos, **options):
     return out
 
 
-@pytest.mark.parametrize("length", [1, 7, 45, 96])
+@pytest.mark.parametrize("length", [1, 7, 17, 45, 96])  # 17: the last split holds only the new token
 @pytest.mark.parametrize("options", [{}, {"window": 10}, {"softcap": 2.0}, {"sinks": True}, {"rope": True},
                                      {"rope": True, "qk_norm": True}])
 def test_decode_matches_softmax(length, options):
