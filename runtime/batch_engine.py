@@ -302,13 +302,13 @@ class BatchEngine:
         outs = []
         for op in ops:
             choice = self._rows_kernel(op, x)
-            outs.append(rows_matmul(op, x, choice[1], choice[0]) if choice else op(x))
+            outs.append(rows_matmul(op, x, choice) if choice else op(x))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
-    def _rows_kernel(self, op, x: torch.Tensor) -> tuple[str, int] | None:
-        """The (scheme, band width) the int4 batch kernel runs `op` with for x's rows, or None for the
-        op's own matmul: on CUDA whichever timed fastest at this shape and row count on the first step
-        of the bucket (self.choices keeps the times, in microseconds)."""
+    def _rows_kernel(self, op, x: torch.Tensor) -> tuple[str, int, int] | None:
+        """The (scheme, band width, splits) the int4 batch kernel runs `op` with for x's rows, or None
+        for the op's own matmul: on CUDA whichever timed fastest at this shape and row count on the
+        first step of the bucket (self.choices keeps the times, in microseconds, by "scheme/band/splits")."""
         from .kernels import grouped_int_batch
 
         b = x.shape[0]
@@ -320,15 +320,15 @@ class BatchEngine:
         if key not in self.choices:
             probe = torch.randn(b, op.in_features, device=self.device).to(x.dtype)
             rows_matmul = grouped_int_batch.rows_matmul
-            times = {f"{scheme}/{bn}": _time_or_inf(lambda s=scheme, bn=bn: rows_matmul(op, probe, bn, s))
-                     for scheme, bn in grouped_int_batch.candidates(op)}
+            times = {"/".join(map(str, c)): _time_or_inf(lambda c=c: rows_matmul(op, probe, c))
+                     for c in grouped_int_batch.candidates(op)}
             times["matmul"] = _time(lambda: op(probe))
             self.choices[key] = times
         best = min(self.choices[key].items(), key=lambda kv: kv[1])[0]
         if best == "matmul":
             return None
-        scheme, bn = best.split("/")
-        return scheme, int(bn)
+        scheme, bn, splits = best.split("/")
+        return scheme, int(bn), int(splits)
 
 
 def _time_or_inf(launch) -> float:

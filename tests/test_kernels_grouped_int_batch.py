@@ -14,7 +14,7 @@ def test_rows_matmul_matches_the_reference(rows, params):
     from thin.runtime.kernels.grouped_int_batch import candidates, rows_matmul, takes
 
     op, dense, bias = make_op("int4", (64, 256), params, bias=True, seed=rows)
-    assert {scheme for scheme, _ in candidates(op)} == {"rows", "nibble"}
+    assert {scheme for scheme, _, _ in candidates(op)} == {"rows", "nibble"}  # float32: no "trans"
     assert takes(op)
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(DEVICE)
     want = x.cpu() @ dense.T + bias.cpu()
@@ -23,9 +23,57 @@ def test_rows_matmul_matches_the_reference(rows, params):
     assert rel_err(got, want) < tolerance(torch.float32)
     # A row alone gives what it gives among others.
     assert torch.equal(rows_matmul(op, x[1:2].clone()), got[1:2])
-    for scheme, block_n in candidates(op):
-        got = rows_matmul(op, x, block_n, scheme)
-        assert rel_err(got, want) < tolerance(torch.float32), (scheme, block_n)
+    for choice in candidates(op):
+        got = rows_matmul(op, x, choice)
+        assert rel_err(got, want) < tolerance(torch.float32), choice
+
+
+@pytest.mark.parametrize("rows", [3, 20])
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_the_transposed_scheme_matches_the_reference(rows, group):
+    """Every band and split of the "trans" scheme (bfloat16 activations), each step's column
+    permutation against the codes' real columns: a wrong order of the code positions, halves or
+    lane words fails it."""
+    from thin.runtime.kernels.grouped_int_batch import candidates, rows_matmul
+
+    op, dense, bias = make_op("int4", (128, 512), {"group_size": group}, dtype=torch.bfloat16, bias=True, seed=group)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16).to(DEVICE)
+    want = x.float().cpu() @ dense.T + bias.float().cpu()
+    choices = [c for c in candidates(op) if c[0] == "trans"]
+    assert {(bn, s) for _, bn, s in choices} >= {(64, 1), (128, 1), (64, 2), (128, 2)}
+    for choice in choices:
+        got = rows_matmul(op, x, choice)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 128)
+        assert rel_err(got, want) < tolerance(torch.bfloat16), choice
+        # A row alone gives what it gives among others.
+        assert torch.equal(rows_matmul(op, x[2:3].clone(), choice), got[2:3]), choice
+
+
+def test_the_transposed_scheme_is_offered_only_where_it_runs():
+    from thin.runtime.kernels.grouped_int_batch import candidates, rows_matmul
+
+    asym, _, _ = make_op("int4", (128, 256), {"group_size": 32, "asymmetric": 1}, dtype=torch.bfloat16)
+    narrow, _, _ = make_op("int4", (96, 256), {"group_size": 32}, dtype=torch.bfloat16)
+    assert not [c for c in candidates(asym) + candidates(narrow) if c[0] == "trans"]
+    op, _, _ = make_op("int4", (128, 256), {"group_size": 32}, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="choice"):
+        rows_matmul(op, torch.zeros(2, 256, device=DEVICE), ("trans", 64, 1))  # float32 activations
+    with pytest.raises(ValueError, match="choice"):
+        rows_matmul(op, torch.zeros(2, 256, dtype=torch.bfloat16, device=DEVICE), ("trans", 64, 3))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape", [(6144, 4096), (4096, 14336)])
+@pytest.mark.parametrize("rows", [2, 16, 64])
+def test_every_candidate_at_a_real_shape_on_gpu(shape, rows):
+    """The inline-PTX dequantization and the tensor-core layouts of every candidate, on the GPU."""
+    from thin.runtime.kernels.grouped_int_batch import candidates, rows_matmul
+
+    op, dense, _ = make_op("int4", shape, {"group_size": 128}, dtype=torch.bfloat16, seed=rows)
+    x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16).to(DEVICE)
+    want = x.float().cpu() @ dense.T
+    for choice in candidates(op):
+        assert rel_err(rows_matmul(op, x, choice), want) < tolerance(torch.bfloat16), choice
 
 
 def test_rows_matmul_refuses_what_it_does_not_take():

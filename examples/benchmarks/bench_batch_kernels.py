@@ -4,8 +4,8 @@
 
 For each projection shape (qkv, o, gate_up, down, lm_head) and number of rows (sequences in the
 step) it times every candidate the batch engine chooses among (runtime/batch_engine.py): the few-rows
-kernel in each scheme and band width (runtime/kernels/grouped_int_batch.py) and the op's own prefill
-matmul, next to the matrix-vector product of one row. Times are the batch engine's own measurement
+kernel in each scheme, band width and split (runtime/kernels/grouped_int_batch.py) and the op's own
+prefill matmul, next to the matrix-vector product of one row. Times are the batch engine's own measurement
 (median of 5 x 5 launches, microseconds); GB/s counts the packed weight bytes read once.
 """
 
@@ -42,8 +42,8 @@ def bench_shape(name: str, shape, rows: list[int], group: int) -> None:
     t1 = _time(lambda: op(one))
     for m in rows:
         x = torch.randn(m, shape[1], device="cuda").to(torch.bfloat16)
-        times = {f"{s}/{bn}": _time(lambda s=s, bn=bn, x=x: grouped_int_batch.rows_matmul(op, x, bn, s))
-                 for s, bn in grouped_int_batch.candidates(op)}
+        times = {"/".join(map(str, c)): _time(lambda c=c, x=x: grouped_int_batch.rows_matmul(op, x, c))
+                 for c in grouped_int_batch.candidates(op)}
         best = min(times, key=times.get)
         tm = _time(lambda x=x: op(x))
         detail = ", ".join(f"{k} {v:.1f}" for k, v in times.items())
@@ -61,7 +61,8 @@ def main() -> int:
         return 1
     rows = [int(r) for r in args.rows.split(",")]
     print(f"int4 g{args.group} on {torch.cuda.get_device_name()}: us per call (GB/s of the packed weight)")
-    print("| shape | rows | matvec, 1 row | best few-rows kernel (scheme/band) | prefill matmul | all candidates |")
+    print("| shape | rows | matvec, 1 row | best few-rows kernel (scheme/band/splits) | prefill matmul "
+          "| all candidates |")
     print("| --- | ---: | ---: | ---: | ---: | --- |")
     for name, shape in SHAPES.items():
         bench_shape(name, shape, rows, args.group)

@@ -19,6 +19,14 @@ Two schemes, timed against each other per shape and row count (`candidates`):
   stride-8 load of x, cheap: x is a few KB and stays in cache) against those tiles. Each word is
   loaded once and shifted in place; the group scale (and offset) is one [BN, BK / 8] load a step
   (BK / 8 consecutive words never cross a group of 32 or more).
+- "trans": the transposed product, out.T [BN, BM] = W [BN, BK] @ x.T [BK, BM], so the weights are the
+  dot's first operand: on Hopper (wgmma, BN of 64 or 128) that operand may live in registers and
+  the band's codes are dequantized in place, in the operand's own layout, while the small
+  activation block is the shared-memory operand. No conversion of the weight tile through shared
+  memory: the tile's columns are taken in the order the operand layout hands them to a thread, and
+  x.T is permuted to match (`_trans_kernel`). Symmetric int4 under bfloat16 activations; the
+  K range may be split over programs (float32 partial sums, then `_sum_splits`) when the bands
+  alone are too few to fill the device.
 """
 
 from __future__ import annotations
@@ -80,6 +88,102 @@ def _rows_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, M, N, K
     tl.store(out_ptr + tok[:, None] * N + rows[None, :], acc.to(out_ptr.dtype.element_ty), mask=tok_mask[:, None])
 
 
+@triton.jit
+def _codes(h, S: tl.constexpr, MID: tl.constexpr, ASM: tl.constexpr):
+    """u - MID for the 4-bit code u at bits S..S+3 of each int16 `h` (a half of a packed word). ASM
+    (bfloat16, MID 8): two halves a register, the codes OR-ed into the mantissa of 128.0 (0x4300,
+    exact: its unit is 1) by one logic op and 136 subtracted by one pair fma (t * 1 - 136, exact
+    small integers; sm_80 and up); else float32 (the interpreter's twin)."""
+    if ASM:
+        # (bf16 pairs: o = (1, 1), z = (-136, -136); lop3 0xea: (a & b) | c)
+        if S == 0:
+            out = tl.inline_asm_elementwise(
+                "{ .reg .b32 t, o, z; mov.b32 o, 0x3F803F80; mov.b32 z, 0xC308C308; "
+                "lop3.b32 t, $1, 0x000F000F, 0x43004300, 0xea; fma.rn.bf16x2 $0, t, o, z; }",
+                "=r,r", [h], dtype=tl.bfloat16, is_pure=True, pack=2)
+        elif S == 4:
+            out = tl.inline_asm_elementwise(
+                "{ .reg .b32 t, o, z; mov.b32 o, 0x3F803F80; mov.b32 z, 0xC308C308; shr.u32 t, $1, 4; "
+                "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xea; fma.rn.bf16x2 $0, t, o, z; }",
+                "=r,r", [h], dtype=tl.bfloat16, is_pure=True, pack=2)
+        elif S == 8:
+            out = tl.inline_asm_elementwise(
+                "{ .reg .b32 t, o, z; mov.b32 o, 0x3F803F80; mov.b32 z, 0xC308C308; shr.u32 t, $1, 8; "
+                "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xea; fma.rn.bf16x2 $0, t, o, z; }",
+                "=r,r", [h], dtype=tl.bfloat16, is_pure=True, pack=2)
+        else:
+            out = tl.inline_asm_elementwise(
+                "{ .reg .b32 t, o, z; mov.b32 o, 0x3F803F80; mov.b32 z, 0xC308C308; shr.u32 t, $1, 12; "
+                "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xea; fma.rn.bf16x2 $0, t, o, z; }",
+                "=r,r", [h], dtype=tl.bfloat16, is_pure=True, pack=2)
+    else:
+        out = (((h >> S) & 0xF) - MID).to(tl.float32)
+    return out
+
+
+@triton.jit
+def _trans_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, k_len, MID: tl.constexpr, G: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PARTIAL: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, ASM: tl.constexpr):
+    """Program (i, s): out.T[i*BN:(i+1)*BN, :M] over columns s*k_len .. (s+1)*k_len, W's band as the
+    dot's first operand. PARTIAL: float32 sums into out[s] (a [splits, M, N] buffer), else plus the
+    bias in out's dtype.
+
+    Column order of a step's tile (BK = 32 H columns, H words a row per lane group): tile column
+    32 hi + 16 s1 + 8 s0 + 2 t + half is the code at bits 4 (2 s1 + s0) of int16 half `half` of
+    word H t + hi, i.e. real column 8 (H t + hi) + 4 half + 2 s1 + s0. That is the order in which
+    the wgmma register operand gives a thread its values (pairs of columns in one register, lanes
+    t = 0..3 two columns apart, then registers 8 columns apart), so the four code positions of
+    the loaded halves, joined, are the operand as they stand; x.T is the same permutation of the
+    step's columns. The group scale multiplies each step's [BN, BM] sums (BK divides the group):
+    the tile holds the exact integers u - MID."""
+    H: tl.constexpr = BK // 32
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    k_first = tl.program_id(1) * k_len
+    tok = tl.arange(0, BM)
+    tok_mask = tok < M
+    # Lane group t's H words of each row, as 2 H int16 halves: 8-byte loads along the row.
+    halves = w_ptr.to(tl.pointer_type(tl.int16), bitcast=True) + rows[:, None, None].to(tl.int64) * (K // 4)
+    lane_halves = 2 * H * tl.arange(0, 4)[None, :, None] + tl.arange(0, 2 * H)[None, None, :]
+    acc = tl.zeros([BN, BM], dtype=tl.float32)
+    for k0 in range(k_first, k_first + k_len, BK):
+        scale = tl.load(scale_ptr + rows.to(tl.int64) * (K // G) + k0 // G).to(tl.float32)
+        h = tl.load(halves + k0 // 4 + lane_halves)
+        h = tl.permute(tl.reshape(h, [BN, 4, H, 2]), (0, 2, 1, 3))  # [BN, hi, t, half]
+        pairs = tl.join(tl.join(_codes(h, 0, MID, ASM), _codes(h, 4, MID, ASM)),
+                        tl.join(_codes(h, 8, MID, ASM), _codes(h, 12, MID, ASM)))  # [BN, hi, t, half, s0, s1]
+        w = tl.reshape(tl.permute(pairs, (0, 1, 5, 4, 2, 3)), [BN, BK])
+        # The step's activations, one contiguous load (16 bytes a lane), permuted in registers.
+        x = tl.load(x_ptr + tok[:, None] * K + (k0 + tl.arange(0, BK))[None, :], mask=tok_mask[:, None], other=0.0)
+        xt = tl.reshape(tl.permute(tl.reshape(x, [BM, 4, H, 2, 2, 2]), (2, 4, 5, 1, 3, 0)), [BK, BM])
+        if ASM:  # noqa: SIM108  (constexpr branches: only one is compiled)
+            part = tl.dot(w, xt)
+        else:
+            part = tl.dot(w, xt.to(tl.float32), input_precision="ieee")
+        acc += part * scale[:, None]
+    if PARTIAL:
+        dest = out_ptr + tl.program_id(1) * M * N + tok[None, :] * N + rows[:, None]
+        tl.store(dest, acc, mask=tok_mask[None, :])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows).to(tl.float32)[:, None]
+        tl.store(out_ptr + tok[None, :] * N + rows[:, None], acc.to(out_ptr.dtype.element_ty), mask=tok_mask[None, :])
+
+
+@triton.jit
+def _sum_splits(part_ptr, bias_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """out = the sum over SPLITS of part[s] (+ bias), in out's dtype, in a fixed order."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = i < MN
+    total = tl.load(part_ptr + i, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLITS):
+        total += tl.load(part_ptr + s * MN + i, mask=mask, other=0.0)
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + i % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + i, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 MAX_ROWS = 64
 
 
@@ -104,34 +208,60 @@ def block_candidates(op) -> list[int]:
     return [bn for bn in (16, 32, 64) if op.out_features % bn == 0]
 
 
-SCHEMES = ("rows", "nibble")
+SCHEMES = ("rows", "nibble", "trans")
+SPLITS = (1, 2, 4, 8)
 
 
-def candidates(op) -> list[tuple[str, int]]:
-    """(scheme, band width) pairs worth timing for `op` (the nibble scheme needs 128 columns a
-    step: eight dots of at least 16)."""
-    out = [("rows", bn) for bn in block_candidates(op)]
+def candidates(op) -> list[tuple[str, int, int]]:
+    """(scheme, band width, splits of the columns) worth timing for `op`: the nibble scheme needs 128
+    columns a step (eight dots of at least 16); the transposed one symmetric codes, bfloat16
+    activations and bands of 64 or 128 rows, its column range split in up to 8 parts of at least
+    two steps each."""
+    out = [("rows", bn, 1) for bn in block_candidates(op)]
     if op.in_features % 128 == 0 and op.group % 32 == 0:
-        out += [("nibble", bn) for bn in block_candidates(op)]
+        out += [("nibble", bn, 1) for bn in block_candidates(op)]
+    if not op.asym and op.mid == 8 and op.dtype == torch.bfloat16:
+        steps = op.in_features // _block_k(op)
+        out += [("trans", bn, s) for bn in (64, 128) if op.out_features % bn == 0
+                for s in SPLITS if steps % s == 0 and (s == 1 or steps // s >= 2)]
     return out
 
 
-def rows_matmul(op, x: torch.Tensor, block_n: int = 16, scheme: str = "rows") -> torch.Tensor:
-    """x [M, K] (M <= 64) @ W.T (+ bias) -> [M, N] in x's dtype, for an op `takes` accepts, in bands
-    of `block_n` output rows, by `scheme` ((scheme, block_n) one of candidates(op))."""
+def rows_matmul(op, x: torch.Tensor, choice: tuple[str, int, int] = ("rows", 16, 1)) -> torch.Tensor:
+    """x [M, K] (M <= 64) @ W.T (+ bias) -> [M, N] in x's dtype, for an op `takes` accepts, by
+    `choice` = (scheme, band width, splits), one of candidates(op)."""
     M, K = x.shape
     N = op.out_features
-    if (not takes(op) or op.in_features != K or not 1 <= M <= MAX_ROWS
-            or (scheme, block_n) not in candidates(op)):
-        raise ValueError(f"rows_matmul takes int4 weights, 1..{MAX_ROWS} rows of {op.in_features} and a scheme and "
-                         f"band of candidates(op), got {op!r}, {tuple(x.shape)}, {scheme} and {block_n}")
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    bn = block_n
+    if (not takes(op) or op.in_features != K or not 1 <= M <= MAX_ROWS or tuple(choice) not in candidates(op)
+            or (choice[0] == "trans" and x.dtype != op.dtype)):
+        raise ValueError(f"rows_matmul takes int4 weights, 1..{MAX_ROWS} rows of {op.in_features} and a choice of "
+                         f"candidates(op), got {op!r}, {tuple(x.shape)} {x.dtype} and {choice}")
+    scheme, bn, splits = choice
     bias = op.bias if op.bias is not None else x
+    if scheme == "trans":
+        return _trans(op, x.contiguous(), bn, splits, bias)
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     nibble = scheme == "nibble"
     _rows_kernel[(N // bn,)](
         x.contiguous(), op.low32, op.scales, op.offsets, bias, out, M, N, K, MID=op.mid, ASYM=op.asym, G=op.group,
         BM=max(16, next_power_of_2(M)), BN=bn, BK=128 if nibble else _block_k(op), NIBBLE=nibble,
         HAS_BIAS=op.bias is not None, IEEE=x.dtype == torch.float32 or interpreting(), num_warps=4,
         num_stages=3 if nibble else 4)
+    return out
+
+
+def _trans(op, x: torch.Tensor, bn: int, splits: int, bias: torch.Tensor) -> torch.Tensor:
+    """The "trans" scheme: one launch, or with splits > 1 float32 partial sums and `_sum_splits`."""
+    M, K = x.shape
+    N = op.out_features
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if splits > 1 else out
+    _trans_kernel[(N // bn, splits)](
+        x, op.low32, op.scales, bias, part, M, N, K, K // splits, MID=op.mid, G=op.group,
+        BM=max(16, next_power_of_2(M)), BN=bn, BK=_block_k(op), PARTIAL=splits > 1, HAS_BIAS=op.bias is not None,
+        ASM=not interpreting(), num_warps=4, num_stages=3)
+    if splits > 1:
+        block = 1024
+        _sum_splits[(triton.cdiv(M * N, block),)](part, bias, out, M * N, N, SPLITS=splits,
+                                                  HAS_BIAS=op.bias is not None, BLOCK=block)
     return out
