@@ -122,7 +122,8 @@ def _codes(h, S: tl.constexpr, MID: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _trans_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, k_len, MID: tl.constexpr, G: tl.constexpr,
+def _trans_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, row_halves, k_len, MID: tl.constexpr,
+                  G: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PARTIAL: tl.constexpr,
                   HAS_BIAS: tl.constexpr, ASM: tl.constexpr):
     """Program (i, s): out.T[i*BN:(i+1)*BN, :M] over columns s*k_len .. (s+1)*k_len, W's band as the
@@ -142,8 +143,9 @@ def _trans_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, k_len, MI
     k_first = tl.program_id(1) * k_len
     tok = tl.arange(0, BM)
     tok_mask = tok < M
-    # Lane group t's H words of each row, as 2 H int16 halves: 8-byte loads along the row.
-    halves = w_ptr.to(tl.pointer_type(tl.int16), bitcast=True) + rows[:, None, None].to(tl.int64) * (K // 4)
+    # Lane group t's H words of each row, as 2 H int16 halves: one 4 H-byte load (row_halves = K / 4
+    # is an argument of its own so that the compiler sees its divisibility by 16 and vectorises).
+    halves = w_ptr.to(tl.pointer_type(tl.int16), bitcast=True) + rows[:, None, None].to(tl.int64) * row_halves
     lane_halves = 2 * H * tl.arange(0, 4)[None, :, None] + tl.arange(0, 2 * H)[None, None, :]
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     for k0 in range(k_first, k_first + k_len, BK):
@@ -257,9 +259,9 @@ def _trans(op, x: torch.Tensor, bn: int, splits: int, bias: torch.Tensor) -> tor
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if splits > 1 else out
     _trans_kernel[(N // bn, splits)](
-        x, op.low32, op.scales, bias, part, M, N, K, K // splits, MID=op.mid, G=op.group,
+        x, op.low32, op.scales, bias, part, M, N, K, K // 4, K // splits, MID=op.mid, G=op.group,
         BM=max(16, next_power_of_2(M)), BN=bn, BK=_block_k(op), PARTIAL=splits > 1, HAS_BIAS=op.bias is not None,
-        ASM=not interpreting(), num_warps=4, num_stages=3)
+        ASM=not interpreting(), num_warps=4, num_stages=4)
     if splits > 1:
         block = 1024
         _sum_splits[(triton.cdiv(M * N, block),)](part, bias, out, M * N, N, SPLITS=splits,
