@@ -113,6 +113,7 @@ class BatchEngine:
         self.seen, self.counts = new(S, e.vocab, dtype=torch.int8), new(S, e.vocab, dtype=torch.int32)
         self.options = RowOptions(S, self.device)
         self.residual, self.normed = new(S, e.hidden, dtype=self.dtype), new(S, e.hidden, dtype=self.dtype)
+        self.q = new(S, e.num_heads, e.head_dim, dtype=self.dtype)
         self.attn = new(S, e.num_heads * e.head_dim, dtype=self.dtype)
         self.logits = new(S, e.vocab, dtype=self.dtype)
         self._first_out = new(2, dtype=torch.long)
@@ -244,11 +245,12 @@ class BatchEngine:
     def decode_rows(self, b: int, sort: bool, track: bool) -> None:
         """Rows 0 .. b-1: feed each its token at its position; leave the next token in self.tokens."""
         from .kernels.norm import add_rmsnorm
+        from .kernels.rope import rope_append
         from .kernels.sampling import pick_rows
 
         e = self.engine
         layers = e.ex.layers
-        residual, normed, attn = self.residual[:b], self.normed[:b], self.attn[:b]
+        residual, normed, q, attn = self.residual[:b], self.normed[:b], self.q[:b], self.attn[:b]
         residual.copy_(e._embed(self.tokens[:b]))
         add_rmsnorm(residual, normed, norm=_norm(layers[0].attn_norm))
         for index, layer in enumerate(layers):
@@ -259,9 +261,10 @@ class BatchEngine:
             else:
                 qkv = self._linear(a.qkv, normed)
             e._whole_qk_norm(a, qkv)
-            self.attention[b](qkv, self.keys[index], self.values[index], self.tables[:b], self.pos, attn,
-                              scale=a.scale, rope=_tables(a), **_qk_norms(a), window=a.sliding_window,
-                              softcap=a.logit_softcap, sinks=getattr(a, "sinks", None))
+            rope_append(qkv, q, self.keys[index], self.values[index], self.tables[:b], self.pos, e.num_heads,
+                        e.num_kv_heads, e.head_dim, rope=_tables(a), **_qk_norms(a))
+            self.attention[b](q, self.keys[index], self.values[index], self.tables[:b], self.pos, attn, scale=a.scale,
+                              window=a.sliding_window, softcap=a.logit_softcap, sinks=getattr(a, "sinks", None))
             self._add_norm(residual, normed, a.o, attn, layer.attn_post_norm, layer.ffn_norm)
             h = e.mlp[:e._mlp(layer.ffn, normed[0])] if b == 1 else self._mlp_rows(layer.ffn, normed)
             following = layers[index + 1].attn_norm if index + 1 < len(layers) else e.ex.final_norm

@@ -4,10 +4,9 @@ It runs the executor's plans (the same LinearOps, norm weights and rotary tables
 of any weight) through the fused kernels of runtime/kernels/ over a paged KV cache:
 
     prefill(cache, ids)         the whole prompt in one pass per layer; picks the first token
-    decode_one_token(cache, s)  one token: embed, per layer [qkv matvec, attention (q/k norm, RoPE,
-                                KV append and split-KV attention in one launch), o matvec,
-                                residual + norm, gate/up matvec + activation, down matvec,
-                                residual + norm], LM head, pick
+    decode_one_token(cache, s)  one token: embed, per layer [qkv matvec, q/k norm + RoPE + KV
+                                append, split-KV attention, o matvec, residual + norm, gate/up
+                                matvec + activation, down matvec, residual + norm], LM head, pick
     decode_n_tokens(...)        replays the captured step, streaming tokens as they land
 
 Everything a step needs from one token to the next lives on the device: the token, the position
@@ -81,7 +80,7 @@ class DecodeEngine:
         self.seed = new(1, dtype=torch.long)
         self.seen = new(self.vocab, dtype=torch.int8)
         self.residual, self.normed = new(self.hidden), new(self.hidden)
-        self.qkv = new(qkv_width)
+        self.qkv, self.q = new(qkv_width), new(self.num_heads, self.head_dim)
         self.attn = new(self.num_heads * self.head_dim)
         self.mlp = new(intermediate)
         self.partials = new(splits, self.hidden, dtype=torch.float32)
@@ -188,6 +187,7 @@ class DecodeEngine:
         """Feed self.token at position self.pos; leave the next token in self.token (and in
         cache.out_tokens[step]), then advance pos and step. Reads nothing from the host."""
         from .kernels.norm import add_rmsnorm
+        from .kernels.rope import rope_append
 
         mark = self._mark
         layers = self.ex.layers
@@ -201,11 +201,13 @@ class DecodeEngine:
             with mark("qkv"):
                 self._project(a.qkv, self.normed, self.qkv)
                 self._whole_qk_norm(a, self.qkv[None])
-            with mark("attention (+ qk norm, rope, append)"):
-                cache.attention(self.qkv, k_cache, v_cache, table, self.pos, self.attn, scale=a.scale, rope=_tables(a),
-                                **_qk_norms(a), window=a.sliding_window, softcap=a.logit_softcap,
-                                sinks=getattr(a, "sinks", None), log=cache.attended if index == 0 else None,
-                                step=self.step)
+            with mark("qk norm + rope + append"):
+                rope_append(self.qkv, self.q, k_cache, v_cache, table, self.pos, self.num_heads,
+                            self.num_kv_heads, self.head_dim, rope=_tables(a), **_qk_norms(a))
+            with mark("attention"):
+                cache.attention(self.q, k_cache, v_cache, table, self.pos, self.attn, scale=a.scale,
+                                window=a.sliding_window, softcap=a.logit_softcap, sinks=getattr(a, "sinks", None),
+                                log=cache.attended if index == 0 else None, step=self.step)
             with mark("o"):
                 parts, bias = self._partial_sums(a.o, self.attn)
             with mark("residual + norm"):

@@ -185,6 +185,7 @@ def bench_others() -> list[dict]:
     """The non-linear kernels of one llama-8b decode step."""
     from thin.runtime.kernels.attention import DecodeAttention
     from thin.runtime.kernels.norm import add_rmsnorm
+    from thin.runtime.kernels.rope import rope_append
     from thin.runtime.kernels.sampling import Sampler
     from thin.runtime.paged_kv import PagedKVCache
     from thin.runtime.sampling import GenerationOptions
@@ -199,7 +200,7 @@ def bench_others() -> list[dict]:
     k_cache.normal_()
     v_cache.normal_()
     pos = torch.tensor([639], dtype=torch.int32, device=dev)
-    qkv = torch.randn(6144, device=dev).to(dt)
+    qkv, q = torch.randn(6144, device=dev).to(dt), torch.empty(32, 128, device=dev, dtype=dt)
     cos = torch.randn(2048, 128, device=dev).to(dt)
     attention = DecodeAttention(32, 8, 128, 1024, dev)
     attn_out = torch.empty(4096, device=dev, dtype=dt)
@@ -211,8 +212,10 @@ def bench_others() -> list[dict]:
     rows = []
     for name, fn in [
         ("residual + rmsnorm (4 partials)", lambda: add_rmsnorm(res, out, partials=parts, norm=(w, 1e-5))),
-        ("attention with rope + kv append, 640 positions",
-         lambda: attention(qkv, k_cache, v_cache, cache.block_table, pos, attn_out, scale=0.088, rope=(cos, cos))),
+        ("rope + kv append", lambda: rope_append(qkv, q, k_cache, v_cache, cache.block_table, pos, 32, 8, 128,
+                                                 rope=(cos, cos))),
+        ("attention, 640 positions", lambda: attention(q, k_cache, v_cache, cache.block_table, pos, attn_out,
+                                                       scale=0.088)),
         ("greedy pick, 32000", lambda: (state[4].zero_(), greedy(logits, *state, advance_pos=False))),
     ]:
         rows.append({"kernel": name, "us": time_graph([fn] * 20) * 1e6})

@@ -8,9 +8,8 @@ Weight formats (each reads its format's packed bytes directly, never a dequantiz
     q2.py, q1.py    q2, q1                            matvec, prefill matmul
 Everything else a decode step runs:
     norm.py         residual add (+ split-K partial sums) + RMSNorm, with the optional post-norm
-    rope.py         q/k norm + RoPE (every kind, via the cos/sin tables) + paged KV append (prefill)
-    attention.py    decode attention in one launch: q/k norm + RoPE + KV append, split-KV attention
-                    over the paged cache (GQA, window, softcap, sinks) and the splits' merge;
+    rope.py         q/k norm + RoPE (every kind, via the cos/sin tables) + paged KV append
+    attention.py    split-KV decode attention over the paged cache (GQA, window, softcap, sinks),
                     prefill attention through scaled_dot_product_attention
     activation.py   the IR's activations, and act(gate) * up for prefill
     experts.py      mixture of experts: router top-k, the chosen experts' gate/up + activation and

@@ -1,6 +1,5 @@
-"""After the qkv projection of a prefill: per-head q/k RMSNorm (Qwen3, Gemma-3), rotary embedding,
-and the append of the new keys and values to the paged KV cache, in one launch. (A decode step does
-the same inside its attention launch, attention.py, through `rope_heads`.)
+"""After the qkv projection: per-head q/k RMSNorm (Qwen3, Gemma-3), rotary embedding, and the
+append of the new keys and values to the paged KV cache, in one launch.
 
 RoPE of every kind the IR has (default, linear, llama3) comes in through the cos/sin tables of
 runtime/rope.py (RotaryTables: the frequencies as transformers computes them, in the compute
@@ -20,30 +19,27 @@ from .common import next_power_of_2
 
 
 @triton.jit
-def rope_heads(x_ptr, heads, valid, w_ptr, eps, cos_ptr, sin_ptr, position, D, R, d, NORM: tl.constexpr,
-               ROPE: tl.constexpr):
-    """Heads `heads` [N] (where `valid`) of the row at x_ptr, D features each, normed (NORM) and
-    rotated (ROPE) at `position`: [N, BLOCK_D] float32, rounded to the dtype of x_ptr at each torch
-    step. The decode attention (attention.py) calls it for its query heads and the new key."""
+def _head(x_ptr, w_ptr, eps, cos_ptr, sin_ptr, position, D, R, d, NORM: tl.constexpr, ROPE: tl.constexpr):
+    """One head's D features (float32, rounded to the dtype of x_ptr at each torch step)."""
     dtype = x_ptr.dtype.element_ty
-    base = x_ptr + heads[:, None] * D
-    x = tl.load(base + d[None, :], mask=valid[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
+    mask = d < D
+    x = tl.load(x_ptr + d, mask=mask, other=0.0).to(tl.float32)
     if NORM:
-        inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
-        x = (x * inv[:, None] * tl.load(w_ptr + d, mask=d < D, other=0.0)[None, :]).to(dtype).to(tl.float32)
+        x = tl.where(mask, x, 0.0)
+        inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+        x = (x * inv * tl.load(w_ptr + d, mask=mask, other=0.0)).to(dtype).to(tl.float32)
     if ROPE:
         half = R // 2
         rot = d < R
         partner = tl.where(d < half, d + half, d - half)
-        other = tl.load(base + partner[None, :], mask=valid[:, None] & rot[None, :], other=0.0).to(tl.float32)
+        other = tl.load(x_ptr + partner, mask=rot, other=0.0).to(tl.float32)
         if NORM:  # the partner feature is normed too (same row statistics)
-            weight = tl.load(w_ptr + partner, mask=rot, other=0.0)
-            other = (other * inv[:, None] * weight[None, :]).to(dtype).to(tl.float32)
-        other = tl.where((d < half)[None, :], -other, other)
+            other = (other * inv * tl.load(w_ptr + partner, mask=rot, other=0.0)).to(dtype).to(tl.float32)
+        other = tl.where(d < half, -other, other)
         cos = tl.load(cos_ptr + position * R + d, mask=rot, other=1.0).to(tl.float32)
         sin = tl.load(sin_ptr + position * R + d, mask=rot, other=0.0).to(tl.float32)
-        rotated = ((x * cos[None, :]).to(dtype).to(tl.float32) + (other * sin[None, :]).to(dtype).to(tl.float32))
-        x = tl.where(rot[None, :], rotated.to(dtype).to(tl.float32), x)
+        rotated = ((x * cos).to(dtype).to(tl.float32) + (other * sin).to(dtype).to(tl.float32)).to(dtype)
+        x = tl.where(rot, rotated.to(tl.float32), x)
     return x
 
 
@@ -64,16 +60,15 @@ def _rope_append_kernel(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, pos
     else:
         position = tl.load(pos_ptr) + t
     row = qkv_ptr + t * (HQ + 2 * HKV) * D
-    one = tl.zeros([1], dtype=tl.int32)
     if h < HQ:
-        x = rope_heads(row, one + h, one == 0, qn_ptr, q_eps, cos_ptr, sin_ptr, position, D, R, d, NORM, ROPE)
-        tl.store(q_ptr + (t * HQ + h) * D + d[None, :], x.to(q_ptr.dtype.element_ty), mask=(d < D)[None, :])
+        x = _head(row + h * D, qn_ptr, q_eps, cos_ptr, sin_ptr, position, D, R, d, NORM, ROPE)
+        tl.store(q_ptr + (t * HQ + h) * D + d, x.to(q_ptr.dtype.element_ty), mask=d < D)
     else:
         kv = h - HQ
         block = tl.load(table_ptr + position // BS)
         slot = ((block * HKV + kv) * BS + position % BS).to(tl.int64) * D
-        k = rope_heads(row, one + HQ + kv, one == 0, kn_ptr, k_eps, cos_ptr, sin_ptr, position, D, R, d, NORM, ROPE)
-        tl.store(k_cache_ptr + slot + d[None, :], k.to(k_cache_ptr.dtype.element_ty), mask=(d < D)[None, :])
+        k = _head(row + (HQ + kv) * D, kn_ptr, k_eps, cos_ptr, sin_ptr, position, D, R, d, NORM, ROPE)
+        tl.store(k_cache_ptr + slot + d, k.to(k_cache_ptr.dtype.element_ty), mask=d < D)
         v = tl.load(row + (HQ + HKV + kv) * D + d, mask=d < D, other=0.0)
         tl.store(v_cache_ptr + slot + d, v, mask=d < D)
 
