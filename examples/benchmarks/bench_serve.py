@@ -180,7 +180,8 @@ def print_table(name: str, results: dict, args) -> None:
     for fmt, r in results.items():
         if r.get("int4_kernel_times"):
             print(f"\n{fmt}: int4 linears of a batched step, us (rows x columns x group x asymmetric x batch; "
-                  "rows/B, nibble/B: the batch kernel (tile or code-position scheme) in bands of B rows)")
+                  "scheme/B/S: the batch kernel's tile, code-position or transposed scheme in bands of B rows, "
+                  "its columns split S ways; matmul: the op's own)")
             print("| weight | times |\n| --- | --- |")
             for key, t in r["int4_kernel_times"].items():
                 print(f"| {key} | {', '.join(f'{k} {v:.1f}' for k, v in t.items())} |")
