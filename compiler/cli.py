@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -136,21 +137,28 @@ def terminal_safe(text: str) -> str:
 
 
 class _StageProgress:
-    """Prints a line per stage; on a terminal, tensor counts update in place."""
+    """Prints a line per stage; on a terminal, tensor counts update in place. A counted stage's line
+    ends with its wall time once it is done (from its first report to its last)."""
 
     def __init__(self, quiet: bool):
         self.quiet = quiet
         self.tty = sys.stderr.isatty()
         self.stage = None
+        self.started: dict[str, float] = {}
 
     def __call__(self, stage: str, done: int, total: int) -> None:
         if self.quiet:
             return
         if total:
+            now = time.perf_counter()
+            started = self.started.setdefault(stage, now)
+            took = f" ({now - started:.1f}s)" if done == total else ""
             if self.tty:
-                typer.echo(f"\r  {stage} {done}/{total}", err=True, nl=done == total)
+                typer.echo(f"\r  {stage} {done}/{total}{took}", err=True, nl=done == total)
             elif done == total:
-                typer.echo(f"  {stage} {done}/{total}", err=True)
+                typer.echo(f"  {stage} {done}/{total}{took}", err=True)
+            if done == total:
+                del self.started[stage]  # a stage that runs again (promotion rounds) is timed again
             return
         if stage != self.stage:
             typer.echo(f"  {stage}", err=True)
