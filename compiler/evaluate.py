@@ -3,9 +3,10 @@
 
 Passes never import the runtime; they call what is here (see `passes.runner.Evaluator`):
 
-- `session(program)` loads a program once and runs it (`forward`, `greedy`), with a tap on every
-  projection: `observe` sees each linear's input (calibration), `override` swaps a weight for a
-  dense one (sensitivity probes) without rebuilding the model;
+- `session(program)` loads a program once and runs it (`forward`, `greedy`; `layer_inputs` and
+  `forward_from` to re-run only the layers after a change), with a tap on every projection:
+  `observe` sees each linear's input (calibration), `override` swaps a weight for a dense one
+  (sensitivity probes) without rebuilding the model;
 - `compare(reference, candidate, prompts)` scores two sessions teacher-forced, with the runtime's
   own metrics (`runtime.quality`), so a certificate and `bench_quality.py` measure the same way;
 - `encode(text)` tokenizes with the checkpoint's tokenizer.
@@ -97,6 +98,17 @@ class Session:
         ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1).to(self.device)
         with torch.inference_mode():
             return self.executor.forward(ids)
+
+    def layer_inputs(self, ids) -> list[torch.Tensor]:
+        """The hidden states entering each layer for token ids [T], then the last layer's output
+        (Executor.layer_inputs), with the weights as they are now (overrides included)."""
+        ids = torch.as_tensor(ids, dtype=torch.long).reshape(-1).to(self.device)
+        return self.executor.layer_inputs(ids)
+
+    def forward_from(self, first: int, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 logits [T, vocab] continuing from `hidden`, the state entering layer `first` (one
+        of `layer_inputs`): `forward` when nothing before layer `first` has changed since."""
+        return self.executor.forward_from(first, hidden)
 
     @contextlib.contextmanager
     def observing(self, observer: Callable[[str, torch.Tensor], None]):

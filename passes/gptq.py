@@ -45,9 +45,12 @@ def inverse_cholesky(hessian, damp: float = DAMP):
     raise ValueError("the input second-moment matrix is not positive definite even with heavy damping")
 
 
-def gptq(weight, hessian, fmt, params=(), *, act_order: bool = False, damp: float = DAMP, block: int = BLOCK):
+def gptq(weight, hessian, fmt, params=(), *, act_order: bool = False, damp: float = DAMP, block: int = BLOCK,
+         factor=None):
     """(blob, w_hat): `weight` [rows, cols] quantized to `fmt` with GPTQ under `hessian` [cols, cols]
-    (E[x x^T] of the weight's input); w_hat is what the blob decodes to (float32)."""
+    (E[x x^T] of the weight's input); w_hat is what the blob decodes to (float32). `factor`, when
+    given, is inverse_cholesky(hessian, damp) computed earlier (a caller rounding one weight to
+    several formats factors its matrix once); act_order permutes the matrix, so it factors its own."""
     import torch
 
     w = weight.detach().float().clone()
@@ -66,8 +69,8 @@ def gptq(weight, hessian, fmt, params=(), *, act_order: bool = False, damp: floa
         w_hat = _sweep(w[:, order], upper, lambda j, work, jj, rest: (static[int(order[j]) // q.block],
                                                                         int(order[j]) % q.block), q, block)
         return q.pack(w_hat[:, torch.argsort(order)], static), w_hat[:, torch.argsort(order)]
-    upper, damped = inverse_cholesky(hessian, damp)
-    importance = torch.diagonal(damped)
+    upper, damped = factor if factor is not None else inverse_cholesky(hessian, damp)
+    upper, importance = upper.to(w.device), torch.diagonal(damped).to(w.device)
     grids: list = []
 
     def grid_for(col, work, j, rest):
@@ -83,27 +86,60 @@ def gptq(weight, hessian, fmt, params=(), *, act_order: bool = False, damp: floa
     return q.pack(w_hat, grids), w_hat
 
 
-def _sweep(w, upper, grid_for, q, block: int):
-    """The GPTQ column loop over w (modified in place) with lazy block updates; grid_for(col, work,
-    j, w) -> (grid, offset) gives each column's grid. Returns the projected weights."""
+def gptq_many(weights: list, hessians: list, fmt, params=(), *, damp: float = DAMP, block: int = BLOCK):
+    """(blob, w_hat) of the weights [rows, cols] (all one shape) stacked along the rows, each
+    quantized to `fmt` by GPTQ under its own `hessians` entry: what gptq() gives each alone, up to
+    the summation order of the batched products, in one column sweep instead of one per weight
+    (on a GPU the sweep's cost is launches per column, not arithmetic)."""
     import torch
 
-    cols = w.shape[1]
+    w = torch.stack([x.detach().float() for x in weights])  # [B, rows, cols]
+    count, rows, cols = w.shape
+    q = fmt.quantizer((count * rows, cols), params)
+    if q.block != cols and (q.block > block or block % q.block):
+        raise ValueError(f"format {fmt.name}: groups of {q.block} columns do not tile GPTQ blocks of {block}")
+    q.start(w.reshape(count * rows, cols))
+    factors = [inverse_cholesky(h.to(w.device).float(), damp) for h in hessians]
+    upper = torch.stack([u for u, _ in factors])  # [B, cols, cols]
+    importance = torch.stack([torch.diagonal(d) for _, d in factors])  # [B, cols]
+    del factors
+    grids: list = []
+
+    def grid_for(col, work, j, rest):
+        if col % q.block == 0:  # as in gptq(), each weight's rows weighted by its own diag(H)
+            span = work[:, :, j:j + q.block] if j + q.block <= work.shape[2] else rest[:, :, col:col + q.block]
+            imp = importance[:, None, col:col + q.block].expand(count, rows, span.shape[2])
+            grids.append(q.fit(span.reshape(count * rows, -1), imp.reshape(count * rows, -1)))
+        return grids[-1], col % q.block
+
+    w_hat = _sweep(w, upper, grid_for, q, block)
+    w_hat = w_hat.reshape(count * rows, cols)
+    return q.pack(w_hat, grids), w_hat
+
+
+def _sweep(w, upper, grid_for, q, block: int):
+    """The GPTQ column loop over w (modified in place) with lazy block updates; grid_for(col, work,
+    j, w) -> (grid, offset) gives each column's grid. Returns the projected weights. w [rows, cols]
+    with upper [cols, cols], or a batch w [B, rows, cols] with upper [B, cols, cols] (gptq_many),
+    whose grids cover the B * rows rows in order."""
+    import torch
+
+    cols = w.shape[-1]
     w_hat = torch.zeros_like(w)
     for i1 in range(0, cols, block):
         i2 = min(i1 + block, cols)
-        work = w[:, i1:i2].clone()
+        work = w[..., i1:i2].clone()
         errors = torch.zeros_like(work)
-        u = upper[i1:i2, i1:i2]
+        u = upper[..., i1:i2, i1:i2]
         for j in range(i2 - i1):
             grid, offset = grid_for(i1 + j, work, j, w)
-            column = work[:, j:j + 1]
-            projected = q.project(column, grid, offset)
-            w_hat[:, i1 + j:i1 + j + 1] = projected
-            err = (column - projected) / u[j, j]
-            work[:, j + 1:] -= err * u[j:j + 1, j + 1:]
-            errors[:, j:j + 1] = err
-        w[:, i2:] -= errors @ upper[i1:i2, i2:]
+            column = work[..., j:j + 1]
+            projected = q.project(column.reshape(-1, 1), grid, offset).reshape(column.shape)
+            w_hat[..., i1 + j:i1 + j + 1] = projected
+            err = (column - projected) / u[..., j:j + 1, j:j + 1]
+            work[..., j + 1:] -= err * u[..., j:j + 1, j + 1:]
+            errors[..., j:j + 1] = err
+        w[..., i2:] -= errors @ upper[..., i1:i2, i2:]
     return w_hat
 
 

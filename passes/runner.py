@@ -22,7 +22,9 @@ class Evaluator(Protocol):
     """What a pass may run (the compiler wires in the runtime's executor; see compiler/evaluate.py).
 
     `session(program)` loads a program once and returns an object with `forward(ids) -> float32
-    logits [T, vocab]`, `observing(fn)` (a context in which fn(weight name, x [tokens, in]) sees
+    logits [T, vocab]`, `layer_inputs(ids)` (the hidden state entering each layer, then the last
+    layer's output) and `forward_from(layer, hidden)` (forward's logits, running only the layers from
+    `layer` on), `observing(fn)` (a context in which fn(weight name, x [tokens, in]) sees
     every linear's input), `overriding({name: dense weight})` (a context in which those weights
     are replaced), `ffn_prefix(widths, scales, shifts)` and `ffn_level(index)` (contexts in which each
     FFN runs a prefix of its channels: elastic levels) and `greedy(prompt ids, n) -> ids`;

@@ -141,12 +141,14 @@ def score_formats(program: Program, ctx: PassContext) -> Program:
     probe_errors: dict[str, float] = {}
     encodings = {enc for name in names for enc in candidates(records[name], *options.allowed(records[name]))}
     correction = _gptq_corrections(program, ctx, encodings) if method == "gptq" else {}
+    inputs = program.annotations["calibration"]["inputs"]
+    shared = {}  # the last input's (H, GPTQ gain): q/k/v and gate/up read one input, in a row
     for i, name in enumerate(names):
         ctx.report("score formats", i, len(names))
         r = records[name]
-        w = formats.get(r.encoding.format).decode(program.load(name), r.shape, r.encoding.params,
-                                                  torch.float32).to(ctx.device)
-        error = _error_model(program, ctx, name, w, method, correction)
+        w = formats.get(r.encoding.format).decode(program.load(name).to(ctx.device), r.shape, r.encoding.params,
+                                                  torch.float32)
+        error = _error_model(program, ctx, name, w, method, correction, shared, inputs.get(name))
         rows = []
         for enc in candidates(r, *options.allowed(r)):
             e = 0.0 if enc == r.encoding else error(enc)
@@ -178,11 +180,13 @@ def probe_encoding(record) -> Encoding | None:
     return None
 
 
-def _error_model(program: Program, ctx: PassContext, name: str, w, method: str, correction: dict):
+def _error_model(program: Program, ctx: PassContext, name: str, w, method: str, correction: dict,
+                 shared: dict | None = None, input_key: str | None = None):
     """error(encoding, exact=False) -> predicted layer error E of storing `w` (tensor `name`) so.
 
     exact=True (and method rtn) is round-to-nearest as `Format.encode` does it, scored exactly;
-    otherwise the GPTQ estimate of the module docstring."""
+    otherwise the GPTQ estimate of the module docstring. `shared` keeps the (H, gain) of
+    `input_key`, the calibration input of `name`, for the next weight reading the same input."""
     import torch
 
     model = program.model
@@ -190,9 +194,13 @@ def _error_model(program: Program, ctx: PassContext, name: str, w, method: str, 
     if untied_embedding:
         frequency = ctx.scratch.load("calibration/token_frequency")["frequency"].to(w.device)
         hessian, gain = None, None
+    elif shared is not None and input_key is not None and shared.get("key") == input_key:
+        hessian, gain = shared["hessian"], shared["gain"]
     else:
         hessian = _hessian(ctx, program, name, w.shape[1], w.device)
         gain = gptq_gain(hessian)
+        if shared is not None:
+            shared.update(key=input_key, hessian=hessian, gain=gain)
 
     def layer_error(delta) -> float:
         if untied_embedding:
@@ -251,23 +259,27 @@ def _gptq_corrections(program: Program, ctx: PassContext, encodings) -> dict:
     a = layer.attention
     first = (a.qkv or a.q).weight
     mlps = getattr(layer.ffn, "experts", None) or (layer.ffn,)
-    references = [first, mlps[0].down.weight]
+    references = {}  # name: (rows x columns of the weight, their block of H, its factor), made once
+    for name in (first, mlps[0].down.weight):
+        r = model.tensor(name)
+        w = formats.get(r.encoding.format).decode(program.load(name).to(ctx.device), r.shape, r.encoding.params,
+                                                  torch.float32)
+        columns = min(w.shape[1], REFERENCE_COLUMNS)
+        w = w[:REFERENCE_ROWS, :columns].contiguous()
+        hessian = _hessian(ctx, program, name, r.shape[1], w.device)[:columns, :columns]
+        references[name] = (r, w, hessian, inverse_cholesky(hessian))
     out = {}
     quantized = [e for e in encodings if not formats.get(e.format).dense]
     for k, enc in enumerate(sorted(quantized, key=lambda e: (e.format, e.params))):
         ctx.report("score formats: GPTQ estimate", k, len(quantized))
         logs = []
-        for name in references:
-            r = model.tensor(name)
+        for r, w, hessian, factor in references.values():
             fmt = formats.get(enc.format)
             if fmt.check(r.shape, enc.params):
                 continue
-            w = formats.get(r.encoding.format).decode(program.load(name), r.shape, r.encoding.params, torch.float32)
-            columns = min(w.shape[1], REFERENCE_COLUMNS)
-            w = w[:REFERENCE_ROWS, :columns].to(ctx.device)
-            hessian = _hessian(ctx, program, name, r.shape[1], w.device)[:columns, :columns]
-            estimate = float(gptq_gain(hessian) @ ((w - rounded(fmt, w, enc.params)).double() ** 2).sum(0))
-            _, w_hat = gptq(w, hessian, fmt, enc.params)
+            gain = 1.0 / torch.diagonal(factor[0]).double() ** 2
+            estimate = float(gain @ ((w - rounded(fmt, w, enc.params)).double() ** 2).sum(0))
+            _, w_hat = gptq(w, hessian, fmt, enc.params, factor=factor)
             measured = output_error(w, w_hat, hessian)
             if estimate > 0 and measured > 0:
                 logs.append(math.log(measured / estimate))
@@ -283,21 +295,38 @@ def probe_windows(ctx: PassContext, count: int) -> list[list[int]]:
     return [ids[i:i + PROBE_TOKENS] for i in range(0, len(ids) - PROBE_TOKENS + 1, span)][:count]
 
 
-def reference_logprobs(session, windows) -> list:
-    """The exact model's log-probabilities on each window."""
+def reference_logprobs(session, windows, hidden: list | None = None) -> list:
+    """The exact model's log-probabilities on each window (from its `layer_inputs` `hidden`, when
+    given: the same logits without running the layers again)."""
     import torch
 
+    if hidden is not None:
+        return [torch.log_softmax(session.forward_from(len(h) - 1, h[-1]).float(), -1) for h in hidden]
     return [torch.log_softmax(session.forward(w).float(), -1) for w in windows]
 
 
-def override_kld(session, windows, reference, dense: dict) -> float:
-    """Mean KLD(exact || the session with `dense` weights in place of its own) over the windows."""
+def first_changed_layer(model: Model, names) -> int | None:
+    """The first decoder layer whose output overriding `names` changes (len(layers) for the LM head
+    alone), or None when the embedding is among them (everything changes)."""
+    records = model.tensor_map()
+    if model.embedding.weight in names:
+        return None
+    return min(len(model.layers) if records[n].layer is None else records[n].layer for n in names)
+
+
+def override_kld(session, windows, reference, dense: dict, hidden: list | None = None) -> float:
+    """Mean KLD(exact || the session with `dense` weights in place of its own) over the windows.
+    With `hidden` (the exact session's `layer_inputs` per window), only the layers from the first
+    one `dense` changes are run: the layers before it see exact weights, so their outputs are the
+    cached ones and the logits are those of the whole forward pass."""
     import torch
 
+    first = None if hidden is None or not dense else first_changed_layer(session.model, dense)
     kld = 0.0
     with session.overriding(dense):
-        for w, ref in zip(windows, reference):
-            out = torch.log_softmax(session.forward(w).float(), -1)
+        for k, (w, ref) in enumerate(zip(windows, reference)):
+            logits = session.forward(w) if first is None else session.forward_from(first, hidden[k][first])
+            out = torch.log_softmax(logits.float(), -1)
             kld += float((ref.exp() * (ref - out)).sum(-1).mean())
     return kld / len(windows)
 
@@ -311,7 +340,10 @@ def _probe(program: Program, ctx: PassContext, names: list[str], probe_errors: d
     records = program.model.tensor_map()
     windows = probe_windows(ctx, options.probe_windows)
     session = ctx.evaluator.session(program)
-    reference = reference_logprobs(session, windows)
+    # Each window's hidden state entering every layer, once: a probe runs only the layers from the
+    # first one it changes (on average half the model).
+    hidden = [session.layer_inputs(w) for w in windows]
+    reference = reference_logprobs(session, windows, hidden)
     groups = probe_groups(program.model, names)
     sensitivity: dict[str, float] = {}
     measured = []
@@ -329,7 +361,7 @@ def _probe(program: Program, ctx: PassContext, names: list[str], probe_errors: d
         error = sum(probe_errors[n] for n in dense)
         if not dense or error <= 0:
             continue
-        kld = override_kld(session, windows, reference, dense)
+        kld = override_kld(session, windows, reference, dense, hidden)
         measured.append({"tensors": group, "kld": kld, "layer_error": error})
         for name in group:
             sensitivity[name] = kld / error

@@ -267,6 +267,41 @@ class Executor:
             x = self._layer(x, layer, index, cache, start, masks)
         if cache is not None:
             cache.advance(ids.numel())
+        return self._logits(x)
+
+    @torch.inference_mode()
+    def layer_inputs(self, input_ids: torch.Tensor) -> list[torch.Tensor]:
+        """The hidden state entering each layer when `input_ids` [T] run as a new sequence (no cache),
+        then the one leaving the last layer: len(layers) + 1 tensors [T, hidden]. `forward_from`
+        continues from any of them."""
+        if input_ids.dim() != 1 or input_ids.numel() == 0:
+            raise ValueError(f"input_ids must be a non-empty 1-D tensor, got shape {tuple(input_ids.shape)}")
+        check_tensor_range(input_ids, self.model.vocab_size)
+        ids = input_ids.to(device=self.device, dtype=torch.long)
+        x = self.embed(ids)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
+        masks = _Masks(ids.numel(), 0, self.device)
+        out = [x]
+        for index, layer in enumerate(self.layers):
+            x = self._layer(x, layer, index, None, 0, masks)
+            out.append(x)
+        return out
+
+    @torch.inference_mode()
+    def forward_from(self, first: int, x: torch.Tensor) -> torch.Tensor:
+        """float32 logits [T, vocab] of a new sequence whose hidden state entering layer `first` is `x`
+        ([T, hidden], as `layer_inputs` gives; `first` == len(layers): after the last layer): the
+        layers before `first` are not run, so this is `forward` for a model that differs from this
+        one only in layers `first` on and the head."""
+        if not 0 <= first <= len(self.layers):
+            raise ValueError(f"first layer {first} is outside 0..{len(self.layers)}")
+        masks = _Masks(x.shape[0], 0, self.device)
+        for index in range(first, len(self.layers)):
+            x = self._layer(x, self.layers[index], index, None, 0, masks)
+        return self._logits(x)
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(self.final_norm(x)).float()
         if self.final_softcap is not None:
             logits = torch.tanh(logits / self.final_softcap) * self.final_softcap

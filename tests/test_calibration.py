@@ -142,3 +142,39 @@ def test_a_spill_that_cannot_be_written_is_one_clear_error(tmp_path, monkeypatch
         scratch.save("full", {"m": torch.randn(64, 64)})
     assert not scratch.has("full")  # no truncated file left to be read back
     assert scratch.has("ok")
+
+
+def test_probes_from_cached_layer_inputs_measure_what_whole_forwards_do(tmp_path):
+    """score_formats runs a probe only from the first layer it changes, on cached hidden states: the
+    logits and the probed KLD must be those of running the whole model (CPU: bit for bit)."""
+    from thin.ir import formats
+    from thin.passes.score_formats import first_changed_layer, override_kld, reference_logprobs
+
+    model = build_model("llama", **SIZES)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    write_tokenizer(tmp_path)
+    program, ctx = _calibrate(tmp_path)
+    session = ctx.evaluator.session(program)
+    windows = _windows(ctx, program)[:2]
+    hidden = [session.layer_inputs(w) for w in windows]
+    assert len(hidden[0]) == len(program.model.layers) + 1
+    for first in range(len(hidden[0])):
+        assert torch.equal(session.forward_from(first, hidden[0][first]), session.forward(windows[0]))
+    reference = reference_logprobs(session, windows)
+    assert all(torch.equal(a, b) for a, b in zip(reference, reference_logprobs(session, windows, hidden)))
+    fmt = formats.get("int4")
+    for names in (["layers.1.ffn.down.weight"], ["layers.0.attn.v.weight", "layers.1.attn.q.weight"],
+                  ["lm_head.weight"], [program.model.embedding.weight]):
+        dense = {}
+        for n in names:
+            r = program.model.tensor(n)
+            w = formats.get(r.encoding.format).decode(program.load(n), r.shape, r.encoding.params, torch.float32)
+            dense[n] = fmt.decode(fmt.encode(w), r.shape)
+        whole = override_kld(session, windows, reference, dense)
+        assert whole > 0
+        assert override_kld(session, windows, reference, dense, hidden) == whole
+    model_ir = program.model
+    assert first_changed_layer(model_ir, ["layers.1.ffn.down.weight", "layers.0.attn.v.weight"]) == 0
+    assert first_changed_layer(model_ir, ["layers.1.ffn.down.weight"]) == 1
+    assert first_changed_layer(model_ir, ["lm_head.weight"]) == len(model_ir.layers)
+    assert first_changed_layer(model_ir, [model_ir.embedding.weight]) is None

@@ -30,6 +30,7 @@ native FP4 (Blackwell) these bytes and scales are the hardware's own block-scale
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from .base import layout
@@ -70,8 +71,15 @@ def values(codes, grid):
     """What E2M1 codes stand for under the shared exponents `grid["exponent"]` (float32)."""
     import torch
 
-    table = torch.tensor(MAGNITUDES + tuple(-m for m in MAGNITUDES), device=codes.device)
-    return table[codes.int()] * torch.exp2(grid["exponent"].float())
+    return _table(codes.device)[codes.int()] * torch.exp2(grid["exponent"].float())
+
+
+@functools.cache
+def _table(device):
+    """The 16 E2M1 values on `device`, made once per device (GPTQ decodes one column at a time)."""
+    import torch
+
+    return torch.tensor(MAGNITUDES + tuple(-m for m in MAGNITUDES), device=device)
 
 
 def e2m1_codes(p):

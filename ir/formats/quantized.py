@@ -221,8 +221,9 @@ class GroupQuantizer(GridQuantizer):
                              f"holding {bad} NaN or infinite value(s)")
 
     def fit(self, w_block, importance=None):
-        """The grid of one or more whole blocks [rows, n * block]; with `importance` [n * block],
-        the candidate grid of least importance-weighted squared error per group, never worse than
+        """The grid of one or more whole blocks [rows, n * block]; with `importance` [n * block]
+        (or [rows, n * block], a weighting per row), the candidate grid of least
+        importance-weighted squared error per group, never worse than
         the plain one."""
         torch = _torch()
         rows, cols = w_block.shape
@@ -232,7 +233,7 @@ class GroupQuantizer(GridQuantizer):
         grid = self.plain(groups)
         if importance is None:
             return grid
-        imp = importance.to(torch.float32).reshape(1, cols // self.block, self.block)
+        imp = importance.to(torch.float32).reshape(-1, cols // self.block, self.block)
         best = self._error(groups, imp, grid)
         for candidate in self.candidates(groups, imp):
             grid, best = self._keep_better(groups, imp, grid, best, candidate)
@@ -269,6 +270,9 @@ class GroupQuantizer(GridQuantizer):
         if offset % self.block == 0 and n % self.block == 0:
             first = offset // self.block
             return by_group(fn, x, {k: v[:, first:first + n // self.block] for k, v in grid.items()}, self.block)
+        first = offset // self.block
+        if (offset + n - 1) // self.block == first:  # inside one group (GPTQ's column): its grid broadcast
+            return fn(x, {k: v[:, first:first + 1] for k, v in grid.items()})
         index = torch.div(torch.arange(offset, offset + n, device=x.device), self.block, rounding_mode="floor")
         return fn(x, {k: v.index_select(1, index) for k, v in grid.items()})
 
