@@ -43,6 +43,7 @@ from .tiles import (
     plane_words,
     store_tile,
     tile_rows,
+    tile_starts,
     upper_halves,
     x_octet,
     x_sum8,
@@ -50,10 +51,10 @@ from .tiles import (
 
 
 @triton.jit
-def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K, split_chunks, magic, WL: tl.constexpr,
-              WH: tl.constexpr, MID: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr, C: tl.constexpr,
-              BN: tl.constexpr, GLU: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
-              PACKED: tl.constexpr, ZERO_BITS: tl.constexpr):
+def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K: tl.constexpr, split_chunks, magic,
+              WL: tl.constexpr, WH: tl.constexpr, MID: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr,
+              C: tl.constexpr, BN: tl.constexpr, GLU: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+              ASM: tl.constexpr, PACKED: tl.constexpr, ZERO_BITS: tl.constexpr):
     """sum_k W[rows, k] * x[k] over the tile's rows (tiles.tile_rows) and this program's chunks
     (split `program_id(1)`), float32 [rows].
 
@@ -65,16 +66,17 @@ def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K, split_chunk
     the chunk's products are summed as bf16 pairs, word o of a row holding octet o's codes."""
     pid = tl.program_id(0)
     rows, row_mask = tile_rows(pid, n, BN, GLU)
-    total = K // 32
+    total: tl.constexpr = K // 32  # K a constexpr: the tile's row strides fold into the side loads (row_starts)
+    starts = tile_starts(pid, n, total, BN, GLU, ASM)
     begin = tl.program_id(1) * split_chunks
     end = tl.minimum(begin + split_chunks, total)
     ci = tl.arange(0, C)
-    groups = K // G
+    groups: tl.constexpr = K // G
     acc = tl.zeros([rows.shape[0], C], dtype=tl.float32)
     for c0 in range(begin, end, C):
         chunk = c0 + ci
         cmask = chunk < end
-        low = plane_words(low_ptr, rows, row_mask, total, c0, end, C, WL, EVEN_N, EVEN_K, ASM)
+        low = plane_words(low_ptr, starts, row_mask, c0, end, C, WL, EVEN_N, EVEN_K, ASM)
         xsum = tl.zeros([C], dtype=tl.float32)
         if PACKED:
             pairs = tl.zeros([rows.shape[0], C], dtype=tl.int32)  # bf16 pairs (0, 0)
@@ -85,7 +87,7 @@ def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K, split_chunk
         else:
             low_up = upper_halves(low, WL, ASM)
             if WH > 0:
-                high = plane_words(high_ptr, rows, row_mask, total, c0, end, C, WH, EVEN_N, EVEN_K, ASM)
+                high = plane_words(high_ptr, starts, row_mask, c0, end, C, WH, EVEN_N, EVEN_K, ASM)
                 high_up = upper_halves(high, WH, ASM)
             dot = tl.zeros([rows.shape[0], C], dtype=tl.float32)
             for o in tl.static_range(4):
@@ -96,9 +98,9 @@ def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K, split_chunk
                     dot = octet_dot(dot, high, high_up, xs, o, WH, 0, 1 << WL, False, magic)
                 if ASYM:
                     xsum += x_sum8(xs)
-        scale = chunk_side(scale_ptr, pid, n, groups, c0, end, G // 32, C, BN, GLU, EVEN_N, ASM).to(tl.float32)
+        scale = chunk_side(scale_ptr, pid, n, groups, c0, end, G // 32, C, BN, GLU, EVEN_N, EVEN_K, ASM).to(tl.float32)
         if ASYM:
-            offset = chunk_side(offset_ptr, pid, n, groups, c0, end, G // 32, C, BN, GLU, EVEN_N, ASM)
+            offset = chunk_side(offset_ptr, pid, n, groups, c0, end, G // 32, C, BN, GLU, EVEN_N, EVEN_K, ASM)
             acc += scale * dot + offset.to(tl.float32) * xsum[None, :]
         else:
             acc += scale * dot
@@ -106,7 +108,8 @@ def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K, split_chunk
 
 
 @triton.jit
-def _matvec_kernel(low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, x_ptr, out_ptr, n, K, split_chunks, magic,
+def _matvec_kernel(low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, x_ptr, out_ptr, n, K: tl.constexpr,
+                   split_chunks, magic,
                    WL: tl.constexpr, WH: tl.constexpr, MID: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr,
                    C: tl.constexpr, BN: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
                    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, PACKED: tl.constexpr,

@@ -19,7 +19,7 @@ from thin.ir.formats.mxfp4 import BLOCK
 from . import interpreting
 from .common import KernelLinear, MatvecConfig, chunk_candidates, chunk_prefix, matmul_prefix, prefix_rows
 from .grouped_int import matmul_blocks
-from .tiles import chunk_side, dot_tile, plane_codes, plane_words, store_tile, tile_rows, x_octet
+from .tiles import chunk_side, dot_tile, plane_codes, plane_words, store_tile, tile_rows, tile_starts, x_octet
 
 TWO_126 = 2.0**126
 
@@ -56,12 +56,13 @@ def _octet(acc, word, xs):
 
 
 @triton.jit
-def _rows_dot(v_ptr, e_ptr, x_ptr, n, K, split_chunks, C: tl.constexpr, BN: tl.constexpr, GLU: tl.constexpr,
-              EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
+def _rows_dot(v_ptr, e_ptr, x_ptr, n, K: tl.constexpr, split_chunks, C: tl.constexpr, BN: tl.constexpr,
+              GLU: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
     """sum_k W[rows, k] x[k] over the tile's rows and this program's blocks, float32 [rows]."""
     pid = tl.program_id(0)
     rows, row_mask = tile_rows(pid, n, BN, GLU)
     total = K // 32
+    starts = tile_starts(pid, n, total, BN, GLU, ASM)
     begin = tl.program_id(1) * split_chunks
     end = tl.minimum(begin + split_chunks, total)
     ci = tl.arange(0, C)
@@ -69,18 +70,18 @@ def _rows_dot(v_ptr, e_ptr, x_ptr, n, K, split_chunks, C: tl.constexpr, BN: tl.c
     for c0 in range(begin, end, C):
         chunk = c0 + ci
         cmask = chunk < end
-        words = plane_words(v_ptr, rows, row_mask, total, c0, end, C, 4, EVEN_N, EVEN_K, ASM)
+        words = plane_words(v_ptr, starts, row_mask, c0, end, C, 4, EVEN_N, EVEN_K, ASM)
         dot = tl.zeros([rows.shape[0], C], dtype=tl.float32)
         for o in tl.static_range(4):
             dot = _octet(dot, words[o], x_octet(x_ptr, 32 * chunk + 8 * o, cmask, EVEN_K))
-        e = chunk_side(e_ptr, pid, n, total, c0, end, 1, C, BN, GLU, EVEN_N, ASM)
+        e = chunk_side(e_ptr, pid, n, total, c0, end, 1, C, BN, GLU, EVEN_N, EVEN_K, ASM)
         acc += _block_scale(e.to(tl.int32)) * dot
     return tl.sum(acc, axis=1)
 
 
 @triton.jit
-def _matvec_kernel(v_ptr, e_ptr, bias_ptr, x_ptr, out_ptr, n, K, split_chunks, C: tl.constexpr, BN: tl.constexpr,
-                   EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, ACT: tl.constexpr,
+def _matvec_kernel(v_ptr, e_ptr, bias_ptr, x_ptr, out_ptr, n, K: tl.constexpr, split_chunks, C: tl.constexpr,
+                   BN: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, ACT: tl.constexpr,
                    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
     """Program (i, s): output rows i*BN.., blocks of split s; ACT >= 0: gate and up rows in one tile."""
     total = _rows_dot(v_ptr, e_ptr, x_ptr, n, K, split_chunks, C, BN, ACT >= 0, EVEN_N, EVEN_K, ASM)

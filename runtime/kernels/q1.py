@@ -16,17 +16,29 @@ from . import interpreting
 from .common import MAGIC_BITS, KernelLinear, MatvecConfig, chunk_candidates, chunk_prefix, matmul_prefix, prefix_rows
 from .grouped_int import matmul_blocks
 from .q2 import _e4m3, group_e4m3
-from .tiles import dot_tile, octet_dot, plane_codes, plane_words, store_tile, tile_rows, upper_halves, x_octet, x_sum8
+from .tiles import (
+    dot_tile,
+    octet_dot,
+    plane_codes,
+    plane_words,
+    store_tile,
+    tile_rows,
+    tile_starts,
+    upper_halves,
+    x_octet,
+    x_sum8,
+)
 
 
 @triton.jit
-def _rows_dot(b_ptr, s_ptr, rs_ptr, x_ptr, n, K, split_chunks, magic, G: tl.constexpr, C: tl.constexpr,
+def _rows_dot(b_ptr, s_ptr, rs_ptr, x_ptr, n, K: tl.constexpr, split_chunks, magic, G: tl.constexpr, C: tl.constexpr,
               BN: tl.constexpr, GLU: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
     """sum_k W[rows, k] x[k] over the tile's rows and this program's chunks of 32 columns (one word
     of sign bits a row and lane), float32 [rows]: step * (2 sum(x where b) - sum(x)) per chunk."""
     pid = tl.program_id(0)
     rows, row_mask = tile_rows(pid, n, BN, GLU)
     total = K // 32
+    starts = tile_starts(pid, n, total, BN, GLU, ASM)
     begin = tl.program_id(1) * split_chunks
     end = tl.minimum(begin + split_chunks, total)
     ci = tl.arange(0, C)
@@ -35,7 +47,7 @@ def _rows_dot(b_ptr, s_ptr, rs_ptr, x_ptr, n, K, split_chunks, magic, G: tl.cons
     for c0 in range(begin, end, C):
         chunk = c0 + ci
         cmask = chunk < end
-        words = plane_words(b_ptr, rows, row_mask, total, c0, end, C, 1, EVEN_N, EVEN_K, ASM)
+        words = plane_words(b_ptr, starts, row_mask, c0, end, C, 1, EVEN_N, EVEN_K, ASM)
         uppers = upper_halves(words, 1, ASM)
         dot = tl.zeros([rows.shape[0], C], dtype=tl.float32)
         xsum = tl.zeros([C], dtype=tl.float32)
@@ -43,15 +55,15 @@ def _rows_dot(b_ptr, s_ptr, rs_ptr, x_ptr, n, K, split_chunks, magic, G: tl.cons
             xs = x_octet(x_ptr, 32 * chunk + 8 * o, cmask, EVEN_K)
             dot = octet_dot(dot, words, uppers, xs, o, 1, 0, 2.0, False, magic)
             xsum += x_sum8(xs)
-        step = row_scale * group_e4m3(s_ptr, pid, n, K // G, c0, end, G // 32, C, BN, GLU, EVEN_N, ASM)
+        step = row_scale * group_e4m3(s_ptr, pid, n, K // G, c0, end, G // 32, C, BN, GLU, EVEN_N, EVEN_K, ASM)
         acc += step * (dot - xsum[None, :])
     return tl.sum(acc, axis=1)
 
 
 @triton.jit
-def _matvec_kernel(b_ptr, s_ptr, rs_ptr, bias_ptr, x_ptr, out_ptr, n, K, split_chunks, magic, G: tl.constexpr,
-                   C: tl.constexpr, BN: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
-                   ACT: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
+def _matvec_kernel(b_ptr, s_ptr, rs_ptr, bias_ptr, x_ptr, out_ptr, n, K: tl.constexpr, split_chunks, magic,
+                   G: tl.constexpr, C: tl.constexpr, BN: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                   ASM: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
     """Program (i, s): output rows i*BN.., chunks of split s; ACT >= 0: gate and up rows in one tile."""
     total = _rows_dot(b_ptr, s_ptr, rs_ptr, x_ptr, n, K, split_chunks, magic, G, C, BN, ACT >= 0, EVEN_N, EVEN_K, ASM)
     store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL)

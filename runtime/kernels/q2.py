@@ -24,6 +24,7 @@ from .tiles import (
     plane_words,
     store_tile,
     tile_rows,
+    tile_starts,
     upper_halves,
     x_octet,
     x_sum8,
@@ -37,14 +38,14 @@ def _e4m3(ptr, offs, mask):
 
 @triton.jit
 def group_e4m3(ptr, pid, n, groups, c0, end, PER: tl.constexpr, C: tl.constexpr, BN: tl.constexpr, GLU: tl.constexpr,
-               EVEN_N: tl.constexpr, ASM: tl.constexpr):
+               EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
     """The e4m3 bytes of the tile's groups, one per row and chunk (tiles.chunk_side), as float32."""
-    v = chunk_side(ptr, pid, n, groups, c0, end, PER, C, BN, GLU, EVEN_N, ASM)
+    v = chunk_side(ptr, pid, n, groups, c0, end, PER, C, BN, GLU, EVEN_N, EVEN_K, ASM)
     return v.to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
 
 @triton.jit
-def _rows_dot(c_ptr, s_ptr, o_ptr, rs_ptr, ro_ptr, x_ptr, n, K, split_chunks, magic, G: tl.constexpr,
+def _rows_dot(c_ptr, s_ptr, o_ptr, rs_ptr, ro_ptr, x_ptr, n, K: tl.constexpr, split_chunks, magic, G: tl.constexpr,
               CC: tl.constexpr, C: tl.constexpr, BN: tl.constexpr, GLU: tl.constexpr, EVEN_N: tl.constexpr,
               EVEN_K: tl.constexpr, ASM: tl.constexpr):
     """sum_k W[rows, k] x[k] over the tile's rows and this program's chunks of CC columns."""
@@ -52,6 +53,7 @@ def _rows_dot(c_ptr, s_ptr, o_ptr, rs_ptr, ro_ptr, x_ptr, n, K, split_chunks, ma
     pid = tl.program_id(0)
     rows, row_mask = tile_rows(pid, n, BN, GLU)
     total = K // CC
+    starts = tile_starts(pid, n, total, BN, GLU, ASM)
     begin = tl.program_id(1) * split_chunks
     end = tl.minimum(begin + split_chunks, total)
     ci = tl.arange(0, C)
@@ -61,7 +63,7 @@ def _rows_dot(c_ptr, s_ptr, o_ptr, rs_ptr, ro_ptr, x_ptr, n, K, split_chunks, ma
     for c0 in range(begin, end, C):
         chunk = c0 + ci
         cmask = chunk < end
-        words = plane_words(c_ptr, rows, row_mask, total, c0, end, C, NW, EVEN_N, EVEN_K, ASM)
+        words = plane_words(c_ptr, starts, row_mask, c0, end, C, NW, EVEN_N, EVEN_K, ASM)
         uppers = upper_halves(words, NW, ASM)
         dot = tl.zeros([rows.shape[0], C], dtype=tl.float32)
         xsum = tl.zeros([C], dtype=tl.float32)
@@ -69,15 +71,15 @@ def _rows_dot(c_ptr, s_ptr, o_ptr, rs_ptr, ro_ptr, x_ptr, n, K, split_chunks, ma
             xs = x_octet(x_ptr, CC * chunk + 8 * o, cmask, EVEN_K)
             dot = octet_dot(dot, words, uppers, xs, o, 2, 0, 1.0, False, magic)
             xsum += x_sum8(xs)
-        step = row_scale * group_e4m3(s_ptr, pid, n, K // G, c0, end, G // CC, C, BN, GLU, EVEN_N, ASM)
-        zero = row_offset * group_e4m3(o_ptr, pid, n, K // G, c0, end, G // CC, C, BN, GLU, EVEN_N, ASM)
+        step = row_scale * group_e4m3(s_ptr, pid, n, K // G, c0, end, G // CC, C, BN, GLU, EVEN_N, EVEN_K, ASM)
+        zero = row_offset * group_e4m3(o_ptr, pid, n, K // G, c0, end, G // CC, C, BN, GLU, EVEN_N, EVEN_K, ASM)
         acc += step * dot + zero * xsum[None, :]
     return tl.sum(acc, axis=1)
 
 
 @triton.jit
-def _matvec_kernel(c_ptr, s_ptr, o_ptr, rs_ptr, ro_ptr, bias_ptr, x_ptr, out_ptr, n, K, split_chunks, magic,
-                   G: tl.constexpr, CC: tl.constexpr, C: tl.constexpr, BN: tl.constexpr, EVEN_N: tl.constexpr,
+def _matvec_kernel(c_ptr, s_ptr, o_ptr, rs_ptr, ro_ptr, bias_ptr, x_ptr, out_ptr, n, K: tl.constexpr, split_chunks,
+                   magic, G: tl.constexpr, CC: tl.constexpr, C: tl.constexpr, BN: tl.constexpr, EVEN_N: tl.constexpr,
                    EVEN_K: tl.constexpr, ASM: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
                    PARTIAL: tl.constexpr):
     """Program (i, s): output rows i*BN.., chunks of split s; ACT >= 0: gate and up rows in one tile."""

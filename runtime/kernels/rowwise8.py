@@ -37,6 +37,7 @@ from .tiles import (
     split_candidates,
     store_tile,
     tile_rows,
+    tile_starts,
     upper_halves,
     x_octet,
 )
@@ -65,18 +66,18 @@ def _fp8_dot(v_ptr, x_ptr, rows, row_mask, K, split_cols, BK: tl.constexpr, EVEN
 
 
 @triton.jit
-def _int8_dot(v_ptr, x_ptr, rows, row_mask, K, split_chunks, flip_lo, flip_hi, C: tl.constexpr, EVEN_N: tl.constexpr,
+def _int8_dot(v_ptr, x_ptr, starts, row_mask, K, split_chunks, flip_lo, flip_hi, C: tl.constexpr, EVEN_N: tl.constexpr,
               EVEN_K: tl.constexpr, ASM: tl.constexpr):
     """sum_k W[rows, k] x[k] over this program's 16-column chunks, float32 [rows]."""
     total = K // 16
     begin = tl.program_id(1) * split_chunks
     end = tl.minimum(begin + split_chunks, total)
     ci = tl.arange(0, C)
-    acc = tl.zeros([rows.shape[0], C], dtype=tl.float32)
+    acc = tl.zeros([starts.shape[0], C], dtype=tl.float32)
     for c0 in range(begin, end, C):
         chunk = c0 + ci
         cmask = chunk < end
-        words = plane_words(v_ptr, rows, row_mask, total, c0, end, C, 4, EVEN_N, EVEN_K, ASM)
+        words = plane_words(v_ptr, starts, row_mask, c0, end, C, 4, EVEN_N, EVEN_K, ASM)
         uppers = upper_halves(words, 4, ASM)
         for o in tl.static_range(2):
             xs = x_octet(x_ptr, 16 * chunk + 8 * o, cmask, EVEN_K)
@@ -95,7 +96,8 @@ def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, split, flip
     if FP8:
         total = _fp8_dot(v_ptr, x_ptr, rows, row_mask, K, split, STEP, EVEN_N, EVEN_K)
     else:
-        total = _int8_dot(v_ptr, x_ptr, rows, row_mask, K, split, flip_lo, flip_hi, STEP, EVEN_N, EVEN_K, ASM)
+        starts = tile_starts(tl.program_id(0), n, K // 16, BN, ACT >= 0, ASM)
+        total = _int8_dot(v_ptr, x_ptr, starts, row_mask, K, split, flip_lo, flip_hi, STEP, EVEN_N, EVEN_K, ASM)
     total *= tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
     store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL)
 

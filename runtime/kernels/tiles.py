@@ -127,25 +127,49 @@ def masked_load(ptr, offs, rm, cm, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def plane_words(ptr, rows, row_mask, row_chunks, c0, end, C: tl.constexpr, NW: tl.constexpr, EVEN_N: tl.constexpr,
+def row_starts(i, pid, n, row_len, BN: tl.constexpr, GLU: tl.constexpr, ASM: tl.constexpr):
+    """int64 offsets of the starts of tile rows `i` of program `pid` (tile_rows_of) in rows of
+    `row_len` entries: an opaque run-time base (the program's first row, and with GLU the up rows'
+    n rows further) plus i's own offset within the tile. Only the base's divisibility is hidden (a
+    caller multiplies back what its loads may assume); with `row_len` a constexpr the in-tile part
+    is a constant per register, which the compiler folds into the loads' immediate offsets, so a
+    row costs no address arithmetic."""
+    if GLU:
+        base = opaque((pid * BN + (i % 2) * n).to(tl.int64) * row_len, ASM)
+        local = i // 2
+    else:
+        base = opaque((pid * BN).to(tl.int64) * row_len, ASM)
+        local = i
+    return base + local.to(tl.int64) * row_len
+
+
+@triton.jit
+def tile_starts(pid, n, row_len, BN: tl.constexpr, GLU: tl.constexpr, ASM: tl.constexpr):
+    """row_starts of every row of program `pid`'s tile (tile_rows' order)."""
+    return row_starts(tl.arange(0, 2 * BN if GLU else BN), pid, n, row_len, BN, GLU, ASM)
+
+
+@triton.jit
+def plane_words(ptr, starts, row_mask, c0, end, C: tl.constexpr, NW: tl.constexpr, EVEN_N: tl.constexpr,
                 EVEN_K: tl.constexpr, ASM: tl.constexpr):
-    """The NW (1, 2 or 4) int32 words of each of the C chunks c0.. of a plane (rows of `row_chunks`
-    chunks), one NW * 4-byte load per row and lane: a tuple of NW [BN, C].
+    """The NW (1, 2 or 4) int32 words of each of the C chunks c0.. of a plane, one NW * 4-byte load
+    per row and lane: a tuple of NW [BN, C]. `starts`: row_starts of the tile's rows in chunks.
 
     Loaded as one [BN, C * NW] run per row: the chunk axis is then the only contiguous one (a tie
     between the row and chunk axes is broken differently by different compiler versions), and the
-    row offsets are divisible by exactly NW words, so no lane's vector spans two chunks."""
+    row offsets are divisible by exactly NW words, so no lane's vector spans two chunks. Each row's
+    offset stays opaque (unlike the side loads'): folded into immediate offsets of one base, ptxas
+    sinks each row's load next to its first use, a memory latency a row instead of one a step."""
     wi = tl.arange(0, C * NW)
-    row_off = opaque(rows.to(tl.int64) * row_chunks, ASM) * NW
-    offs = row_off[:, None] + (c0 * NW + wi)[None, :]
+    offs = (opaque(starts, ASM) * NW)[:, None] + (c0 * NW + wi)[None, :]
     t = masked_load(ptr, offs, row_mask[:, None], (c0 + wi // NW < end)[None, :], EVEN_N, EVEN_K)
     if NW == 1:
         words = (t,)
     elif NW == 2:
-        w0, w1 = tl.split(tl.reshape(t, [rows.shape[0], C, 2]))
+        w0, w1 = tl.split(tl.reshape(t, [starts.shape[0], C, 2]))
         words = (w0, w1)
     else:
-        e, o = tl.split(tl.reshape(t, [rows.shape[0], C, 2, 2]))
+        e, o = tl.split(tl.reshape(t, [starts.shape[0], C, 2, 2]))
         w0, w2 = tl.split(e)
         w1, w3 = tl.split(o)
         words = (w0, w1, w2, w3)
@@ -154,21 +178,19 @@ def plane_words(ptr, rows, row_mask, row_chunks, c0, end, C: tl.constexpr, NW: t
 
 @triton.jit
 def chunk_side(ptr, pid, n, row_len, c0, end, PER: tl.constexpr, C: tl.constexpr, BN: tl.constexpr,
-               GLU: tl.constexpr, EVEN_N: tl.constexpr, ASM: tl.constexpr):
-    """ptr[row, chunk // PER] for the tile's rows (rows of `row_len` entries) and chunks c0..c0+C:
-    one entry per chunk (a group scale, offset or block scale), [rows, C].
+               GLU: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
+    """ptr[row, chunk // PER] for the tile's rows (rows of `row_len` entries; a constexpr folds the
+    rows' offsets into the loads, row_starts) and chunks c0..c0+C: one entry per chunk (a group
+    scale, offset or block scale), [rows, C].
 
     Loaded flat, one element per lane (a 1-D load has no axes to tie; the row base is opaque, so
     nothing is vectorised), then reshaped: lanes on chunks, rows in registers, like the words."""
     RB: tl.constexpr = 2 * BN if GLU else BN
     f = tl.arange(0, RB * C)
-    rows, rmask = tile_rows_of(f // C, pid, n, BN, GLU)
+    _, rmask = tile_rows_of(f // C, pid, n, BN, GLU)
     chunk = c0 + f % C
-    offs = opaque(rows.to(tl.int64) * row_len, ASM) + chunk // PER
-    if EVEN_N:
-        v = tl.load(ptr + offs, mask=chunk < end, other=0)
-    else:
-        v = tl.load(ptr + offs, mask=rmask & (chunk < end), other=0)
+    offs = row_starts(f // C, pid, n, row_len, BN, GLU, ASM) + chunk // PER
+    v = masked_load(ptr, offs, rmask, chunk < end, EVEN_N, EVEN_K)
     return tl.reshape(v, [RB, C])
 
 
@@ -310,5 +332,5 @@ def split_candidates(n_rows: int, block_n: int, units: int, sms: int) -> list[in
 
 
 __all__ = ["MAGIC", "activate", "chunk_side", "code_term", "dot_tile", "glu_halves", "masked_load", "octet_dot",
-           "opaque", "plane_codes", "plane_words", "shr16", "split_candidates", "store_glu", "store_rows", "store_tile",
-           "tile_rows", "tile_rows_of", "triton", "upper_halves", "x_octet", "x_sum8"]
+           "opaque", "plane_codes", "plane_words", "row_starts", "shr16", "split_candidates", "store_glu", "store_rows",
+           "store_tile", "tile_rows", "tile_rows_of", "tile_starts", "triton", "upper_halves", "x_octet", "x_sum8"]
