@@ -94,20 +94,26 @@ def test_bf16_pairs_match_their_arithmetic_and_the_decode(group):
     check_matvec(op, dense, None, torch.bfloat16)  # the shared check, on the pair configurations
 
 
-def test_several_steps_whole_or_ragged():
-    """Pairs and float path over several loop steps (2 chunks a step), each program's share whole
-    (split 1, 2) or ragged (split 3 of 8 chunks: masked steps and side loads), with a partial tile
-    of rows (32-row tiles over 48)."""
+@pytest.mark.parametrize("asymmetric", [0, 1])
+def test_several_steps_whole_or_ragged(asymmetric):
+    """Pairs (symmetric) and float path, group scales (and offsets) loaded in their step or one step
+    ahead (MatvecConfig.ahead), over several loop steps (2 chunks a step), each program's share whole
+    (split 1, 2) or ragged (split 3 of 8 chunks: masked steps and side loads), with a partial tile of
+    rows (32-row tiles over 48)."""
     from thin.runtime.kernels.common import MatvecConfig
 
-    op, dense = pairs_op((48, 256), 32, seed=7)
+    op, dense, _ = make_op("int4", (48, 256), {"group_size": 32, "asymmetric": asymmetric}, dtype=torch.bfloat16,
+                           seed=7)
     x = torch.randn(256, generator=torch.Generator().manual_seed(8)).bfloat16().to(DEVICE)
-    want = {True: pairs_reference(op, dense, x), False: x.float().cpu() @ dense.T}
-    for packed in (False, True):
+    want = {False: x.float().cpu() @ dense.T}
+    if not asymmetric:
+        want[True] = pairs_reference(op, dense, x)
+    for packed, expected in want.items():
         for split in (1, 2, 3):
-            op._configs["partial"] = MatvecConfig(32, 64, split, 4, packed=packed)
-            sums = op.matvec(x, partials=poisoned(8, 48, dtype=torch.float32)).sum(0)
-            assert rel_err(sums, want[packed]) < 1e-5, (packed, split)
+            for ahead in (False, True):
+                op._configs["partial"] = MatvecConfig(32, 64, split, 4, packed=packed, ahead=ahead)
+                sums = op.matvec(x, partials=poisoned(8, 48, dtype=torch.float32)).sum(0)
+                assert rel_err(sums, expected) < 1e-5, (packed, split, ahead)
 
 
 def test_bf16_pairs_glu():

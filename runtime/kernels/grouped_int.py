@@ -54,7 +54,7 @@ from .tiles import (
 def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K: tl.constexpr, split_chunks, magic,
               WL: tl.constexpr, WH: tl.constexpr, MID: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr,
               C: tl.constexpr, BN: tl.constexpr, GLU: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-              ASM: tl.constexpr, PACKED: tl.constexpr, ZERO_BITS: tl.constexpr):
+              ASM: tl.constexpr, PACKED: tl.constexpr, ZERO_BITS: tl.constexpr, AHEAD: tl.constexpr):
     """sum_k W[rows, k] * x[k] over the tile's rows (tiles.tile_rows) and this program's chunks
     (split `program_id(1)`), float32 [rows].
 
@@ -63,7 +63,10 @@ def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K: tl.constexp
     become floats in place (zero point folded in) and go into a per-chunk dot product, which is
     scaled by the chunk's group scale once (a chunk never straddles a group: G >= 32). PACKED
     (symmetric 4-bit codes, bf16 x; magic = pairs.PAIR_MAGIC, ZERO_BITS = pairs.zero_pair(MID)):
-    the chunk's products are summed as bf16 pairs, word o of a row holding octet o's codes."""
+    the chunk's products are summed as bf16 pairs, word o of a row holding octet o's codes.
+    AHEAD: the group scales (and offsets) are loaded one step ahead. ptxas sinks a load next to its
+    first use, and theirs is the end of a step: loaded in the step before, their memory latency
+    overlaps a whole step's math instead of following it."""
     pid = tl.program_id(0)
     rows, row_mask = tile_rows(pid, n, BN, GLU)
     total: tl.constexpr = K // 32  # K a constexpr: the tile's row strides fold into the side loads (row_starts)
@@ -73,9 +76,16 @@ def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K: tl.constexp
     ci = tl.arange(0, C)
     groups: tl.constexpr = K // G
     acc = tl.zeros([rows.shape[0], C], dtype=tl.float32)
+    if AHEAD:
+        scale_ahead, offset_ahead = _sides(scale_ptr, offset_ptr, pid, n, groups, begin, end, G, C, BN, GLU, EVEN_N,
+                                           ASYM, ASM)
     for c0 in range(begin, end, C):
         chunk = c0 + ci
         cmask = chunk < end
+        if AHEAD:  # this step's, then the next step's (past the end: masked off)
+            scale, offset = scale_ahead, offset_ahead
+            scale_ahead, offset_ahead = _sides(scale_ptr, offset_ptr, pid, n, groups, c0 + C, end, G, C, BN, GLU,
+                                               EVEN_N, ASYM, ASM)
         low = plane_words(low_ptr, starts, row_mask, c0, end, C, WL, EVEN_N, EVEN_K, ASM)
         xsum = tl.zeros([C], dtype=tl.float32)
         if PACKED:
@@ -98,13 +108,27 @@ def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K: tl.constexp
                     dot = octet_dot(dot, high, high_up, xs, o, WH, 0, 1 << WL, False, magic)
                 if ASYM:
                     xsum += x_sum8(xs)
-        scale = chunk_side(scale_ptr, pid, n, groups, c0, end, G // 32, C, BN, GLU, EVEN_N, EVEN_K, ASM).to(tl.float32)
+        if not AHEAD:
+            scale = chunk_side(scale_ptr, pid, n, groups, c0, end, G // 32, C, BN, GLU, EVEN_N, EVEN_K, ASM)
+            if ASYM:
+                offset = chunk_side(offset_ptr, pid, n, groups, c0, end, G // 32, C, BN, GLU, EVEN_N, EVEN_K, ASM)
         if ASYM:
-            offset = chunk_side(offset_ptr, pid, n, groups, c0, end, G // 32, C, BN, GLU, EVEN_N, EVEN_K, ASM)
-            acc += scale * dot + offset.to(tl.float32) * xsum[None, :]
+            acc += scale.to(tl.float32) * dot + offset.to(tl.float32) * xsum[None, :]
         else:
-            acc += scale * dot
+            acc += scale.to(tl.float32) * dot
     return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _sides(scale_ptr, offset_ptr, pid, n, groups, c0, end, G: tl.constexpr, C: tl.constexpr, BN: tl.constexpr,
+           GLU: tl.constexpr, EVEN_N: tl.constexpr, ASYM: tl.constexpr, ASM: tl.constexpr):
+    """(scales, offsets) of the step at c0 (tiles.chunk_side, masked: the step may lie past `end`);
+    the offsets are the scales again when symmetric (never used)."""
+    scale = chunk_side(scale_ptr, pid, n, groups, c0, end, G // 32, C, BN, GLU, EVEN_N, False, ASM)
+    offset = scale
+    if ASYM:
+        offset = chunk_side(offset_ptr, pid, n, groups, c0, end, G // 32, C, BN, GLU, EVEN_N, False, ASM)
+    return scale, offset
 
 
 @triton.jit
@@ -113,11 +137,11 @@ def _matvec_kernel(low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, x_ptr, ou
                    WL: tl.constexpr, WH: tl.constexpr, MID: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr,
                    C: tl.constexpr, BN: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
                    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, PACKED: tl.constexpr,
-                   ZERO_BITS: tl.constexpr):
+                   ZERO_BITS: tl.constexpr, AHEAD: tl.constexpr):
     """Program (i, s): output rows i*BN.., chunks of split s. With ACT >= 0 the weight is [gate; up]
     and the tile holds both rows of each output (gate row r, up row n + r), one pass over x."""
     total = _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K, split_chunks, magic, WL, WH, MID, ASYM,
-                      G, C, BN, ACT >= 0, EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS)
+                      G, C, BN, ACT >= 0, EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS, AHEAD)
     store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL)
 
 
@@ -176,7 +200,9 @@ class GroupedIntLinear(KernelLinear):
     def candidates(self, mode: str) -> list[MatvecConfig]:
         n = self.out_features // 2 if mode == "glu" else self.out_features
         base = chunk_candidates(n, self.in_features, 32, mode, self.wl + self.wh)
-        return base + [replace(c, packed=True) for c in base] if self.pairs else base
+        if not self.pairs:
+            return base
+        return base + [replace(c, packed=True, ahead=ahead) for ahead in (False, True) for c in base]
 
     def _matvec(self, x, out, config, act, partial, rows=None, cols=None):
         n, programs, config = prefix_rows(self, config, act, rows)
@@ -191,7 +217,7 @@ class GroupedIntLinear(KernelLinear):
             WL=self.wl, WH=self.wh, MID=self.mid, ASYM=self.asym, G=self.group, C=launch.chunks,
             BN=config.block_n, EVEN_N=n % config.block_n == 0, EVEN_K=launch.even, ASM=launch.asm, ACT=act,
             HAS_BIAS=self.bias is not None, PARTIAL=partial, PACKED=config.packed,
-            ZERO_BITS=zero_pair(self.mid) if config.packed else 0, num_warps=config.num_warps)
+            ZERO_BITS=zero_pair(self.mid) if config.packed else 0, AHEAD=config.ahead, num_warps=config.num_warps)
         return config.split
 
     def _matmul(self, x, rows=None, cols=None, halves=1):
