@@ -32,15 +32,16 @@ class MatvecConfig:
     """How a matvec is tiled: `block_n` output rows per program, `chunk` columns per loop step
     (in the family's unit, see its `candidates`), `split` programs along the reduction (split-K,
     whose fp32 partial sums someone adds up), `num_warps` per program; `packed`: products summed
-    as bfloat16 pairs within a chunk (grouped int4 under bf16 activations, pairs.py); `ahead`: each
-    loop step loads the next step's group scales (grouped int)."""
+    as bfloat16 pairs within a chunk (grouped int4 under bf16 activations, pairs.py); `ahead` (grouped
+    int): 1, each loop step loads the next step's group scales; 2, also the weight words of the step
+    after next."""
 
     block_n: int
     chunk: int
     split: int = 1
     num_warps: int = 4
     packed: bool = False
-    ahead: bool = False
+    ahead: int = 0
 
 
 class KernelLinear(LinearOp):

@@ -40,7 +40,9 @@ from .tiles import (
     dot_tile,
     octet_dot,
     plane_codes,
+    plane_load,
     plane_words,
+    split_words,
     store_tile,
     tile_rows,
     tile_starts,
@@ -64,9 +66,11 @@ def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K: tl.constexp
     scaled by the chunk's group scale once (a chunk never straddles a group: G >= 32). PACKED
     (symmetric 4-bit codes, bf16 x; magic = pairs.PAIR_MAGIC, ZERO_BITS = pairs.zero_pair(MID)):
     the chunk's products are summed as bf16 pairs, word o of a row holding octet o's codes.
-    AHEAD: the group scales (and offsets) are loaded one step ahead. ptxas sinks a load next to its
-    first use, and theirs is the end of a step: loaded in the step before, their memory latency
-    overlaps a whole step's math instead of following it."""
+    AHEAD >= 1: the group scales (and offsets) are loaded one step ahead. ptxas sinks a load next to
+    its first use, and theirs is the end of a step: loaded in the step before, their memory latency
+    overlaps a whole step's math instead of following it. AHEAD 2: the low plane's words too, two
+    steps ahead (one step ahead, ptxas would issue them at the end of the step before, just ahead of
+    their use)."""
     pid = tl.program_id(0)
     rows, row_mask = tile_rows(pid, n, BN, GLU)
     total: tl.constexpr = K // 32  # K a constexpr: the tile's row strides fold into the side loads (row_starts)
@@ -76,6 +80,9 @@ def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K: tl.constexp
     ci = tl.arange(0, C)
     groups: tl.constexpr = K // G
     acc = tl.zeros([rows.shape[0], C], dtype=tl.float32)
+    if AHEAD >= 2:  # the low plane's words two steps ahead
+        words_1 = plane_load(low_ptr, starts, row_mask, begin, end, C, WL, EVEN_N, EVEN_K, ASM, True)
+        words_2 = plane_load(low_ptr, starts, row_mask, begin + C, end, C, WL, EVEN_N, EVEN_K, ASM, True)
     if AHEAD:
         scale_ahead, offset_ahead = _sides(scale_ptr, offset_ptr, pid, n, groups, begin, end, G, C, BN, GLU, EVEN_N,
                                            ASYM, ASM)
@@ -86,7 +93,12 @@ def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K: tl.constexp
             scale, offset = scale_ahead, offset_ahead
             scale_ahead, offset_ahead = _sides(scale_ptr, offset_ptr, pid, n, groups, c0 + C, end, G, C, BN, GLU,
                                                EVEN_N, ASYM, ASM)
-        low = plane_words(low_ptr, starts, row_mask, c0, end, C, WL, EVEN_N, EVEN_K, ASM)
+        if AHEAD >= 2:
+            low = split_words(words_1, WL)
+            words_1 = words_2
+            words_2 = plane_load(low_ptr, starts, row_mask, c0 + 2 * C, end, C, WL, EVEN_N, EVEN_K, ASM, True)
+        else:
+            low = plane_words(low_ptr, starts, row_mask, c0, end, C, WL, EVEN_N, EVEN_K, ASM)
         xsum = tl.zeros([C], dtype=tl.float32)
         if PACKED:
             pairs = tl.zeros([rows.shape[0], C], dtype=tl.int32)  # bf16 pairs (0, 0)
@@ -202,7 +214,11 @@ class GroupedIntLinear(KernelLinear):
         base = chunk_candidates(n, self.in_features, 32, mode, self.wl + self.wh)
         if not self.pairs:
             return base
-        return base + [replace(c, packed=True, ahead=ahead) for ahead in (False, True) for c in base]
+        packed = [replace(c, packed=True) for c in base]
+        # Words two steps ahead hold three steps' words in registers: tiles of up to 8 weight rows.
+        rows = 2 if mode == "glu" else 1
+        return (base + packed + [replace(c, ahead=1) for c in packed]
+                + [replace(c, ahead=2) for c in packed if c.block_n * rows <= 8])
 
     def _matvec(self, x, out, config, act, partial, rows=None, cols=None):
         n, programs, config = prefix_rows(self, config, act, rows)

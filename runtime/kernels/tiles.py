@@ -160,16 +160,37 @@ def plane_words(ptr, starts, row_mask, c0, end, C: tl.constexpr, NW: tl.constexp
     row offsets are divisible by exactly NW words, so no lane's vector spans two chunks. Each row's
     offset stays opaque (unlike the side loads'): folded into immediate offsets of one base, ptxas
     sinks each row's load next to its first use, a memory latency a row instead of one a step."""
+    return split_words(plane_load(ptr, starts, row_mask, c0, end, C, NW, EVEN_N, EVEN_K, ASM, False), NW)
+
+
+@triton.jit
+def plane_load(ptr, starts, row_mask, c0, end, C: tl.constexpr, NW: tl.constexpr, EVEN_N: tl.constexpr,
+               EVEN_K: tl.constexpr, ASM: tl.constexpr, AHEAD: tl.constexpr):
+    """plane_words' load, [BN, C * NW] unsplit. AHEAD: a step that may lie past `end` (loaded ahead
+    of its use): with EVEN_K a step is all in or all out, so one predicate covers it, and a step
+    past the end leaves its registers as they were (never used)."""
     wi = tl.arange(0, C * NW)
     offs = (opaque(starts, ASM) * NW)[:, None] + (c0 * NW + wi)[None, :]
-    t = masked_load(ptr, offs, row_mask[:, None], (c0 + wi // NW < end)[None, :], EVEN_N, EVEN_K)
+    if AHEAD and EVEN_K and EVEN_N:
+        t = tl.load(ptr + offs, mask=(c0 + 0 * wi < end)[None, :])  # one predicate (a tensor, for the interpreter)
+    elif AHEAD and EVEN_K:
+        t = tl.load(ptr + offs, mask=row_mask[:, None] & (c0 + 0 * wi < end)[None, :], other=0)
+    else:
+        t = masked_load(ptr, offs, row_mask[:, None], (c0 + wi // NW < end)[None, :], EVEN_N, EVEN_K)
+    return t
+
+
+@triton.jit
+def split_words(t, NW: tl.constexpr):
+    """[BN, C * NW] words, each chunk's NW together -> a tuple of NW [BN, C]: word w of every chunk."""
+    C: tl.constexpr = t.shape[1] // NW
     if NW == 1:
         words = (t,)
     elif NW == 2:
-        w0, w1 = tl.split(tl.reshape(t, [starts.shape[0], C, 2]))
+        w0, w1 = tl.split(tl.reshape(t, [t.shape[0], C, 2]))
         words = (w0, w1)
     else:
-        e, o = tl.split(tl.reshape(t, [starts.shape[0], C, 2, 2]))
+        e, o = tl.split(tl.reshape(t, [t.shape[0], C, 2, 2]))
         w0, w2 = tl.split(e)
         w1, w3 = tl.split(o)
         words = (w0, w1, w2, w3)
@@ -332,5 +353,6 @@ def split_candidates(n_rows: int, block_n: int, units: int, sms: int) -> list[in
 
 
 __all__ = ["MAGIC", "activate", "chunk_side", "code_term", "dot_tile", "glu_halves", "masked_load", "octet_dot",
-           "opaque", "plane_codes", "plane_words", "row_starts", "shr16", "split_candidates", "store_glu", "store_rows",
-           "store_tile", "tile_rows", "tile_rows_of", "tile_starts", "triton", "upper_halves", "x_octet", "x_sum8"]
+           "opaque", "plane_codes", "plane_load", "plane_words", "row_starts", "shr16", "split_candidates",
+           "split_words", "store_glu", "store_rows", "store_tile", "tile_rows", "tile_rows_of", "tile_starts", "triton",
+           "upper_halves", "x_octet", "x_sum8"]
