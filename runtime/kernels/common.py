@@ -376,6 +376,7 @@ def chunk_candidates(n: int, k: int, columns: int, mode: str, words: int) -> lis
     if interpreting():
         return [MatvecConfig(interpreter_block(n, 128), columns * min(next_power_of_2(total), 64), 1, 4)]
     out: list[MatvecConfig] = []
+    sms = sm_count()
     for warps in (1, 2, 4):
         chunks = 32 * warps
         if chunks > total and warps > 1:
@@ -383,8 +384,12 @@ def chunk_candidates(n: int, k: int, columns: int, mode: str, words: int) -> lis
         for rows in CHUNK_ROWS[min(words, 6)]:
             block_n = rows // 2 if mode == "glu" else rows
             units = -(-total // chunks)
-            splits = split_candidates(n, block_n, units, sm_count()) if mode == "partial" else [1]
-            for split in splits[-2:]:
+            splits = split_candidates(n, block_n, units, sms)[-2:] if mode == "partial" else [1]
+            # Partial sums of a short reduction: also one loop step a program (one memory latency
+            # a program, not several in a row) where those programs fit 8 a multiprocessor.
+            if mode == "partial" and units not in splits and -(-n // block_n) * units <= 8 * sms:
+                splits.append(units)
+            for split in splits:
                 config = MatvecConfig(block_n, columns * chunks, split, warps)
                 if config not in out:
                     out.append(config)
