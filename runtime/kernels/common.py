@@ -376,7 +376,7 @@ def chunk_candidates(n: int, k: int, columns: int, mode: str, words: int) -> lis
     if interpreting():
         return [MatvecConfig(interpreter_block(n, 128), columns * min(next_power_of_2(total), 64), 1, 4)]
     out: list[MatvecConfig] = []
-    sms = sm_count()
+    sms = sm_count() if mode == "partial" else 0
     for warps in (1, 2, 4):
         chunks = 32 * warps
         if chunks > total and warps > 1:
