@@ -263,7 +263,8 @@ def main() -> None:
             tiles = f"{c['block_n']}/{c['chunk']}/s{c['split']}/w{c['num_warps']}"
             if c["packed"]:  # and the float path's best, for comparison
                 floats = [x["us"] for x in r["all"] if "us" in x and not x["config"]["packed"]]
-                tiles += f"/bf16 pairs (float path {min(floats, default=float('nan')):.1f} us)"
+                ahead = {1: ", scales 1 step ahead", 2: ", scales 1 and words 2 steps ahead"}.get(c.get("ahead"), "")
+                tiles += f"/bf16 pairs{ahead} (float path {min(floats, default=float('nan')):.1f} us)"
             print(f"| {r['format']} | {r['shape']} | {tiles} | "
                   f"{b['us']:.1f} | {b['GBps']:.0f} | {100 * r['fraction_of_copy_bw']:.0f}% | "
                   f"{d['us'] if d else float('nan'):.1f} |")
