@@ -86,11 +86,13 @@ def gptq(weight, hessian, fmt, params=(), *, act_order: bool = False, damp: floa
     return q.pack(w_hat, grids), w_hat
 
 
-def gptq_many(weights: list, hessians: list, fmt, params=(), *, damp: float = DAMP, block: int = BLOCK):
+def gptq_many(weights: list, hessians: list, fmt, params=(), *, damp: float = DAMP, block: int = BLOCK,
+              factors: list | None = None):
     """(blob, w_hat) of the weights [rows, cols] (all one shape) stacked along the rows, each
     quantized to `fmt` by GPTQ under its own `hessians` entry: what gptq() gives each alone, up to
     the summation order of the batched products, in one column sweep instead of one per weight
-    (on a GPU the sweep's cost is launches per column, not arithmetic)."""
+    (on a GPU the sweep's cost is launches per column, not arithmetic). `factors`: each hessian's
+    inverse_cholesky, when the caller has them."""
     import torch
 
     w = torch.stack([x.detach().float() for x in weights])  # [B, rows, cols]
@@ -99,17 +101,23 @@ def gptq_many(weights: list, hessians: list, fmt, params=(), *, damp: float = DA
     if q.block != cols and (q.block > block or block % q.block):
         raise ValueError(f"format {fmt.name}: groups of {q.block} columns do not tile GPTQ blocks of {block}")
     q.start(w.reshape(count * rows, cols))
-    factors = [inverse_cholesky(h.to(w.device).float(), damp) for h in hessians]
-    upper = torch.stack([u for u, _ in factors])  # [B, cols, cols]
-    importance = torch.stack([torch.diagonal(d) for _, d in factors])  # [B, cols]
+    # Grids are fitted per weight, each by its own quantizer under its own importance (the numbers
+    # gptq() gives it alone: a per-row importance would sum the same terms in another order).
+    alone = [fmt.quantizer((rows, cols), params) for _ in range(count)]
+    for qb, wb in zip(alone, w):
+        qb.start(wb)
+    factors = factors or [inverse_cholesky(h.to(w.device).float(), damp) for h in hessians]
+    upper = torch.stack([u.to(w.device) for u, _ in factors])  # [B, cols, cols]
+    # diag(H) views as gptq() takes them: a reduction's order (its last bits) follows the strides
+    importance = [torch.diagonal(d.to(w.device)) for _, d in factors]
     del factors
     grids: list = []
 
     def grid_for(col, work, j, rest):
-        if col % q.block == 0:  # as in gptq(), each weight's rows weighted by its own diag(H)
+        if col % q.block == 0:  # as in gptq(), on each weight's current columns
             span = work[:, :, j:j + q.block] if j + q.block <= work.shape[2] else rest[:, :, col:col + q.block]
-            imp = importance[:, None, col:col + q.block].expand(count, rows, span.shape[2])
-            grids.append(q.fit(span.reshape(count * rows, -1), imp.reshape(count * rows, -1)))
+            fitted = [qb.fit(span[b], importance[b][col:col + q.block]) for b, qb in enumerate(alone)]
+            grids.append({k: torch.cat([g[k] for g in fitted]) for k in fitted[0]})
         return grids[-1], col % q.block
 
     w_hat = _sweep(w, upper, grid_for, q, block)

@@ -7,12 +7,32 @@ from dataclasses import dataclass
 
 from thin.ir import MLP, Encoding, Model, MoE, Program, formats
 
-from .calibrate_inputs import load_statistics
-from .gptq import gptq
+from .calibrate_inputs import load_statistics, statistics_key
+from .gptq import gptq, gptq_many
 from .runner import PassContext
 from .scratch import Scratch
 
 METHODS = ("gptq", "rtn")
+# Device bytes one batched GPTQ sweep (gptq_many) may take: per weight [rows, cols] about five float32
+# copies of it and three [cols, cols] matrices (H, its damped form, the inverse factor). At most
+# half the free memory of a GPU: on an H200, llama-8b's q/k/v of 24 layers, gate/up of 6 or down of 4.
+GPTQ_SWEEP_BYTES = 16 << 30
+CPU_SWEEP_BYTES = 4 << 30
+
+
+def sweep_bytes(rows: int, cols: int) -> int:
+    """What gptq_many holds on the device per weight of `rows` x `cols` (see GPTQ_SWEEP_BYTES)."""
+    return 4 * (5 * rows * cols + 3 * cols * cols)
+
+
+def _sweep_budget(device) -> int:
+    import torch
+
+    device = torch.device(device or "cpu")
+    if device.type != "cuda":
+        return CPU_SWEEP_BYTES
+    free, _ = torch.cuda.mem_get_info(device)
+    return min(GPTQ_SWEEP_BYTES, free // 2)
 
 
 class QuantizeOptionError(ValueError):
@@ -127,19 +147,30 @@ def quantize_weights(program: Program, ctx: PassContext) -> Program:
     batches = _batches(program, targets, method)
     fallback: list[str] = []
     weights = dict(program.weights)
-    for i, names in enumerate(batches):
-        ctx.report(f"quantize ({method})", i, len(batches))
+
+    def key_of(names):
         encoding = targets[names[0]]
-        key = f"quantized/{method}/{options.act_order}/{encoding.format}/{encoding.params}/" + ",".join(names)
-        if not scratch.has(f"{key}#{names[-1]}"):
-            blobs, rounded = _quantize(program, ctx, [records[n] for n in names], encoding, method, options)
+        return f"quantized/{method}/{options.act_order}/{encoding.format}/{encoding.params}/" + ",".join(names)
+
+    todo = [names for names in batches if not scratch.has(f"{key_of(names)}#{names[-1]}")]
+    done = 0
+    for sweep in _sweeps(program, ctx, todo, targets, method, options):
+        ctx.report(f"quantize ({method})", done, len(todo))
+        encoding = targets[sweep[0][0]]
+        if len(sweep) > 1:
+            blobs, rounded = _quantize_many(program, ctx, sweep, encoding), True
+        else:
+            blobs, rounded = _quantize(program, ctx, [records[n] for n in sweep[0]], encoding, method, options)
+        for names in sweep:
             fallback += [] if rounded else names
             for name in names:
-                scratch.save(f"{key}#{name}", {"blob": blobs[name]})
+                scratch.save(f"{key_of(names)}#{name}", {"blob": blobs[name]})
+        done += len(sweep)
+    ctx.report(f"quantize ({method})", len(todo), len(todo))
+    for names in batches:
         for name in names:
-            weights[name] = _stored(scratch, f"{key}#{name}")
-            records[name] = dataclasses.replace(records[name], encoding=encoding)
-    ctx.report(f"quantize ({method})", len(batches), len(batches))
+            weights[name] = _stored(scratch, f"{key_of(names)}#{name}")
+            records[name] = dataclasses.replace(records[name], encoding=targets[name])
     model = dataclasses.replace(program.model, tensors=tuple(records[t.name] for t in program.model.tensors))
     by_format: dict[str, int] = {}
     for enc in targets.values():
@@ -165,6 +196,58 @@ def _batches(program: Program, targets: dict[str, Encoding], method: str) -> lis
         key = (inputs.get(t.name), targets[t.name]) if inputs.get(t.name) and not dense else (t.name,)
         batches.setdefault(key, []).append(t.name)
     return list(batches.values())
+
+
+def _sweeps(program, ctx, batches: list[list[str]], targets: dict[str, Encoding], method: str,
+            options: QuantizeOptions) -> list[list[list[str]]]:
+    """`batches` in runs that one GPTQ column sweep can take (gptq_many): batches of one encoding and
+    one stacked shape, each with its own calibration statistics, up to the sweep's byte budget per
+    run (a layer's q/k/v next to other layers'). act_order, round-to-nearest, dense targets
+    and weights without statistics go one batch at a time, as before."""
+    records = program.model.tensor_map()
+    inputs = program.annotations.get("calibration", {}).get("inputs", {})
+    runs: dict[tuple, list[list[list[str]]]] = {}
+    out = []
+    budget = _sweep_budget(ctx.device)
+    for names in batches:
+        encoding = targets[names[0]]
+        key = inputs.get(names[0])
+        alone = method != "gptq" or options.act_order or formats.get(encoding.format).dense or key is None \
+            or ctx.scratch is None or not ctx.scratch.has(statistics_key(key))
+        if alone:
+            out.append([names])
+            continue
+        shape = (sum(records[n].shape[0] for n in names), records[names[0]].shape[1])
+        size = sweep_bytes(*shape)
+        current = runs.setdefault((encoding, shape), [[]])
+        if current[-1] and (len(current[-1]) + 1) * size > budget:
+            current.append([])
+        current[-1].append(names)
+    for group in runs.values():
+        out += group
+    return out
+
+
+def _quantize_many(program, ctx, batches: list[list[str]], encoding: Encoding) -> dict:
+    """{name: blob} of every weight in `batches` (each a list of weights reading one input, all
+    batches of one stacked shape) by one gptq_many sweep, each batch under its own statistics."""
+    import torch
+
+    records = program.model.tensor_map()
+    fmt = formats.get(encoding.format)
+    stacked, hessians, shapes = [], [], []
+    for names in batches:
+        stacked.append(torch.cat([
+            formats.get(records[n].encoding.format).decode(program.load(n).to(ctx.device), records[n].shape,
+                                                           records[n].encoding.params, torch.float32)
+            for n in names]))
+        hessians.append(load_statistics(ctx, program, names[0])["hessian"])
+        shapes += [records[n].shape for n in names]
+    blob, _ = gptq_many(stacked, hessians, fmt, encoding.params)
+    rows = sum(s[0] for s in shapes)
+    del stacked, hessians
+    names = [n for batch in batches for n in batch]
+    return dict(zip(names, split_rows(fmt, blob.cpu(), (rows, shapes[0][1]), encoding.params, shapes)))
 
 
 def _quantize(program, ctx, records, encoding: Encoding, method: str, options: QuantizeOptions):

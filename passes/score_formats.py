@@ -252,7 +252,7 @@ def _gptq_corrections(program: Program, ctx: PassContext, encodings) -> dict:
 
     import torch
 
-    from .gptq import gptq, output_error
+    from .gptq import gptq, gptq_many, output_error
 
     model = program.model
     layer = model.layers[len(model.layers) // 2]
@@ -273,13 +273,18 @@ def _gptq_corrections(program: Program, ctx: PassContext, encodings) -> dict:
     for k, enc in enumerate(sorted(quantized, key=lambda e: (e.format, e.params))):
         ctx.report("score formats: GPTQ estimate", k, len(quantized))
         logs = []
-        for r, w, hessian, factor in references.values():
-            fmt = formats.get(enc.format)
-            if fmt.check(r.shape, enc.params):
-                continue
+        fmt = formats.get(enc.format)
+        usable = [ref for ref in references.values() if not fmt.check(ref[0].shape, enc.params)]
+        if len(usable) > 1 and len({tuple(ref[1].shape) for ref in usable}) == 1:
+            # one batched sweep for both (the same numbers as one gptq() each, in half the column steps)
+            _, stacked = gptq_many([ref[1] for ref in usable], [ref[2] for ref in usable], fmt, enc.params,
+                                   factors=[ref[3] for ref in usable])
+            solved = stacked.split(usable[0][1].shape[0])
+        else:
+            solved = [gptq(w, hessian, fmt, enc.params, factor=factor)[1] for _, w, hessian, factor in usable]
+        for (_, w, hessian, factor), w_hat in zip(usable, solved):
             gain = 1.0 / torch.diagonal(factor[0]).double() ** 2
             estimate = float(gain @ ((w - rounded(fmt, w, enc.params)).double() ** 2).sum(0))
-            _, w_hat = gptq(w, hessian, fmt, enc.params, factor=factor)
             measured = output_error(w, w_hat, hessian)
             if estimate > 0 and measured > 0:
                 logs.append(math.log(measured / estimate))

@@ -54,21 +54,19 @@ def test_gptq_blob_decodes_to_its_weights_and_beats_round_to_nearest(fmt):
 @pytest.mark.parametrize("fmt", QUANTIZED, ids=lambda f: f.name)
 def test_gptq_many_is_gptq_of_each_weight_under_its_own_hessian(fmt):
     """One batched sweep over three weights with three different input statistics: each weight's rows
-    of the stacked blob and of w_hat are what gptq() gives it alone (the batched products may only
-    reorder a sum: the weights agree to float32 rounding)."""
+    of the stacked blob and of w_hat are what gptq() gives it alone (on the CPU bit for bit; a GPU's
+    batched products may only reorder a sum)."""
     problems = [_problem(seed=s) for s in (2, 3, 4)]
-    for params in list(_variants(fmt))[:2]:
+    variants = list(_variants(fmt))
+    for params in {variants[0], variants[-1]}:  # symmetric and asymmetric, smallest and largest group
         blob, w_hat = gptq_many([w for w, _ in problems], [h for _, h in problems], fmt, params)
         rows, cols = problems[0][0].shape
         assert torch.equal(fmt.decode(blob, (3 * rows, cols), params), w_hat)
         blobs = split_rows(fmt, blob, (3 * rows, cols), params, [(rows, cols)] * 3)
         for k, (w, h) in enumerate(problems):
             alone_blob, alone = gptq(w, h, fmt, params)
-            torch.testing.assert_close(w_hat[k * rows:(k + 1) * rows], alone, rtol=0, atol=1e-6)
-            same = torch.equal(blobs[k], alone_blob)
-            if not same:  # a reordered sum may move a weight across a rounding boundary: rarely
-                differ = (fmt.decode(blobs[k], (rows, cols), params) != alone).float().mean()
-                assert differ < 0.002, (fmt.name, params, float(differ))
+            assert torch.equal(w_hat[k * rows:(k + 1) * rows], alone), (fmt.name, params, k)
+            assert torch.equal(blobs[k], alone_blob), (fmt.name, params, k)
 
 
 def test_act_order_also_decodes_and_beats_round_to_nearest():

@@ -221,9 +221,8 @@ class GroupQuantizer(GridQuantizer):
                              f"holding {bad} NaN or infinite value(s)")
 
     def fit(self, w_block, importance=None):
-        """The grid of one or more whole blocks [rows, n * block]; with `importance` [n * block]
-        (or [rows, n * block], a weighting per row), the candidate grid of least
-        importance-weighted squared error per group, never worse than
+        """The grid of one or more whole blocks [rows, n * block]; with `importance` [n * block],
+        the candidate grid of least importance-weighted squared error per group, never worse than
         the plain one."""
         torch = _torch()
         rows, cols = w_block.shape
@@ -233,7 +232,7 @@ class GroupQuantizer(GridQuantizer):
         grid = self.plain(groups)
         if importance is None:
             return grid
-        imp = importance.to(torch.float32).reshape(-1, cols // self.block, self.block)
+        imp = importance.to(torch.float32).reshape(1, cols // self.block, self.block)
         best = self._error(groups, imp, grid)
         for candidate in self.candidates(groups, imp):
             grid, best = self._keep_better(groups, imp, grid, best, candidate)
