@@ -28,6 +28,7 @@ from .common import (
     KernelLinear,
     MatvecConfig,
     chunk_candidates,
+    chunk_launch,
     chunk_prefix,
     interpreter_block,
     matmul_prefix,
@@ -215,10 +216,12 @@ class GroupedIntLinear(KernelLinear):
         if not self.pairs:
             return base
         packed = [replace(c, packed=True) for c in base]
-        # Words two steps ahead hold three steps' words in registers: tiles of up to 8 weight rows.
+        # Loads ahead where a program takes more than one step; words two steps ahead hold three
+        # steps' words in registers: tiles of up to 8 weight rows.
         rows = 2 if mode == "glu" else 1
-        return (base + packed + [replace(c, ahead=1) for c in packed]
-                + [replace(c, ahead=2) for c in packed if c.block_n * rows <= 8])
+        steps = [c for c in packed if _steps(self.in_features, c) > 1]
+        return (base + packed + [replace(c, ahead=1) for c in steps]
+                + [replace(c, ahead=2) for c in steps if c.block_n * rows <= 8])
 
     def _matvec(self, x, out, config, act, partial, rows=None, cols=None):
         n, programs, config = prefix_rows(self, config, act, rows)
@@ -248,6 +251,12 @@ class GroupedIntLinear(KernelLinear):
             MID=self.mid, ASYM=self.asym, G=self.group, BM=bm, BN=bn, BK=bk, HAS_BIAS=self.bias is not None,
             IEEE=x.dtype == torch.float32 or interpreting(), num_warps=4)
         return out
+
+
+def _steps(K: int, config: MatvecConfig) -> int:
+    """Loop steps of one program of `config` over K columns."""
+    launch = chunk_launch(K // 32, config)
+    return -(-launch.split_chunks // launch.chunks)
 
 
 def matmul_blocks(T: int, N: int, K: int) -> tuple[int, int, int]:
