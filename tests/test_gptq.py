@@ -129,3 +129,61 @@ def test_gptq_beats_round_to_nearest_on_tiny_coder(tiny_coder_statistics, name):
         h = load_statistics(ctx, program, tensor)["hessian"]
         _, w_hat = gptq(w, h, fmt, params)
         assert output_error(w, w_hat, h) < 0.9 * output_error(w, _rtn(fmt, w, params), h), tensor
+
+
+def test_quantize_weights_batched_sweeps_write_what_gptq_gives_each_input(tiny_coder_statistics, monkeypatch):
+    """A plan with one format for the layers' attention and another for their MLPs: quantize_weights
+    sweeps every layer's q/k/v together (gptq_many), yet each weight's blob is gptq() of its own
+    input's batch alone; a small sweep budget splits the layers into several sweeps, same bytes."""
+    import dataclasses
+    import sys
+
+    from thin.passes import QuantizeOptions, quantize_weights
+    from thin.passes.calibrate_inputs import statistics_key
+
+    program, ctx = tiny_coder_statistics
+    module = sys.modules["thin.passes.quantize_weights"]
+    int4, q2 = formats.get("int4"), formats.get("q2")
+    p4, p2 = (("asymmetric", 1), ("group_size", 32)), q2.normalize()
+    choices = {}
+    for layer in range(3):  # three layers keep the test fast
+        for part, fmt, params in (("attn.q", int4, p4), ("attn.k", int4, p4), ("attn.v", int4, p4),
+                                  ("ffn.gate", q2, p2), ("ffn.up", q2, p2)):
+            choices[f"layers.{layer}.{part}.weight"] = {"format": fmt.name, "params": [list(p) for p in params]}
+    planned = program.replace(annotations={**program.annotations, "precision_plan": {"choices": choices}})
+    config = types.SimpleNamespace(quantize=QuantizeOptions(method="gptq"))
+    calls = []
+    many = module.gptq_many
+    monkeypatch.setattr(module, "gptq_many", lambda *a, **k: calls.append(len(a[0])) or many(*a, **k))
+    shapes = [(sum(program.model.tensor(f"layers.0.{p}.weight").shape[0] for p in parts),
+               program.model.tensor(f"layers.0.{parts[0]}.weight").shape[1])
+              for parts in (("attn.q", "attn.k", "attn.v"), ("ffn.gate", "ffn.up"))]
+    sizes = [module.sweep_bytes(*shape) for shape in shapes]
+    runs = {}
+    for budget in (None, 2 * max(sizes)):  # all three layers in one sweep, then at most two
+        if budget is not None:
+            monkeypatch.setattr(module, "CPU_SWEEP_BYTES", budget)
+        calls.clear()
+        scratch = Scratch()  # the statistics, and none of the blobs of the run before
+        for key in set(program.annotations["calibration"]["inputs"].values()):
+            if ctx.scratch.has(statistics_key(key)):
+                scratch.save(statistics_key(key), ctx.scratch.load(statistics_key(key)))
+        each = dataclasses.replace(ctx, config=config, scratch=scratch, device="cpu")
+        out = quantize_weights(planned, each)
+        runs[budget] = ({n: out.load(n) for n in choices}, list(calls))
+    (blobs, calls_all), (split_blobs, calls_split) = runs.values()
+    assert calls_all == [3, 3]  # attention, MLP
+    # under the smaller budget a sweep takes what fits; a run of one weight goes through gptq() itself
+    per_sweep = [min(3, 2 * max(sizes) // size) for size in sizes]
+    assert sorted(calls_split) == sorted(n for n in per_sweep + [3 - n for n in per_sweep] if n > 1)
+    assert 2 in calls_split
+    for layer in range(3):
+        for parts, fmt, params in ((("attn.q", "attn.k", "attn.v"), int4, p4), (("ffn.gate", "ffn.up"), q2, p2)):
+            names = [f"layers.{layer}.{p}.weight" for p in parts]
+            records = [program.model.tensor(n) for n in names]
+            w = torch.cat([formats.get(r.encoding.format).decode(program.load(r.name), r.shape, r.encoding.params,
+                                                                  torch.float32) for r in records])
+            blob, _ = gptq(w, load_statistics(ctx, program, names[0])["hessian"], fmt, params)
+            want = split_rows(fmt, blob, tuple(w.shape), params, [r.shape for r in records])
+            for n, b in zip(names, want):
+                assert torch.equal(blobs[n], b) and torch.equal(split_blobs[n], b), n
