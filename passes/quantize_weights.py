@@ -15,8 +15,9 @@ from .scratch import Scratch
 METHODS = ("gptq", "rtn")
 # Device bytes one batched GPTQ sweep (gptq_many) may take: per weight [rows, cols] about five float32
 # copies of it and three [cols, cols] matrices (H, its damped form, the inverse factor). At most
-# half the free memory of a GPU: on an H200, llama-8b's q/k/v of 24 layers, gate/up of 6 or down of 4.
-GPTQ_SWEEP_BYTES = 16 << 30
+# half the free memory of a GPU: on an H200, llama-8b's q/k/v of every layer, gate/up of 13 or down of 9
+# (a sweep's steps are launch-bound: the fewer sweeps, the faster; the format's pack adds a few copies).
+GPTQ_SWEEP_BYTES = 32 << 30
 CPU_SWEEP_BYTES = 4 << 30
 
 
