@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -26,6 +27,10 @@ from . import interpreting
 # Activation codes shared by every kernel with a gate/up epilogue (see activation.py).
 ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
 
+
+# torch.cuda._sleep spins for a number of GPU clock cycles; 2e9 a second is a current data-centre GPU's
+# boost clock (H200: 1.98 GHz). A slower clock only makes the hold longer, which is harmless.
+SLEEP_CYCLES_PER_SECOND = 2e9
 
 @dataclass(frozen=True)
 class MatvecConfig:
@@ -209,12 +214,25 @@ def median_ms_or_inf(launch, **timing) -> float:
 
 def median_ms(launch, repeats: int = 7, inner: int = 5, device=None) -> float:
     """Median milliseconds of one call of `launch` on the current CUDA stream: one call first (it
-    compiles), then `repeats` timings of `inner` calls back to back."""
+    compiles), then `repeats` timings of `inner` calls back to back.
+
+    The GPU time, not the host's: a Triton launch costs the host tens of microseconds, more than
+    many of these kernels take, so timed as they are issued every candidate would measure the same
+    launch overhead (the H200 showed a ~50 us floor for the batch kernels: 8 MB matrices at 16 rows
+    all timed 52-57 us, and candidates with a second launch twice that). The stream is first held
+    by a device-side sleep longer than issuing the `inner` calls takes, so they queue up and run
+    back to back, as they do inside the decode step's CUDA graph."""
     launch()
     torch.cuda.synchronize(device)
+    started = time.perf_counter()
+    launch()
+    issue = time.perf_counter() - started  # host seconds to issue one call (an upper bound)
+    torch.cuda.synchronize(device)
+    hold = int(min(2 * (inner + 1) * issue, 0.05) * SLEEP_CYCLES_PER_SECOND)
     times = []
     for _ in range(repeats):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda._sleep(hold)
         start.record()
         for _ in range(inner):
             launch()
