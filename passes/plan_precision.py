@@ -301,15 +301,36 @@ def plan_precision(program: Program, ctx: PassContext) -> Program:
     return program.replace(annotations={**program.annotations, "precision_plan": plan, "memory": memory})
 
 
+def expert_groups(model: Model) -> list[list[str]]:
+    """Each routed expert's linear weights (gate, up or gate_up, down): the GPU engine's expert
+    kernels read one format per expert (runtime/kernels/experts.py), so the planner gives them one."""
+    groups = []
+    for layer in model.layers:
+        if isinstance(layer.ffn, MoE):
+            for m in layer.ffn.experts:
+                groups.append([lin.weight for lin in (m.gate, m.up, m.gate_up, m.down) if lin is not None])
+    return groups
+
+
 def _items(model: Model, encodings, costs, tie: bool):
-    """Knapsack items: one per tensor, or per fused group when tied (options every member can take,
+    """Knapsack items: one per tensor, one per routed expert (options every one of its weights can
+    take, bytes and cost summed), or per fused group when tied (options every member can take,
     bytes as one stacked blob, cost summed). Returns (items, {item: (members, [encoding per option])})."""
     records = model.tensor_map()
     items, members = {}, {}
     grouped = set()
+    for group in expert_groups(model):
+        if len(group) < 2 or not all(n in encodings for n in group):
+            continue
+        common = [e for e in encodings[group[0]] if all(e in encodings[n] for n in group[1:])]
+        options = [(sum(costs[n][encodings[n].index(e)][0] for n in group),
+                    sum(costs[n][encodings[n].index(e)][1] for n in group)) for e in common]
+        key = "+".join(group)
+        items[key], members[key] = options, (group, common)
+        grouped.update(group)
     if tie:
         for group in fused_groups(model):
-            if not all(n in encodings for n in group):
+            if not all(n in encodings for n in group) or grouped.intersection(group):
                 continue
             common = [e for e in encodings[group[0]] if all(e in encodings[n] for n in group[1:])]
             shapes = [records[n].shape for n in group]

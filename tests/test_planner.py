@@ -241,3 +241,19 @@ def test_expert_formats_confine_routed_experts_and_the_rest_takes_the_budget():
                      _ctx(score, bpw=4.0))
     with pytest.raises(ValueError, match="quantized formats"):
         ScoreOptions(expert_formats=("bf16",))
+
+
+def test_each_routed_expert_gets_one_format_for_all_its_weights():
+    """The GPU expert kernels read one format per expert: gate, up and down share it even when their
+    sensitivities would pull them apart, and the plan still meets the budget."""
+    model = _moe_model()
+    # down 50x more sensitive than gate/up, and expert 0 hotter: untied, down would take more bits.
+    program = _scored(model, lambda name: (50.0 if ".down." in name else 1.0) * (8.0 if ".moe.0." in name else 1.0))
+    for bpw in (3.0, 4.5, 6.0):
+        plan = plan_precision(program, _ctx(bpw=bpw)).annotations["precision_plan"]
+        assert plan["bits_per_weight"] <= bpw
+        experts: dict = {}
+        for c in plan["choices"].values():
+            if c["expert"] is not None:
+                experts.setdefault((c["layer"], c["expert"]), set()).add((c["format"], str(c["params"])))
+        assert len(experts) == 2 * 4 and all(len(v) == 1 for v in experts.values()), experts
