@@ -302,20 +302,22 @@ def plan_precision(program: Program, ctx: PassContext) -> Program:
 
 
 def expert_groups(model: Model) -> list[list[str]]:
-    """Each routed expert's linear weights (gate, up or gate_up, down): the GPU engine's expert
-    kernels read one format per expert (runtime/kernels/experts.py), so the planner gives them one."""
+    """Each routed expert's gate and up, when stored apart: the GPU engine's gate/up expert kernel
+    reads one format for both (runtime/kernels/experts.py), so the planner gives them one. (An
+    expert's down may take another format.)"""
     groups = []
     for layer in model.layers:
         if isinstance(layer.ffn, MoE):
             for m in layer.ffn.experts:
-                groups.append([lin.weight for lin in (m.gate, m.up, m.gate_up, m.down) if lin is not None])
+                if m.gate is not None and m.up is not None:
+                    groups.append([m.gate.weight, m.up.weight])
     return groups
 
 
 def _items(model: Model, encodings, costs, tie: bool):
-    """Knapsack items: one per tensor, one per routed expert (options every one of its weights can
-    take, bytes and cost summed), or per fused group when tied (options every member can take,
-    bytes as one stacked blob, cost summed). Returns (items, {item: (members, [encoding per option])})."""
+    """Knapsack items: one per tensor, one per routed expert's gate and up (options both can take,
+    bytes and cost summed), or per fused group when tied (options every member can take, bytes as
+    one stacked blob, cost summed). Returns (items, {item: (members, [encoding per option])})."""
     records = model.tensor_map()
     items, members = {}, {}
     grouped = set()

@@ -25,14 +25,16 @@ def _op(fmt: str, shape, params, gen, dtype, bias: bool):
 
 
 def _plan(fmts, *, dtype=torch.float32, top_k=2, fused=True, bias=False, clamp=False, normalize=True,
-          router_bias=False, seed=0, hidden=HIDDEN, inter=INTER):
-    """A MoEPlan of len(fmts) random experts, expert e stored in fmts[e] = (format, params)."""
+          router_bias=False, seed=0, hidden=HIDDEN, inter=INTER, down_fmts=None):
+    """A MoEPlan of len(fmts) random experts, expert e stored in fmts[e] = (format, params) (its down
+    projection in down_fmts[e] when given)."""
     gen = torch.Generator().manual_seed(seed)
     experts = []
-    for fmt, params in fmts:
+    for e, (fmt, params) in enumerate(fmts):
         up = [_op(fmt, (2 * inter, hidden), params, gen, dtype, bias)] if fused else \
             [_op(fmt, (inter, hidden), params, gen, dtype, bias) for _ in range(2)]
-        down = _op(fmt, (hidden, inter), params, gen, dtype, bias)
+        down_fmt, down_params = down_fmts[e] if down_fmts else (fmt, params)
+        down = _op(down_fmt, (hidden, inter), down_params, gen, dtype, bias)
         extra = dict(alpha=1.702, limit=1.5, up_offset=1.0) if clamp else {}
         experts.append(MLPPlan("silu", True, up, down, **extra))
     router = torch.randn(len(fmts), hidden, generator=gen).to(DEVICE)
@@ -47,8 +49,8 @@ def _check(plan, dtype=torch.float32, seed=1, tol=None):
     gen = torch.Generator().manual_seed(seed)
     # The tilings the tuner picks from (under the interpreter: one step a row, and steps with the next
     # one prefetched; on a GPU the default and the first prefetching one), each on its own tokens.
-    tilings = {(i, kind): _tilings(kernels.candidates(g, kind)) for i, g in enumerate(kernels.groups)
-               for kind in ("gate_up", "down")}
+    tilings = {(i, kind): _tilings(kernels.candidates(g, kind)) for kind in ("gate_up", "down")
+               for i, g in enumerate(kernels.groups(kind))}
     for trial in range(max(3, *map(len, tilings.values()))):
         for key, options in tilings.items():
             kernels._configs[key] = options[trial % len(options)]
@@ -117,6 +119,21 @@ def test_experts_of_different_formats_in_one_layer():
     _check(_plan(fmts, top_k=4, seed=6))
 
 
+def test_an_experts_down_in_another_format_than_its_gate_up():
+    """Routing-aware bits per projection: gate/up launches grouped by gate/up's format, down launches by
+    down's, so an expert may keep its down finer (or coarser) than its gate/up."""
+    from thin.runtime.kernels.experts import MoEKernels
+
+    fmts = [("q2", {"group_size": 16}), ("q1", {"group_size": 32}), ("q2", {"group_size": 16}), ("mxfp4", {}),
+            ("int4", {"group_size": 32})]
+    downs = [("int4", {"group_size": 32}), ("q2", {"group_size": 16}), ("q2", {"group_size": 32}), ("mxfp4", {}),
+             ("q1", {"group_size": 32})]
+    plan = _plan(fmts, down_fmts=downs, top_k=3, bias=True, clamp=True, router_bias=True, seed=12)
+    kernels = MoEKernels(plan, DEVICE, torch.float32, tune=False)
+    assert (len(kernels.groups("gate_up")), len(kernels.groups("down"))) == (4, 5)
+    _check(plan)
+
+
 def test_bf16_experts_round_like_the_torch_path():
     _check(_plan([("bf16", {})] * 4, dtype=torch.bfloat16, bias=True, seed=7), dtype=torch.bfloat16)
 
@@ -137,6 +154,11 @@ def test_what_the_kernels_do_not_run_is_refused():
         MoEKernels(dataclasses.replace(plan, shared_expert=plan.experts[0]), DEVICE, torch.float32)
     with pytest.raises(NotImplementedError, match="scoring"):
         MoEKernels(dataclasses.replace(plan, scoring="sigmoid"), DEVICE, torch.float32)
+    split = _plan([("int4", {"group_size": 32})] * 2, fused=False)
+    mixed = dataclasses.replace(split.experts[0], up=[split.experts[0].up[0], _plan([("q2", {"group_size": 16})] * 2,
+                                                                                     fused=False).experts[0].up[1]])
+    with pytest.raises(NotImplementedError, match="gate and up differ"):
+        MoEKernels(dataclasses.replace(split, experts=[mixed, split.experts[1]]), DEVICE, torch.float32)
 
 
 @pytest.mark.gpu

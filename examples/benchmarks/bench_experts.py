@@ -60,10 +60,11 @@ def step(kernels, x, partials, part: str) -> None:
     for k in kernels:
         if part in ("router", "all"):
             k.route(x)
-        for i in range(len(k.groups)):
-            if part in ("gate_up", "all"):
+        if part in ("gate_up", "all"):
+            for i in range(len(k.groups("gate_up"))):
                 k._gate_up(i, x, k.config(i, "gate_up"))
-            if part in ("down", "all"):
+        if part in ("down", "all"):
+            for i in range(len(k.groups("down"))):
                 k._down(i, partials, k.config(i, "down"))
 
 

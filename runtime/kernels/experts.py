@@ -18,7 +18,8 @@ weights stay as the executor loaded them; how a program finds and decodes its ex
 table of byte offsets per group of experts sharing a format) is expert_rows.py. Experts of
 different formats in one layer (routing-aware bits) are served by one launch per format, each
 program checking that its slot's expert is one of the group's (`member` is -1 otherwise, and it
-writes nothing).
+writes nothing); gate/up launches group the experts by their gate/up format and down launches by
+their down format, so an expert's down may be stored finer or coarser than its gate/up.
 
 Formats: bf16 / f16 / f32, int8, fp8_e4m3, int3-int6 (one or two code planes), mxfp4, q2, q1 (each
 tile decoded in registers; the format's reference `decode` is what it must match). What the
@@ -201,37 +202,39 @@ class MoEKernels:
         self.fused = len(first.up) == 1
         self.router_weight = plan.router_weight.contiguous()
         self.router_bias = plan.router_bias
-        groups: dict = {}
+        # Experts grouped by the format of their gate/up and, separately, of their down projection (routing-
+        # aware bits may store an expert's down finer than its gate/up): one launch per group and kernel.
+        up_groups: dict = {}
+        down_groups: dict = {}
         for e, mlp in enumerate(experts):
-            ops = mlp.up + [mlp.down]
-            keys = set()
-            for op in ops:
-                fmt, parts, params = weight_parts(op)
-                if fmt not in FORMAT_CODES:
-                    raise NotImplementedError(f"{fmt} experts (the expert kernels read {', '.join(SUPPORTED)})")
-                if op.bias is not None and op.bias.dtype != dtype:
-                    raise NotImplementedError("expert biases in another dtype than the activations")
-                dense = parts["weight"].dtype if "weight" in parts else None
-                keys.add((fmt, dense, params, op.bias is not None))
+            keys = {self._key(op, dtype) for op in mlp.up}
             if len(keys) != 1:
-                raise NotImplementedError("an expert whose projections differ in format")
-            groups.setdefault(keys.pop(), []).append(e)
-        self.groups = []
-        for key, members in groups.items():
+                raise NotImplementedError("an expert whose gate and up differ in format")
+            up_groups.setdefault(keys.pop(), []).append(e)
+            down_groups.setdefault(self._key(mlp.down, dtype), []).append(e)
+        # A gate/up group's tables for down, and a down group's for gate/up, point at its own weights
+        # (one format per group); its kernel never reads them.
+        self.gate_up_groups = []
+        for key, members in up_groups.items():
             gate = [experts[e].up[0] for e in members]
             up = gate if self.fused else [experts[e].up[1] for e in members]
+            self.gate_up_groups.append(ExpertGroup(key, members, self.num_experts, gate, up, gate, self.fused,
+                                                   self.device, dtype))
+        self.down_groups = []
+        for key, members in down_groups.items():
             down = [experts[e].down for e in members]
-            self.groups.append(ExpertGroup(key, members, self.num_experts, gate, up, down, self.fused, self.device,
-                                           dtype))
-        for g in self.groups:
+            self.down_groups.append(ExpertGroup(key, members, self.num_experts, down, down, down, self.fused,
+                                                self.device, dtype))
+        groups = self.gate_up_groups + self.down_groups
+        for g in groups:
             if g.group and (self.hidden % g.group or self.inter % g.group):
                 raise NotImplementedError(f"expert shapes that groups of {g.group} columns do not divide")
         # The lowest address of all is the base: every table entry is a non-negative byte offset.
-        anchor = min((t for g in self.groups for t in g.tensors), key=lambda t: t.data_ptr())
+        anchor = min((t for g in groups for t in g.tensors), key=lambda t: t.data_ptr())
         if not anchor.is_contiguous():
             raise NotImplementedError("expert weights that are not contiguous")
         self.base = anchor.reshape(-1).view(torch.uint8)
-        for g in self.groups:
+        for g in groups:
             g.tables(anchor.data_ptr(), self.device)
         self.logits = torch.zeros(self.num_experts, dtype=torch.float32, device=self.device)
         self.h = torch.zeros(self.top_k, self.inter, dtype=dtype, device=self.device)
@@ -239,6 +242,20 @@ class MoEKernels:
         self.chosen = torch.zeros(self.top_k, dtype=torch.int32, device=self.device)
         self.weights = torch.zeros(self.top_k, dtype=torch.float32, device=self.device)
         self._configs: dict = {}
+
+    @staticmethod
+    def _key(op, dtype) -> tuple:
+        """(format, dense dtype, params, has bias) of an expert projection: what one launch reads alike."""
+        fmt, parts, params = weight_parts(op)
+        if fmt not in FORMAT_CODES:
+            raise NotImplementedError(f"{fmt} experts (the expert kernels read {', '.join(SUPPORTED)})")
+        if op.bias is not None and op.bias.dtype != dtype:
+            raise NotImplementedError("expert biases in another dtype than the activations")
+        return fmt, parts["weight"].dtype if "weight" in parts else None, params, op.bias is not None
+
+    def groups(self, kind: str) -> list[ExpertGroup]:
+        """The expert groups of the gate/up ("gate_up") or the down ("down") kernel."""
+        return self.gate_up_groups if kind == "gate_up" else self.down_groups
 
     # ---- configurations ----
 
@@ -268,9 +285,9 @@ class MoEKernels:
         timed once per shape and format in this process (every layer of a model shares it)."""
         key = (index, kind)
         if key not in self._configs:
-            g = self.groups[index]
+            g = self.groups(kind)[index]
             shape = (kind, g.fmt, g.dt, g.group, g.asym, g.has_bias, self.hidden, self.inter, self.num_experts,
-                     self.top_k, len(self.groups), str(self.dtype), str(self.device))
+                     self.top_k, len(self.groups(kind)), str(self.dtype), str(self.device))
             candidates = self.candidates(g, kind)
             if len(candidates) == 1 or self.device.type != "cuda" or not self.tune:
                 self._configs[key] = candidates[0]
@@ -294,7 +311,8 @@ class MoEKernels:
         def launch():
             if not ready:  # the first (compiling) call also routes x, which the down kernel reads
                 self.route(x)
-                self._gate_up(index, x, self.candidates(self.groups[index], "gate_up")[0])
+                for i, g in enumerate(self.gate_up_groups):  # every slot's h, whichever group holds it
+                    self._gate_up(i, x, self.candidates(g, "gate_up")[0])
                 ready.append(True)
             if kind == "gate_up":
                 self._gate_up(index, x, config)
@@ -305,9 +323,9 @@ class MoEKernels:
 
     def warm_up(self) -> None:
         """Choose every kernel's tiles now (timed on a GPU), not inside the first decode step."""
-        for index in range(len(self.groups)):
-            self.config(index, "gate_up")
-            self.config(index, "down")
+        for kind in ("gate_up", "down"):
+            for index in range(len(self.groups(kind))):
+                self.config(index, kind)
 
     # ---- launches ----
 
@@ -324,7 +342,7 @@ class MoEKernels:
         return dict(FMT=g.fmt, SUB=g.dt, ASYM=g.asym, HAS_BIAS=g.has_bias)
 
     def _gate_up(self, index: int, x: torch.Tensor, config: ExpertConfig) -> None:
-        g = self.groups[index]
+        g = self.gate_up_groups[index]
         n = self.inter
         grid = (self.top_k, -(-n // config.block_n))
         _gate_up_kernel[grid](
@@ -337,7 +355,7 @@ class MoEKernels:
             FUSED=self.fused, PREFETCH=config.prefetch, num_warps=config.num_warps, **self._common(g))
 
     def _down(self, index: int, out: torch.Tensor, config: ExpertConfig) -> None:
-        g = self.groups[index]
+        g = self.down_groups[index]
         n = self.hidden
         grid = (self.top_k, -(-n // config.block_n))
         _down_kernel[grid](
@@ -349,9 +367,9 @@ class MoEKernels:
         """partials[:top_k] = the k chosen experts' weighted outputs for x [hidden]; returns that view."""
         out = partials[:self.top_k]
         self.route(x)
-        for index in range(len(self.groups)):
+        for index in range(len(self.gate_up_groups)):
             self._gate_up(index, x, self.config(index, "gate_up"))
-        for index in range(len(self.groups)):
+        for index in range(len(self.down_groups)):
             self._down(index, out, self.config(index, "down"))
         return out
 
