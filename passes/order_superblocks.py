@@ -143,14 +143,15 @@ def _eliminate(cost):
     alone = cost.diagonal().clone()
     shared = torch.zeros_like(alone)  # sum over dropped i of cost[:, i]
     alive = torch.ones(n, dtype=torch.bool, device=cost.device)
-    dropped = []
+    dropped, count = [], 0  # count: channels dropped so far (several a step in a wide FFN)
     step = max(1, n // ELIMINATION_STEPS)
-    while len(dropped) < n:
+    while count < n:
         added = torch.where(alive, alone + 2 * shared, torch.full_like(alone, float("inf")))
-        take = torch.sort(added, stable=True).indices[:min(step, n - len(dropped))]
+        take = torch.sort(added, stable=True).indices[:min(step, n - count)]
         alive[take] = False
         shared += cost[:, take].sum(1)
         dropped.append(take)
+        count += take.numel()
     return torch.cat(dropped).flip(0)
 
 

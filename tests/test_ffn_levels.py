@@ -5,6 +5,7 @@ the certificate carries every level, and the runtime refuses what was not certif
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import os
 import shutil
 import subprocess
@@ -86,6 +87,19 @@ def test_the_recorded_order_replays_on_the_source(tmp_path):
     for t in ordered.model.tensors:
         assert torch.equal(replayed.load(t.name), ordered.load(t.name)), t.name
     assert replayed.model == ordered.model
+
+
+def test_backward_elimination_orders_every_channel_once_when_it_drops_several_a_step(monkeypatch):
+    # A wide FFN (llama-8b's 14336 channels: 7 a step) drops several channels per elimination step; the
+    # order must still name each channel once, the first step's cheapest channels last.
+    module = importlib.import_module("thin.passes.order_superblocks")
+    monkeypatch.setattr(module, "ELIMINATION_STEPS", 16)
+    n = 100  # 6 channels a step, then the 4 left
+    a = torch.randn(n, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
+    cost = a @ a.T
+    order = module._eliminate(cost)
+    assert sorted(order.tolist()) == list(range(n))
+    assert set(order[-6:].tolist()) == set(torch.sort(cost.diagonal()).indices[:6].tolist())
 
 
 # ---- compiled artifacts ------------------------------------------------------------------------
