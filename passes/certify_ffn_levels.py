@@ -49,8 +49,7 @@ def certify_ffn_levels(program: Program, ctx: PassContext) -> Program:
     dense_mlps(program)
     widths = ffn_widths(program.model)
     corrections = _Corrections(program, ctx, options.correction)
-    session = ctx.evaluator.session(program)
-    costs = _layer_costs(ctx, session, widths, corrections) if options.per_layer else None
+    costs = _layer_costs(ctx, ctx.evaluator.session(program), widths, corrections) if options.per_layer else None
     model, weights = program.model, dict(program.weights)
     records = ffn_weights(model)
     full = ffn_bytes(model)
@@ -110,13 +109,16 @@ def _channels(keep: float, widths: list[int], records, full: int, costs) -> tupl
 
 def _layer_costs(ctx: PassContext, session, widths: list[int], corrections) -> list[list[tuple[int, float]]]:
     """Per layer, (channels, KLD against the compiled model when only this layer runs that many, with
-    its correction) for every candidate count, the full width (KLD 0) last."""
+    its correction) for every candidate count, the full width (KLD 0) last. A probe of layer i runs
+    only layers i on, from each window's hidden state entering layer i (cached once: the layers
+    before it are the compiled model's), so the logits are those of the whole forward pass."""
     import torch
 
-    from .score_formats import probe_windows
+    from .score_formats import probe_windows, reference_logprobs
 
     windows = probe_windows(ctx, PROBE_WINDOWS)
-    reference = [torch.log_softmax(session.forward(w).float(), -1) for w in windows]
+    hidden = [session.layer_inputs(w) for w in windows]
+    reference = reference_logprobs(session, windows, hidden)
     out = []
     for i, width in enumerate(widths):
         ctx.report("FFN levels: layer sensitivity", i, len(widths))
@@ -129,8 +131,8 @@ def _layer_costs(ctx: PassContext, session, widths: list[int], corrections) -> l
             scales[i], shifts[i] = scale, shift
             kld = 0.0
             with session.ffn_prefix(prefix, scales, shifts):
-                for w, ref in zip(windows, reference):
-                    logprobs = torch.log_softmax(session.forward(w).float(), -1)
+                for h, ref in zip(hidden, reference):
+                    logprobs = torch.log_softmax(session.forward_from(i, h[i]).float(), -1)
                     kld += float((ref.exp() * (ref - logprobs)).sum(-1).mean())
             options.append((k, kld / len(windows)))
         out.append([*options, (width, 0.0)])
