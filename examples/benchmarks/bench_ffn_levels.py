@@ -57,6 +57,18 @@ def compile_one(src: str, dst: str, quant: str, levels: str | None, calib_tokens
     options = {"quant": quant, **({"group_size": 128} if quant == "int4" else {})}
     if levels:
         options.update(ffn_levels=levels, ffn_per_layer=per_layer, calib_tokens=calib_tokens, device="cuda")
+    import shutil
+    import tempfile
+
+    from thin.passes.scratch import default_memory_limit
+
+    # Intermediate statistics past the scratch's memory share spill to the temp folder: where and how much
+    # room, so a failed spill can be told from a full disk at a glance.
+    scratch = tempfile.gettempdir()
+    print(f"scratch {scratch}: {shutil.disk_usage(scratch).free / 2**30:.1f} GiB free, up to "
+          f"{default_memory_limit() / 2**30:.1f} GiB held in memory; output folder "
+          f"{shutil.disk_usage(os.path.dirname(os.path.abspath(dst))).free / 2**30:.1f} GiB free",
+          file=sys.stderr, flush=True)
     started = time.perf_counter()
     stages = {}
 
