@@ -202,28 +202,52 @@ def _error_model(program: Program, ctx: PassContext, name: str, w, method: str, 
         if shared is not None:
             shared.update(key=input_key, hessian=hessian, gain=gain)
 
-    def layer_error(delta) -> float:
+    def layer_error(delta, rows: slice) -> float:
         if untied_embedding:
-            return float(frequency.double() @ (delta.double() ** 2).sum(1))
+            return float(frequency[rows].double() @ (delta.double() ** 2).sum(1))
         return float(((delta @ hessian) * delta).sum())
 
     def error(enc: Encoding, exact: bool = False) -> float:
+        # Row by row block: every format rounds each row on its own, and each estimate below is a sum
+        # over rows, so a large embedding or LM head never has more than a block's float32 copies.
         fmt = formats.get(enc.format)
-        if fmt.dense:
-            return layer_error(w - fmt.decode(fmt.encode(w, enc.params), tuple(w.shape), enc.params, torch.float32))
-        delta = w - rounded(fmt, w, enc.params)
-        if exact or method == "rtn" or untied_embedding:
-            return layer_error(delta)
-        return correction.get(enc, 1.0) * float(gain @ (delta.double() ** 2).sum(0))
+        estimate = not (fmt.dense or exact or method == "rtn" or untied_embedding)
+        total = 0.0
+        for rows in row_blocks(w):
+            part = w[rows]
+            if fmt.dense:
+                delta = part - fmt.decode(fmt.encode(part, enc.params), tuple(part.shape), enc.params, torch.float32)
+            else:
+                delta = part - rounded(fmt, part, enc.params)
+            total += float(gain @ (delta.double() ** 2).sum(0)) if estimate else layer_error(delta, rows)
+        return correction.get(enc, 1.0) * total if estimate else total
 
     return error
 
 
+# Elements of a weight rounded at once: bounds the float32 copies of a large embedding or LM head
+# (gpt-oss-20b's 201088 x 2880, 2.3 GB in float32) to a few blocks of 256 MB.
+BLOCK_ELEMENTS = 1 << 26
+
+
+def row_blocks(w) -> list[slice]:
+    """Slices of `w`'s rows, each at most BLOCK_ELEMENTS elements (at least one row)."""
+    step = max(1, BLOCK_ELEMENTS // max(1, w.shape[1]))
+    return [slice(i, min(i + step, w.shape[0])) for i in range(0, w.shape[0], step)]
+
+
 def rounded(fmt, w, params):
-    """`w` rounded to nearest on the format's plain grids (what `encode` stores), as float32."""
-    q = fmt.quantizer(tuple(w.shape), params)
-    q.start(w)
-    return q.project(w, q.fit(w))
+    """`w` rounded to nearest on the format's plain grids (what `encode` stores), as float32; a
+    block of rows at a time (every format rounds each row on its own)."""
+    blocks = row_blocks(w)
+    if len(blocks) == 1:
+        q = fmt.quantizer(tuple(w.shape), params)
+        q.start(w)
+        return q.project(w, q.fit(w))
+    out = w.new_empty(w.shape)
+    for rows in blocks:
+        out[rows] = rounded(fmt, w[rows], params)
+    return out
 
 
 def gptq_gain(hessian):

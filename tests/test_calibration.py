@@ -178,3 +178,46 @@ def test_probes_from_cached_layer_inputs_measure_what_whole_forwards_do(tmp_path
     assert first_changed_layer(model_ir, ["layers.1.ffn.down.weight"]) == 1
     assert first_changed_layer(model_ir, ["lm_head.weight"]) == len(model_ir.layers)
     assert first_changed_layer(model_ir, [model_ir.embedding.weight]) is None
+
+
+def test_large_weights_are_scored_a_block_of_rows_at_a_time(tmp_path, monkeypatch):
+    """score_formats rounds and scores a weight a block of rows at a time (so a 201088-row LM head needs
+    no float32 copies of itself): with blocks of a few rows, every tensor's rounding is the same bit for
+    bit and its predicted error (round to nearest, GPTQ estimate, the embedding's lookup error) the same."""
+    import importlib
+
+    from thin.ir import Encoding, formats
+
+    sf = importlib.import_module("thin.passes.score_formats")  # the module (the package exports the pass)
+
+    model = build_model("llama", **SIZES, tie_word_embeddings=False)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    write_tokenizer(tmp_path)
+    program, ctx = _calibrate(tmp_path)
+    encodings = [Encoding("q2", (("group_size", 32),)), Encoding("q1", (("group_size", 32),)),
+                 Encoding("int4", (("asymmetric", 1), ("group_size", 32))), Encoding("int8"), Encoding("mxfp4"),
+                 Encoding("fp8_e4m3"), Encoding("bf16")]
+    names = [program.model.embedding.weight, program.model.lm_head.weight, program.model.layers[0].attention.q.weight]
+
+    def scores():
+        out = {}
+        for name in names:
+            r = program.model.tensor(name)
+            w = formats.get(r.encoding.format).decode(program.load(name), r.shape, r.encoding.params, torch.float32)
+            for method in ("rtn", "gptq"):
+                error = sf._error_model(program, ctx, name, w, method, {})
+                out[name, method] = [error(e) for e in encodings]
+            out[name, "rounded"] = [sf.rounded(formats.get(e.format), w, e.params) for e in encodings
+                                    if not formats.get(e.format).dense]
+        return out
+
+    whole = scores()
+    monkeypatch.setattr(sf, "BLOCK_ELEMENTS", 3 * SIZES["hidden_size"])
+    assert len(sf.row_blocks(torch.zeros(SIZES["vocab_size"], SIZES["hidden_size"]))) > 100
+    blocked = scores()
+    for key, values in whole.items():
+        if key[1] == "rounded":
+            assert all(torch.equal(a, b) for a, b in zip(values, blocked[key])), key
+        else:
+            assert blocked[key] == pytest.approx(values, rel=1e-5), key  # float32 sums in another order
+            assert all(v > 0 for v in values), key
