@@ -32,6 +32,7 @@ ACTIVATION_CODES = {"silu": 0, "gelu": 1, "gelu_tanh": 2, "relu": 3}
 # boost clock (H200: 1.98 GHz). A slower clock only makes the hold longer, which is harmless.
 SLEEP_CYCLES_PER_SECOND = 2e9
 
+
 @dataclass(frozen=True)
 class MatvecConfig:
     """How a matvec is tiled: `block_n` output rows per program, `chunk` columns per loop step
