@@ -37,6 +37,7 @@ import triton.language as tl
 
 from . import interpreting
 from .common import next_power_of_2
+from .pairs import ONE2, PAIR_MAGIC, zero_pair
 from .tiles import dot_tile
 
 
@@ -88,34 +89,39 @@ def _rows_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, M, N, K
     tl.store(out_ptr + tok[:, None] * N + rows[None, :], acc.to(out_ptr.dtype.element_ty), mask=tok_mask[:, None])
 
 
+def _code_asm(shift: int) -> str:
+    """PTX for `_codes`: the code at bits `shift`..`shift`+3 of each int16 half of a register, OR-ed
+    into bf16 128.0 (lop3 0xea: (a & b) | c) and 128 + 8 taken off by one pair fma (t * 1 - 136); the
+    constants are pairs.py's (ONE2, PAIR_MAGIC, zero_pair(8))."""
+    source = f"shr.u32 t, $1, {shift}; " if shift else ""
+    operand = "t" if shift else "$1"
+    return ("{ .reg .b32 t, o, z; "
+            f"mov.b32 o, 0x{ONE2.value:08X}; mov.b32 z, 0x{zero_pair(8) & 0xFFFFFFFF:08X}; {source}"
+            f"lop3.b32 t, {operand}, 0x000F000F, 0x{PAIR_MAGIC:08X}, 0xea; fma.rn.bf16x2 $0, t, o, z; }}")
+
+
+_CODES_0 = tl.constexpr(_code_asm(0))
+_CODES_4 = tl.constexpr(_code_asm(4))
+_CODES_8 = tl.constexpr(_code_asm(8))
+_CODES_12 = tl.constexpr(_code_asm(12))
+
+
 @triton.jit
 def _codes(h, S: tl.constexpr, MID: tl.constexpr, ASM: tl.constexpr):
     """u - MID for the 4-bit code u at bits S..S+3 of each int16 `h` (a half of a packed word). ASM
     (bfloat16, MID 8): two halves a register, the codes OR-ed into the mantissa of 128.0 (0x4300,
     exact: its unit is 1) by one logic op and 136 subtracted by one pair fma (t * 1 - 136, exact
-    small integers; sm_80 and up); else float32 (the interpreter's twin)."""
+    small integers; sm_80 and up; `_code_asm`); else float32 (the interpreter's twin)."""
     if ASM:
-        # (bf16 pairs: o = (1, 1), z = (-136, -136); lop3 0xea: (a & b) | c)
         if S == 0:
-            out = tl.inline_asm_elementwise(
-                "{ .reg .b32 t, o, z; mov.b32 o, 0x3F803F80; mov.b32 z, 0xC308C308; "
-                "lop3.b32 t, $1, 0x000F000F, 0x43004300, 0xea; fma.rn.bf16x2 $0, t, o, z; }",
-                "=r,r", [h], dtype=tl.bfloat16, is_pure=True, pack=2)
+            asm: tl.constexpr = _CODES_0
         elif S == 4:
-            out = tl.inline_asm_elementwise(
-                "{ .reg .b32 t, o, z; mov.b32 o, 0x3F803F80; mov.b32 z, 0xC308C308; shr.u32 t, $1, 4; "
-                "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xea; fma.rn.bf16x2 $0, t, o, z; }",
-                "=r,r", [h], dtype=tl.bfloat16, is_pure=True, pack=2)
+            asm: tl.constexpr = _CODES_4
         elif S == 8:
-            out = tl.inline_asm_elementwise(
-                "{ .reg .b32 t, o, z; mov.b32 o, 0x3F803F80; mov.b32 z, 0xC308C308; shr.u32 t, $1, 8; "
-                "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xea; fma.rn.bf16x2 $0, t, o, z; }",
-                "=r,r", [h], dtype=tl.bfloat16, is_pure=True, pack=2)
+            asm: tl.constexpr = _CODES_8
         else:
-            out = tl.inline_asm_elementwise(
-                "{ .reg .b32 t, o, z; mov.b32 o, 0x3F803F80; mov.b32 z, 0xC308C308; shr.u32 t, $1, 12; "
-                "lop3.b32 t, t, 0x000F000F, 0x43004300, 0xea; fma.rn.bf16x2 $0, t, o, z; }",
-                "=r,r", [h], dtype=tl.bfloat16, is_pure=True, pack=2)
+            asm: tl.constexpr = _CODES_12
+        out = tl.inline_asm_elementwise(asm, "=r,r", [h], dtype=tl.bfloat16, is_pure=True, pack=2)
     else:
         out = (((h >> S) & 0xF) - MID).to(tl.float32)
     return out
