@@ -250,11 +250,12 @@ def rounded(fmt, w, params):
     return out
 
 
-def gptq_gain(hessian):
-    """1 / U_jj^2 per column: what a squared rounding error of column j costs after GPTQ's updates."""
+def gptq_gain(hessian, factor=None):
+    """1 / U_jj^2 per column: what a squared rounding error of column j costs after GPTQ's updates
+    (`factor`: inverse_cholesky(hessian), when the caller has it)."""
     import torch
 
-    upper, _ = inverse_cholesky(hessian)
+    upper, _ = factor if factor is not None else inverse_cholesky(hessian)
     return 1.0 / torch.diagonal(upper).double() ** 2
 
 
@@ -307,8 +308,7 @@ def _gptq_corrections(program: Program, ctx: PassContext, encodings) -> dict:
         else:
             solved = [gptq(w, hessian, fmt, enc.params, factor=factor)[1] for _, w, hessian, factor in usable]
         for (_, w, hessian, factor), w_hat in zip(usable, solved):
-            gain = 1.0 / torch.diagonal(factor[0]).double() ** 2
-            estimate = float(gain @ ((w - rounded(fmt, w, enc.params)).double() ** 2).sum(0))
+            estimate = float(gptq_gain(hessian, factor) @ ((w - rounded(fmt, w, enc.params)).double() ** 2).sum(0))
             measured = output_error(w, w_hat, hessian)
             if estimate > 0 and measured > 0:
                 logs.append(math.log(measured / estimate))
