@@ -251,17 +251,12 @@ class Executor:
         With a cache, the tokens continue the cached sequence: they are placed at positions
         cache.length .. cache.length + T - 1 and their keys/values are appended.
         """
-        if input_ids.dim() != 1 or input_ids.numel() == 0:
-            raise ValueError(f"input_ids must be a non-empty 1-D tensor, got shape {tuple(input_ids.shape)}")
-        check_tensor_range(input_ids, self.model.vocab_size)
-        ids = input_ids.to(device=self.device, dtype=torch.long)
+        ids = self._checked(input_ids)
         start = 0
         if cache is not None:
             cache.check_room(ids.numel())
             start = cache.length
-        x = self.embed(ids)
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
+        x = self._embedded(ids)
         masks = _Masks(ids.numel(), start, self.device)
         for index, layer in enumerate(self.layers):
             x = self._layer(x, layer, index, cache, start, masks)
@@ -274,13 +269,8 @@ class Executor:
         """The hidden state entering each layer when `input_ids` [T] run as a new sequence (no cache),
         then the one leaving the last layer: len(layers) + 1 tensors [T, hidden]. `forward_from`
         continues from any of them."""
-        if input_ids.dim() != 1 or input_ids.numel() == 0:
-            raise ValueError(f"input_ids must be a non-empty 1-D tensor, got shape {tuple(input_ids.shape)}")
-        check_tensor_range(input_ids, self.model.vocab_size)
-        ids = input_ids.to(device=self.device, dtype=torch.long)
-        x = self.embed(ids)
-        if self.embed_scale is not None:
-            x = x * self.embed_scale
+        ids = self._checked(input_ids)
+        x = self._embedded(ids)
         masks = _Masks(ids.numel(), 0, self.device)
         out = [x]
         for index, layer in enumerate(self.layers):
@@ -300,6 +290,18 @@ class Executor:
         for index in range(first, len(self.layers)):
             x = self._layer(x, self.layers[index], index, None, 0, masks)
         return self._logits(x)
+
+    def _checked(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """`input_ids` [T] as long ids on the device, after checking the shape and the id range."""
+        if input_ids.dim() != 1 or input_ids.numel() == 0:
+            raise ValueError(f"input_ids must be a non-empty 1-D tensor, got shape {tuple(input_ids.shape)}")
+        check_tensor_range(input_ids, self.model.vocab_size)
+        return input_ids.to(device=self.device, dtype=torch.long)
+
+    def _embedded(self, ids: torch.Tensor) -> torch.Tensor:
+        """The hidden state entering layer 0: the embedding rows (times the model's embedding scale)."""
+        x = self.embed(ids)
+        return x * self.embed_scale if self.embed_scale is not None else x
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(self.final_norm(x)).float()
