@@ -41,10 +41,14 @@ def default_device() -> str:
 
 class _Tap:
     """Stands in for one LinearOp: reports its input to the session's observer and, while an
-    override is set for its weight, multiplies by the override instead."""
+    override is set for its weight, multiplies by the override instead. The op runs its kernel's
+    default launch configuration (LinearOp.tune): a compile decodes a few tokens in each of the
+    formats its plan chose (the certificate's greedy agreement), not worth compiling and timing
+    every launch candidate of every format and shape for."""
 
     def __init__(self, name: str, op, session: Session):
         self.name, self.op, self.session = name, op, session
+        op.tune = False
         self.format, self.implementation = op.format, op.implementation
         self.in_features, self.out_features = op.in_features, op.out_features
 

@@ -38,6 +38,10 @@ class LinearOp:
     """y = x @ W.T (+ bias) for x [..., in_features]; W is stored in `format`."""
 
     implementation = "?"
+    # A kernel op (runtime/kernels/common.py) times its launch candidates on first use of each mode;
+    # False takes the untimed default instead: the same results, without compiling and timing every
+    # candidate (the compiler's evaluation sessions, which decode a few tokens per format and shape).
+    tune = True
 
     def __init__(self, in_features: int, out_features: int, format: str):
         self.in_features = in_features

@@ -34,3 +34,36 @@ def test_real_shapes_on_gpu(shape):
 
     op, dense, _ = make_op("bf16", shape, dtype=torch.bfloat16)
     check_matvec(op, dense, None, torch.bfloat16)
+
+
+def test_untuned_op_takes_the_default_configuration(monkeypatch):
+    """An op with tune=False (the compiler's evaluation sessions) runs its first candidate untimed,
+    where a tuned op on the GPU would time them all."""
+    from thin.runtime.kernels import common
+
+    timed = []
+    monkeypatch.setattr(common, "interpreting", lambda: False)
+    monkeypatch.setattr(common, "_time", lambda op, config, mode: timed.append(config) or 1.0)
+
+    class Op:
+        device, in_features, out_features, tune = torch.device("cuda"), 4096, 4096, False
+
+        def candidates(self, mode):
+            return ["default", "other"]
+
+    assert common.choose(Op(), "direct") == "default" and timed == []
+
+
+def test_evaluation_sessions_do_not_tune(tmp_path):
+    from thin.compiler.evaluate import make_evaluator
+    from thin.compiler.hf import load_checkpoint
+
+    from hf_tiny import build_model
+
+    build_model("llama", hidden_size=64, intermediate_size=128, head_dim=16, vocab_size=96).save_pretrained(tmp_path)
+    source = load_checkpoint(tmp_path)
+    session = make_evaluator("cpu", {}).session(source.program)
+    taps = [session.executor.lm_head, *vars(session.executor.layers[0].ffn).values(),
+            *vars(session.executor.layers[0].attention).values()]
+    ops = [tap.op for tap in taps if hasattr(tap, "op")]
+    assert len(ops) >= 3 and all(op.tune is False for op in ops)

@@ -160,10 +160,10 @@ class KernelLinear(LinearOp):
 
 def choose(op: KernelLinear, mode: str) -> MatvecConfig:
     """The configuration `op` runs with in `mode`: the first candidate under the interpreter
-    (nothing to time), else the cached choice for this device and shape, else the fastest
-    candidate timed on the real weight (then cached)."""
+    (nothing to time) or for an op not to be tuned (`LinearOp.tune`), else the cached choice for
+    this device and shape, else the fastest candidate timed on the real weight (then cached)."""
     candidates = op.candidates(mode)
-    if interpreting() or len(candidates) == 1 or op.device.type != "cuda" or _small(op):
+    if interpreting() or not op.tune or len(candidates) == 1 or op.device.type != "cuda" or _small(op):
         return candidates[0]
     key = _cache_key(op, mode)
     cache = _TuneCache.get()
