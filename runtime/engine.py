@@ -306,19 +306,23 @@ class DecodeEngine:
     def warm_up(self) -> None:
         """Choose every matvec's launch configuration now (timed on this device, or read from the
         cache of choices) rather than in the first generate call: the modes the decode step uses."""
+        from .kernels.common import precompile
+
         for kernels in self.moe.values():
             kernels.warm_up()
+        uses = []
         for layer in self.ex.layers:
-            uses = [(op, "direct") for op in layer.attention.qkv] + [(layer.attention.o, "partial")]
+            uses += [(op, "direct") for op in layer.attention.qkv] + [(layer.attention.o, "partial")]
             mlp = layer.ffn
             if isinstance(mlp, MLPPlan):
                 fused = mlp.gated and len(mlp.up) == 1
                 uses += [(op, "glu" if fused else "direct") for op in mlp.up] + [(mlp.down, "partial")]
-            for op, mode in uses:
-                if hasattr(op, "config"):
-                    op.config(mode if mode != "partial" or op.out_features == self.hidden else "direct")
-        if hasattr(self.ex.lm_head, "config"):
-            self.ex.lm_head.config("direct")
+        uses.append((self.ex.lm_head, "direct"))
+        uses = [(op, mode if mode != "partial" or op.out_features == self.hidden else "direct")
+                for op, mode in uses if hasattr(op, "config")]
+        precompile(uses)  # the candidates not chosen yet, compiled on several threads
+        for op, mode in uses:
+            op.config(mode)
 
     # ---- pieces ----------------------------------------------------------------------------------
 

@@ -67,3 +67,58 @@ def test_evaluation_sessions_do_not_tune(tmp_path):
             *vars(session.executor.layers[0].attention).values()]
     ops = [tap.op for tap in taps if hasattr(tap, "op")]
     assert len(ops) >= 3 and all(op.tune is False for op in ops)
+
+
+def test_precompile_launches_each_untuned_candidate_once(monkeypatch):
+    """precompile: every candidate of each distinct (shape, format, mode) not yet chosen, launched
+    once on the thread pool; cached, untuned and single-candidate uses skipped; a failing launch
+    left to choose()."""
+    import contextlib
+
+    from thin.runtime.kernels import common
+
+    launched = []
+
+    def launcher(op, config, mode):
+        def launch():
+            if config == "broken":
+                raise RuntimeError("does not compile")
+            launched.append((op.name, mode, config))
+        return launch
+
+    monkeypatch.setattr(common, "interpreting", lambda: False)
+    monkeypatch.setattr(common, "_launcher", launcher)
+    monkeypatch.setattr(common, "_cache_key", lambda op, mode: f"{op.shape}|{mode}")
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    cached = common.MatvecConfig(16, 4, 1, 4)
+    monkeypatch.setattr(common._TuneCache, "get", classmethod(lambda cls: type(
+        "Cache", (), {"lookup": lambda self, key: cached if key == "cached|direct" else None})()))
+
+    class Op:
+        device, in_features, out_features = torch.device("cuda"), 4096, 4096
+
+        def __init__(self, name, shape, configs=("a", "b", "broken"), tune=True):
+            self.name, self.shape, self.configs, self.tune, self._configs = name, shape, list(configs), tune, {}
+
+        def candidates(self, mode):
+            return self.configs
+
+    uses = [(Op("q0", "qkv"), "direct"), (Op("q1", "qkv"), "direct"), (Op("g0", "gate_up"), "glu"),
+            (Op("c", "cached", [cached, "x"]), "direct"), (Op("u", "untuned", tune=False), "direct"),
+            (Op("s", "single", ["only"]), "direct")]
+    assert common.precompile(uses, workers=2) == 6
+    assert sorted(launched) == [("g0", "glu", "a"), ("g0", "glu", "b"), ("q0", "direct", "a"), ("q0", "direct", "b")]
+
+
+def test_compile_threads(monkeypatch):
+    from thin.runtime.kernels.common import compile_threads
+
+    monkeypatch.setenv("THIN_COMPILE_THREADS", "3")
+    assert compile_threads() == 3
+    for bad in ("0", "-1", "two"):
+        monkeypatch.setenv("THIN_COMPILE_THREADS", bad)
+        with pytest.raises(ValueError, match="THIN_COMPILE_THREADS"):
+            compile_threads()
+    monkeypatch.delenv("THIN_COMPILE_THREADS")
+    assert 1 <= compile_threads() <= 16

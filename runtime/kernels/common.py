@@ -21,6 +21,7 @@ import torch
 
 from thin.ir import Tensor, formats
 
+from ..errors import InputError
 from ..linear import LinearOp
 from . import interpreting
 
@@ -180,8 +181,8 @@ def _small(op: KernelLinear) -> bool:
     return op.in_features * op.out_features < 4 * 2**20 // 2
 
 
-def _time(op: KernelLinear, config: MatvecConfig, mode: str) -> float:
-    """Median milliseconds of one launch with `config` (compile excluded)."""
+def _launcher(op: KernelLinear, config: MatvecConfig, mode: str):
+    """One matvec of `op` with `config` in `mode`, on random input, as a callable."""
     x = torch.randn(op.in_features, device=op.device).to(op.dtype)
     if mode == "glu":
         out = torch.empty(op.out_features // 2, dtype=op.dtype, device=x.device)
@@ -194,7 +195,74 @@ def _time(op: KernelLinear, config: MatvecConfig, mode: str) -> float:
     def launch():
         op._matvec(x, out, config, act, mode == "partial")
 
-    return median_ms(launch)
+    return launch
+
+
+def _time(op: KernelLinear, config: MatvecConfig, mode: str) -> float:
+    """Median milliseconds of one launch with `config` (compile excluded)."""
+    return median_ms(_launcher(op, config, mode))
+
+
+def compile_threads() -> int:
+    """Host threads `precompile` uses: THIN_COMPILE_THREADS, else the cores up to 16 (1: the
+    loading thread compiles each candidate itself, as choosing would)."""
+    value = os.environ.get("THIN_COMPILE_THREADS", "")
+    if not value:
+        return min(16, os.cpu_count() or 1)
+    if not value.isdigit() or int(value) < 1:
+        raise InputError(f"THIN_COMPILE_THREADS must be a positive whole number, got {value!r}: unset it "
+                         "or give the host threads that compile kernels on a model's first load")
+    return int(value)
+
+
+def precompile(uses, workers: int | None = None) -> int:
+    """Compile, on `workers` host threads (default `compile_threads()`), every launch candidate
+    `choose` would time for these (op, mode) uses, so that choosing then only times them. One op
+    per distinct weight shape, format and mode (the kernels they compile are the same), and none
+    whose choice is cached or that `choose` would not time. Returns the candidates launched.
+
+    Compiling dominates the first load of a model on a GPU: about a second a candidate (the 9 of
+    int6 g64 at 4096x4096 took 10.2 s compiled for sm_90 on this project's 2-core CPU machine),
+    several candidates per format, shape and mode, and a planned artifact mixes formats (the
+    llama-8b --vram 8G plan has nine). Triton's compiler spends much of it outside the interpreter
+    lock (ptxas runs as a subprocess), so threads overlap it: the same 9 took 6.6 s on two threads.
+    Each candidate is launched once on random input, which is what compiles it; a candidate that
+    fails here is left to `choose`, which times it as before (and skips it when it cannot compile)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if interpreting():
+        return 0
+    cache, jobs, seen = _TuneCache.get(), [], set()
+    for op, mode in uses:
+        if not op.tune or op.device.type != "cuda" or _small(op) or mode in op._configs:
+            continue
+        candidates = op.candidates(mode)
+        key = _cache_key(op, mode)
+        if len(candidates) == 1 or key in seen or cache.lookup(key) in candidates:
+            continue
+        seen.add(key)
+        jobs += [(op.device, _launcher(op, config, mode)) for config in candidates]
+    if not jobs:
+        return 0
+
+    def run(job):
+        device, launch = job
+        try:
+            with torch.cuda.device(device):
+                launch()
+        except Exception:  # noqa: BLE001  (choose() meets the same failure and handles it)
+            pass
+
+    workers = workers or compile_threads()
+    if workers == 1:
+        for job in jobs:
+            run(job)
+    else:
+        with ThreadPoolExecutor(workers) as pool:
+            list(pool.map(run, jobs))
+    for device in {device for device, _ in jobs}:
+        torch.cuda.synchronize(device)
+    return len(jobs)
 
 
 def median_ms_or_inf(launch, **timing) -> float:
