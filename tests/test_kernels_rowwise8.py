@@ -1,14 +1,84 @@
 """int8 and fp8_e4m3 (one scale a row) kernels against the formats' decode."""
 
+from dataclasses import replace
+
 import pytest
 import torch
+from kernel_support import DEVICE, poisoned, rel_err, tolerance
 from linear_kernel_cases import check_all, check_glu, check_matvec, make_op
+
+from thin.runtime.ffn import activate
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_matches_decode(fmt, dtype):
     check_all(fmt, (96, 192), dtype=dtype, bias=dtype == torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("K", [256, 208])
+def test_fp8_loads_ahead(K, dtype):
+    """fp8 with each step's bytes and activations loaded in their step or 1 or 2 steps ahead
+    (MatvecConfig.ahead) over several 64-column steps: K whole steps (256) or not (208, a ragged
+    last step), each program's share whole or ragged (split 1, 2, 3), a partial tile of rows
+    (32-row tiles over 48); outputs, split-K partial sums and gate/up."""
+    from thin.runtime.kernels.common import MatvecConfig
+
+    op, dense, _ = make_op("fp8_e4m3", (48, K), dtype=dtype, seed=7)
+    x = torch.randn(K, generator=torch.Generator().manual_seed(8)).to(dtype).to(DEVICE)
+    want = x.float().cpu() @ dense.T
+    gate, up = want.to(dtype).chunk(2)
+    for ahead in (0, 1, 2):
+        for split in (1, 2, 3):
+            op._configs["partial"] = MatvecConfig(32, 64, split, 4, ahead=ahead)
+            sums = op.matvec(x, partials=poisoned(8, 48, dtype=torch.float32)).sum(0)
+            assert rel_err(sums, want) < 2e-5, (split, ahead)
+        op._configs["direct"] = MatvecConfig(32, 64, 1, 4, ahead=ahead)
+        assert rel_err(op.matvec(x, out=poisoned(48, dtype=dtype)), want) < tolerance(dtype), ahead
+        op._configs["glu"] = MatvecConfig(16, 64, 1, 4, ahead=ahead)
+        got = op.matvec(x, out=poisoned(24, dtype=dtype), activation="silu")
+        assert rel_err(got, activate("silu", gate) * up) < 2 * tolerance(dtype), ahead
+
+
+def test_fp8_loads_ahead_prefixes():
+    """Elastic prefixes through the loads ahead: the first columns (whole steps, split-K cut to
+    divide them) and the first rows of each half of a [gate; up] weight."""
+    from thin.runtime.kernels.common import MatvecConfig
+
+    op, dense, _ = make_op("fp8_e4m3", (128, 384), seed=9)
+    gen = torch.Generator().manual_seed(10)
+    x = torch.randn(384, generator=gen).to(DEVICE)
+    h = torch.randn(256, generator=gen).to(DEVICE)
+    y = x.cpu() @ dense.T
+    for ahead in (1, 2):
+        op._configs["partial"] = MatvecConfig(16, 64, 3, 4, ahead=ahead)
+        sums = op.matvec(h, partials=poisoned(8, 128, dtype=torch.float32), cols=256)
+        assert rel_err(sums.sum(0), h.cpu() @ dense[:, :256].T) < 2e-5, ahead
+        op._configs["glu"] = MatvecConfig(16, 64, 1, 4, ahead=ahead)
+        got = op.matvec(x, out=poisoned(16, dtype=torch.float32), activation="silu", rows=16)
+        assert rel_err(got, activate("silu", y[:16]) * y[64:80]) < 2 * tolerance(torch.float32), ahead
+
+
+def test_fp8_ahead_candidates_only_with_several_steps(monkeypatch):
+    """The tuner gets each fp8 tiling again with loads two steps ahead, where a program takes more
+    than one step (a one-step program has nothing to load ahead); the default stays the plain one."""
+    from thin.runtime.kernels import rowwise8
+
+    monkeypatch.setattr(rowwise8, "interpreting", lambda: False)
+    monkeypatch.setattr(rowwise8, "_sms", lambda: 132)
+    for shape, mode in [((6144, 4096), "direct"), ((4096, 4096), "partial"), ((4096, 14336), "partial"),
+                        ((28672, 4096), "glu"), ((2048, 1024), "direct")]:
+        op, _, _ = make_op("fp8_e4m3", (64, shape[1]), seed=1)
+        op.out_features = shape[0]  # candidates depend on the shape only
+        configs = op.candidates(mode)
+        plain = [c for c in configs if not c.ahead]
+        assert configs[0] == plain[0] and {c.ahead for c in configs} == {0, 2}
+        ahead = [c for c in configs if c.ahead]
+        assert ahead == [replace(c, ahead=2) for c in plain if rowwise8.fp8_steps(shape[1], c) > 1]
+        # 1024 columns: the 4-warp tilings (1024 columns a step) take one step and get no look-ahead.
+        assert len(ahead) == len(plain) - (2 if shape[1] == 1024 else 0)
+    assert rowwise8.fp8_steps(4096, rowwise8.MatvecConfig(4, 1024, 4, 4)) == 1
 
 
 @pytest.mark.gpu
@@ -34,3 +104,21 @@ def test_plain_path_on_gpu(monkeypatch):
     monkeypatch.setattr(common, "INLINE_ASM", False)
     op, dense, _ = make_op("int8", (6144, 4096), dtype=torch.bfloat16)
     check_matvec(op, dense, None, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inline_asm", [True, False])
+def test_fp8_loads_ahead_real_shapes_on_gpu(inline_asm, monkeypatch):
+    """The look-ahead candidates at llama-8b shapes: the inline PTX conversion and its plain-Triton
+    twin (the interpreter's path) compiled for the GPU."""
+    from thin.runtime.kernels import common
+
+    monkeypatch.setattr(common, "INLINE_ASM", inline_asm)
+    for shape in [(6144, 4096), (4096, 14336)]:
+        op, dense, _ = make_op("fp8_e4m3", shape, dtype=torch.bfloat16)
+        for mode in ("direct", "partial"):
+            op._configs[mode] = next(c for c in op.candidates(mode) if c.ahead)
+        check_matvec(op, dense, None, torch.bfloat16)
+    op, dense, _ = make_op("fp8_e4m3", (28672, 4096), dtype=torch.bfloat16)
+    op._configs["glu"] = next(c for c in op.candidates("glu") if c.ahead)
+    check_glu(op, dense, None, torch.bfloat16, "silu")

@@ -3,7 +3,9 @@
 fp8: each lane of a [BN, BK] tile holds 8 consecutive bytes of every row (BK = 256 per warp),
 the same 8 columns as its 16-byte load of the activations, so nothing moves between lanes; the
 hardware converts e4m3 pairs to half pairs, then to float32, and a float32 tile accumulates the
-products. int8 goes through the bit-plane chunk scheme (tiles.py: 16-column chunks, four words a
+products. Launch candidates with MatvecConfig.ahead (picked by the tuner, never the default) load
+each step's bytes and activations two steps before it, so their memory latency overlaps a step's
+math. int8 goes through the bit-plane chunk scheme (tiles.py: 16-column chunks, four words a
 lane, codes read as u = v + 128 with the 128 folded into the add). Both apply the row's scale
 once, after the dot product. Prefill dequantizes [BN, BK] tiles to the compute dtype and
 multiplies with tl.dot.
@@ -11,11 +13,13 @@ multiplies with tl.dot.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
+from . import common, interpreting
 from .common import (
     MAGIC_BITS,
     KernelLinear,
@@ -33,8 +37,11 @@ from .tiles import (
     dot_tile,
     masked_load,
     octet_dot,
+    octet_split,
+    plane_load,
     plane_words,
     split_candidates,
+    split_words,
     store_tile,
     tile_rows,
     tile_starts,
@@ -66,6 +73,80 @@ def _fp8_dot(v_ptr, x_ptr, rows, row_mask, K, split_cols, BK: tl.constexpr, EVEN
 
 
 @triton.jit
+def _fp8_ahead_dot(w_ptr, x_ptr, starts, row_mask, K, split_chunks, C: tl.constexpr, EVEN_N: tl.constexpr,
+                   EVEN_K: tl.constexpr, ASM: tl.constexpr, AHEAD: tl.constexpr):
+    """_fp8_dot with each step's weights and activations loaded AHEAD (1 or 2) steps before it, so
+    their memory latency overlaps the math of the steps between instead of following it.
+
+    The same lane layout (a lane's 8 bytes of each row and the 16-byte load of their activations),
+    but as chunks of 8 columns (tiles.py's scheme; `starts`: row_starts in chunks) whose bytes are
+    two int32 words: the bytes are carried from step to step as they were loaded, two registers a
+    row (a byte tensor carried through the loop is held a byte a register and repacked every step)."""
+    total = K // 8
+    begin = tl.program_id(1) * split_chunks
+    end = tl.minimum(begin + split_chunks, total)
+    acc = tl.zeros([starts.shape[0], C], dtype=tl.float32)
+    w_1, x_1 = _fp8_words(w_ptr, x_ptr, starts, row_mask, begin, end, C, EVEN_N, EVEN_K, ASM)
+    if AHEAD >= 2:
+        w_2, x_2 = _fp8_words(w_ptr, x_ptr, starts, row_mask, begin + C, end, C, EVEN_N, EVEN_K, ASM)
+    for c0 in range(begin, end, C):
+        w, x = w_1, x_1
+        if AHEAD >= 2:
+            w_1, x_1 = w_2, x_2
+            w_2, x_2 = _fp8_words(w_ptr, x_ptr, starts, row_mask, c0 + 2 * C, end, C, EVEN_N, EVEN_K, ASM)
+        else:
+            w_1, x_1 = _fp8_words(w_ptr, x_ptr, starts, row_mask, c0 + C, end, C, EVEN_N, EVEN_K, ASM)
+        words = split_words(w, 2)
+        xs = octet_split(x)
+        for h in tl.static_range(2):
+            f0, f1, f2, f3 = _e4m3_quad(words[h], ASM)
+            acc += f0 * xs[4 * h][None, :]
+            acc += f1 * xs[4 * h + 1][None, :]
+            acc += f2 * xs[4 * h + 2][None, :]
+            acc += f3 * xs[4 * h + 3][None, :]
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _fp8_words(w_ptr, x_ptr, starts, row_mask, c0, end, C: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+               ASM: tl.constexpr):
+    """(words [rows, 2 C], activations [C, 8] unconverted) of the step at chunk c0, which may lie
+    past `end` (masked off: never used)."""
+    chunk = c0 + tl.arange(0, C)
+    words = plane_load(w_ptr, starts, row_mask, c0, end, C, 2, EVEN_N, EVEN_K, ASM, True)
+    x = tl.load(x_ptr + (8 * chunk)[:, None] + tl.arange(0, 8)[None, :], mask=(chunk < end)[:, None], other=0.0)
+    return words, x
+
+
+@triton.jit
+def _e4m3_quad(word, ASM: tl.constexpr):
+    """The four e4m3 bytes of int32 words, lowest first, as float32 (e4m3 pairs -> half pairs ->
+    floats, as Triton's own conversion does)."""
+    if ASM:
+        f0, f1, f2, f3 = tl.inline_asm_elementwise(
+            """{
+            .reg .b16 lo, hi, a, b, c, d;
+            .reg .b32 p, q;
+            mov.b32 {lo, hi}, $4;
+            cvt.rn.f16x2.e4m3x2 p, lo;
+            cvt.rn.f16x2.e4m3x2 q, hi;
+            mov.b32 {a, b}, p;
+            mov.b32 {c, d}, q;
+            cvt.f32.f16 $0, a;
+            cvt.f32.f16 $1, b;
+            cvt.f32.f16 $2, c;
+            cvt.f32.f16 $3, d;
+            }""", "=r,=r,=r,=r,r", [word], dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True,
+            pack=1)
+    else:
+        f0 = (word & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        f1 = ((word >> 8) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        f2 = ((word >> 16) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        f3 = ((word >> 24) & 0xFF).to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return f0, f1, f2, f3
+
+
+@triton.jit
 def _int8_dot(v_ptr, x_ptr, starts, row_mask, K, split_chunks, flip_lo, flip_hi, C: tl.constexpr, EVEN_N: tl.constexpr,
               EVEN_K: tl.constexpr, ASM: tl.constexpr):
     """sum_k W[rows, k] x[k] over this program's 16-column chunks, float32 [rows]."""
@@ -88,12 +169,16 @@ def _int8_dot(v_ptr, x_ptr, starts, row_mask, K, split_chunks, flip_lo, flip_hi,
 @triton.jit
 def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, split, flip_lo, flip_hi, FP8: tl.constexpr,
                    BN: tl.constexpr, STEP: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                   ASM: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
+                   ASM: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
+                   AHEAD: tl.constexpr):
     """Program (i, s): output rows i*BN.., the columns of split s (`split` of them: columns for
     fp8, chunks for int8; STEP per loop step). ACT >= 0: the weight is [gate; up] and the tile
     holds both rows of each output (gate row r, up row n + r), one pass over x."""
     rows, row_mask = tile_rows(tl.program_id(0), n, BN, ACT >= 0)
-    if FP8:
+    if FP8 and AHEAD:  # v_ptr: int32 words; split and STEP in chunks of 8 columns
+        starts = tile_starts(tl.program_id(0), n, K // 8, BN, ACT >= 0, ASM)
+        total = _fp8_ahead_dot(v_ptr, x_ptr, starts, row_mask, K, split, STEP, EVEN_N, EVEN_K, ASM, AHEAD)
+    elif FP8:
         total = _fp8_dot(v_ptr, x_ptr, rows, row_mask, K, split, STEP, EVEN_N, EVEN_K)
     else:
         starts = tile_starts(tl.program_id(0), n, K // 16, BN, ACT >= 0, ASM)
@@ -153,7 +238,9 @@ class Rowwise8Linear(KernelLinear):
             units = -(-K // bk)
             splits = split_candidates(n, block_n, units, _sms()) if mode == "partial" else [1]
             out += [MatvecConfig(block_n, bk, s, warps) for s in splits[-2:]]
-        return out
+        # Each tiling again with its loads two steps ahead, where a program takes more than one step
+        # (one step ahead, ptxas issues them at the end of the step before, next to their use).
+        return out + [replace(c, ahead=2) for c in out if fp8_steps(K, c) > 1]
 
     def _matvec(self, x, out, config, act, partial, rows=None, cols=None):
         n, programs, config = prefix_rows(self, config, act, rows)
@@ -161,10 +248,12 @@ class Rowwise8Linear(KernelLinear):
         if self.fp8:
             if cols is not None:  # an elastic prefix: whole steps per split, so no program reads past it
                 config = prefix_split(config, max(1, K // config.chunk) if K % config.chunk == 0 else 1)
-            per = -(-K // config.split)
-            per = -(-per // config.chunk) * config.chunk if config.split > 1 else per
+            per = _fp8_share(K, config)
             split, step, even, asm = per, config.chunk, K % (config.split * config.chunk) == 0, False
             values = self.values
+            if config.ahead:  # in chunks of 8 columns (int32 word pairs)
+                split, step, values = per // 8, config.chunk // 8, self.words
+                asm = common.INLINE_ASM and not interpreting()
         else:
             config, launch = chunk_prefix(config, self.in_features, cols, 16)
             split, step, even, asm = launch.split_chunks, launch.chunks, launch.even, launch.asm
@@ -174,7 +263,8 @@ class Rowwise8Linear(KernelLinear):
             MAGIC_BITS | 0x80,
             MAGIC_BITS | 0x8000,
             FP8=self.fp8, BN=config.block_n, STEP=step, EVEN_N=n % config.block_n == 0, EVEN_K=even, ASM=asm,
-            ACT=act, HAS_BIAS=self.bias is not None, PARTIAL=partial, num_warps=config.num_warps)
+            ACT=act, HAS_BIAS=self.bias is not None, PARTIAL=partial, AHEAD=config.ahead if self.fp8 else 0,
+            num_warps=config.num_warps)
         return config.split
 
     def _matmul(self, x, rows=None, cols=None, halves=1):
@@ -188,6 +278,17 @@ class Rowwise8Linear(KernelLinear):
             BM=bm, BN=bn, BK=bk, HAS_BIAS=self.bias is not None, IEEE=x.dtype == torch.float32 or interpreting(),
             num_warps=4)
         return out
+
+
+def fp8_steps(K: int, config: MatvecConfig) -> int:
+    """Loop steps of one fp8 matvec program of `config` over K columns."""
+    return -(-_fp8_share(K, config) // config.chunk)
+
+
+def _fp8_share(K: int, config: MatvecConfig) -> int:
+    """Columns of K one fp8 matvec program of `config` takes: all, or with split-K whole steps."""
+    per = -(-K // config.split)
+    return -(-per // config.chunk) * config.chunk if config.split > 1 else per
 
 
 def _sms() -> int:

@@ -94,7 +94,13 @@ def x_octet(x_ptr, first, cmask, EVEN: tl.constexpr):
         xs = tl.load(x_ptr + offs)
     else:
         xs = tl.load(x_ptr + offs, mask=cmask[:, None], other=0.0)
-    xs = tl.reshape(xs.to(tl.float32), [first.shape[0], 2, 2, 2])
+    return octet_split(xs)
+
+
+@triton.jit
+def octet_split(xs):
+    """[C, 8] activations (8 a lane) -> a tuple of eight float32 [C], column j of each chunk."""
+    xs = tl.reshape(xs.to(tl.float32), [xs.shape[0], 2, 2, 2])
     a0, a1 = tl.split(xs)
     b00, b01 = tl.split(a0)
     b10, b11 = tl.split(a1)
@@ -353,6 +359,6 @@ def split_candidates(n_rows: int, block_n: int, units: int, sms: int) -> list[in
 
 
 __all__ = ["MAGIC", "activate", "chunk_side", "code_term", "dot_tile", "glu_halves", "masked_load", "octet_dot",
-           "opaque", "plane_codes", "plane_load", "plane_words", "row_starts", "shr16", "split_candidates",
-           "split_words", "store_glu", "store_rows", "store_tile", "tile_rows", "tile_rows_of", "tile_starts", "triton",
-           "upper_halves", "x_octet", "x_sum8"]
+           "octet_split", "opaque", "plane_codes", "plane_load", "plane_words", "row_starts", "shr16",
+           "split_candidates", "split_words", "store_glu", "store_rows", "store_tile", "tile_rows", "tile_rows_of",
+           "tile_starts", "triton", "upper_halves", "x_octet", "x_sum8"]
