@@ -19,26 +19,27 @@ def test_matches_decode(fmt, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("K", [256, 208])
 def test_fp8_loads_ahead(K, dtype):
-    """fp8 with each step's bytes and activations loaded in their step or 1 or 2 steps ahead
-    (MatvecConfig.ahead) over several 64-column steps: K whole steps (256) or not (208, a ragged
-    last step), each program's share whole or ragged (split 1, 2, 3), a partial tile of rows
-    (32-row tiles over 48); outputs, split-K partial sums and gate/up."""
+    """fp8 with each step's bytes and activations loaded in their step, 1 or 2 steps ahead
+    (MatvecConfig.ahead) or through Triton's pipeliner (MatvecConfig.stages), over several 64-column
+    steps: K whole steps (256) or not (208, a ragged last step), each program's share whole or ragged
+    (split 1, 2, 3), a partial tile of rows (32-row tiles over 48); outputs, split-K partial sums and
+    gate/up."""
     from thin.runtime.kernels.common import MatvecConfig
 
     op, dense, _ = make_op("fp8_e4m3", (48, K), dtype=dtype, seed=7)
     x = torch.randn(K, generator=torch.Generator().manual_seed(8)).to(dtype).to(DEVICE)
     want = x.float().cpu() @ dense.T
     gate, up = want.to(dtype).chunk(2)
-    for ahead in (0, 1, 2):
+    for ahead, stages in ((0, 0), (1, 0), (2, 0), (0, 3)):
         for split in (1, 2, 3):
-            op._configs["partial"] = MatvecConfig(32, 64, split, 4, ahead=ahead)
+            op._configs["partial"] = MatvecConfig(32, 64, split, 4, ahead=ahead, stages=stages)
             sums = op.matvec(x, partials=poisoned(8, 48, dtype=torch.float32)).sum(0)
-            assert rel_err(sums, want) < 2e-5, (split, ahead)
-        op._configs["direct"] = MatvecConfig(32, 64, 1, 4, ahead=ahead)
-        assert rel_err(op.matvec(x, out=poisoned(48, dtype=dtype)), want) < tolerance(dtype), ahead
-        op._configs["glu"] = MatvecConfig(16, 64, 1, 4, ahead=ahead)
+            assert rel_err(sums, want) < 2e-5, (split, ahead, stages)
+        op._configs["direct"] = MatvecConfig(32, 64, 1, 4, ahead=ahead, stages=stages)
+        assert rel_err(op.matvec(x, out=poisoned(48, dtype=dtype)), want) < tolerance(dtype), (ahead, stages)
+        op._configs["glu"] = MatvecConfig(16, 64, 1, 4, ahead=ahead, stages=stages)
         got = op.matvec(x, out=poisoned(24, dtype=dtype), activation="silu")
-        assert rel_err(got, activate("silu", gate) * up) < 2 * tolerance(dtype), ahead
+        assert rel_err(got, activate("silu", gate) * up) < 2 * tolerance(dtype), (ahead, stages)
 
 
 def test_fp8_loads_ahead_prefixes():
@@ -51,18 +52,19 @@ def test_fp8_loads_ahead_prefixes():
     x = torch.randn(384, generator=gen).to(DEVICE)
     h = torch.randn(256, generator=gen).to(DEVICE)
     y = x.cpu() @ dense.T
-    for ahead in (1, 2):
-        op._configs["partial"] = MatvecConfig(16, 64, 3, 4, ahead=ahead)
+    for ahead, stages in ((1, 0), (2, 0), (0, 3)):
+        op._configs["partial"] = MatvecConfig(16, 64, 3, 4, ahead=ahead, stages=stages)
         sums = op.matvec(h, partials=poisoned(8, 128, dtype=torch.float32), cols=256)
-        assert rel_err(sums.sum(0), h.cpu() @ dense[:, :256].T) < 2e-5, ahead
-        op._configs["glu"] = MatvecConfig(16, 64, 1, 4, ahead=ahead)
+        assert rel_err(sums.sum(0), h.cpu() @ dense[:, :256].T) < 2e-5, (ahead, stages)
+        op._configs["glu"] = MatvecConfig(16, 64, 1, 4, ahead=ahead, stages=stages)
         got = op.matvec(x, out=poisoned(16, dtype=torch.float32), activation="silu", rows=16)
-        assert rel_err(got, activate("silu", y[:16]) * y[64:80]) < 2 * tolerance(torch.float32), ahead
+        assert rel_err(got, activate("silu", y[:16]) * y[64:80]) < 2 * tolerance(torch.float32), (ahead, stages)
 
 
 def test_fp8_ahead_candidates_only_with_several_steps(monkeypatch):
-    """The tuner gets each fp8 tiling again with loads two steps ahead, where a program takes more
-    than one step (a one-step program has nothing to load ahead); the default stays the plain one."""
+    """The tuner gets each fp8 tiling again with loads two steps ahead where a program takes more
+    than one step (a one-step program has nothing to load ahead), and the 1- and 2-warp tilings
+    pipelined through shared memory where it takes three or more; the default stays the plain one."""
     from thin.runtime.kernels import rowwise8
 
     monkeypatch.setattr(rowwise8, "interpreting", lambda: False)
@@ -72,12 +74,16 @@ def test_fp8_ahead_candidates_only_with_several_steps(monkeypatch):
         op, _, _ = make_op("fp8_e4m3", (64, shape[1]), seed=1)
         op.out_features = shape[0]  # candidates depend on the shape only
         configs = op.candidates(mode)
-        plain = [c for c in configs if not c.ahead]
-        assert configs[0] == plain[0] and {c.ahead for c in configs} == {0, 2}
+        plain = [c for c in configs if not c.ahead and not c.stages]
+        assert configs[0] == plain[0] and not any(c.ahead and c.stages for c in configs)
         ahead = [c for c in configs if c.ahead]
-        assert ahead == [replace(c, ahead=2) for c in plain if rowwise8.fp8_steps(shape[1], c) > 1]
-        # 1024 columns: the 4-warp tilings (1024 columns a step) take one step and get no look-ahead.
+        staged = [c for c in configs if c.stages]
+        steps = {c: rowwise8.fp8_steps(shape[1], c) for c in plain}
+        assert ahead == [replace(c, ahead=2) for c in plain if steps[c] > 1]
+        assert staged == [replace(c, stages=3) for c in plain if c.num_warps <= 2 and steps[c] >= 3]
+        # 1024 columns: the 4-warp tilings (1024 columns a step) take one step, the 2-warp ones two.
         assert len(ahead) == len(plain) - (2 if shape[1] == 1024 else 0)
+        assert len(staged) == sum(c.num_warps <= 2 for c in plain) - (3 if shape[1] == 1024 else 0)
     assert rowwise8.fp8_steps(4096, rowwise8.MatvecConfig(4, 1024, 4, 4)) == 1
 
 
@@ -109,16 +115,17 @@ def test_plain_path_on_gpu(monkeypatch):
 @pytest.mark.gpu
 @pytest.mark.parametrize("inline_asm", [True, False])
 def test_fp8_loads_ahead_real_shapes_on_gpu(inline_asm, monkeypatch):
-    """The look-ahead candidates at llama-8b shapes: the inline PTX conversion and its plain-Triton
-    twin (the interpreter's path) compiled for the GPU."""
+    """The look-ahead candidates at llama-8b shapes (registers: the inline PTX conversion and its
+    plain-Triton twin, the interpreter's path; shared memory: Triton's pipeliner) on the GPU."""
     from thin.runtime.kernels import common
 
     monkeypatch.setattr(common, "INLINE_ASM", inline_asm)
-    for shape in [(6144, 4096), (4096, 14336)]:
-        op, dense, _ = make_op("fp8_e4m3", shape, dtype=torch.bfloat16)
-        for mode in ("direct", "partial"):
-            op._configs[mode] = next(c for c in op.candidates(mode) if c.ahead)
-        check_matvec(op, dense, None, torch.bfloat16)
-    op, dense, _ = make_op("fp8_e4m3", (28672, 4096), dtype=torch.bfloat16)
-    op._configs["glu"] = next(c for c in op.candidates("glu") if c.ahead)
-    check_glu(op, dense, None, torch.bfloat16, "silu")
+    for kind in ("ahead", "stages"):
+        for shape in [(6144, 4096), (4096, 14336)]:
+            op, dense, _ = make_op("fp8_e4m3", shape, dtype=torch.bfloat16)
+            for mode in ("direct", "partial"):
+                op._configs[mode] = next(c for c in op.candidates(mode) if getattr(c, kind))
+            check_matvec(op, dense, None, torch.bfloat16)
+        op, dense, _ = make_op("fp8_e4m3", (28672, 4096), dtype=torch.bfloat16)
+        op._configs["glu"] = next(c for c in op.candidates("glu") if getattr(c, kind))
+        check_glu(op, dense, None, torch.bfloat16, "silu")

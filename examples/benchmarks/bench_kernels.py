@@ -265,11 +265,13 @@ def main() -> None:
                 floats = [x["us"] for x in r["all"] if "us" in x and not x["config"]["packed"]]
                 ahead = {1: ", scales 1 step ahead", 2: ", scales 1 and words 2 steps ahead"}.get(c.get("ahead"), "")
                 tiles += f"/bf16 pairs{ahead} (float path {min(floats, default=float('nan')):.1f} us)"
-            elif any(x["config"]["ahead"] for x in r["all"] if "us" in x):  # fp8: loads ahead against in-step
-                best_of = {a: min((x["us"] for x in r["all"] if "us" in x and bool(x["config"]["ahead"]) == a),
-                                  default=float("nan")) for a in (False, True)}
-                tiles += f"/{c['ahead']} steps ahead" if c["ahead"] else ""
-                tiles += f" (best loading ahead {best_of[True]:.1f} us, in-step {best_of[False]:.1f} us)"
+            elif r["format"] == "fp8_e4m3":  # the best of each way of loading
+                kinds = {"in-step": lambda x: not x["ahead"] and not x["stages"], "registers": lambda x: x["ahead"],
+                         "pipelined": lambda x: x["stages"]}
+                best_of = {k: min((x["us"] for x in r["all"] if "us" in x and f(x["config"])), default=float("nan"))
+                           for k, f in kinds.items()}
+                tiles += f"/{c['ahead']} steps ahead" if c["ahead"] else f"/{c['stages']} stages" if c["stages"] else ""
+                tiles += " (" + ", ".join(f"{k} {us:.1f} us" for k, us in best_of.items()) + ")"
             print(f"| {r['format']} | {r['shape']} | {tiles} | "
                   f"{b['us']:.1f} | {b['GBps']:.0f} | {100 * r['fraction_of_copy_bw']:.0f}% | "
                   f"{d['us'] if d else float('nan'):.1f} |")

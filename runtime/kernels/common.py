@@ -42,7 +42,8 @@ class MatvecConfig:
     as bfloat16 pairs within a chunk (grouped int4 under bf16 activations, pairs.py); `ahead` (grouped
     int): 1, each loop step loads the next step's group scales; 2, also the weight words of the step
     after next; (fp8_e4m3) 1 or 2: each loop step loads the weights and activations of the step 1 or
-    2 after it."""
+    2 after it, into registers; `stages` (fp8_e4m3, > 1): the loop software-pipelined by Triton
+    instead, over that many buffers in shared memory (asynchronous copies, stages - 1 steps ahead)."""
 
     block_n: int
     chunk: int
@@ -50,6 +51,7 @@ class MatvecConfig:
     num_warps: int = 4
     packed: bool = False
     ahead: int = 0
+    stages: int = 0
 
 
 class KernelLinear(LinearOp):

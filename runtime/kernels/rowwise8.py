@@ -3,12 +3,12 @@
 fp8: each lane of a [BN, BK] tile holds 8 consecutive bytes of every row (BK = 256 per warp),
 the same 8 columns as its 16-byte load of the activations, so nothing moves between lanes; the
 hardware converts e4m3 pairs to half pairs, then to float32, and a float32 tile accumulates the
-products. Launch candidates with MatvecConfig.ahead (picked by the tuner, never the default) load
-each step's bytes and activations two steps before it, so their memory latency overlaps a step's
-math. int8 goes through the bit-plane chunk scheme (tiles.py: 16-column chunks, four words a
-lane, codes read as u = v + 128 with the 128 folded into the add). Both apply the row's scale
-once, after the dot product. Prefill dequantizes [BN, BK] tiles to the compute dtype and
-multiplies with tl.dot.
+products. Launch candidates (picked by the tuner, never the default) load each step's bytes and
+activations two steps before it, so their memory latency overlaps a step's math: into registers
+(MatvecConfig.ahead), or through shared memory by Triton's pipeliner (MatvecConfig.stages). int8
+goes through the bit-plane chunk scheme (tiles.py: 16-column chunks, four words a lane, codes read
+as u = v + 128 with the 128 folded into the add). Both apply the row's scale once, after the dot
+product. Prefill dequantizes [BN, BK] tiles to the compute dtype and multiplies with tl.dot.
 """
 
 from __future__ import annotations
@@ -52,24 +52,36 @@ from .tiles import (
 
 @triton.jit
 def _fp8_dot(v_ptr, x_ptr, rows, row_mask, K, split_cols, BK: tl.constexpr, EVEN_N: tl.constexpr,
-             EVEN_K: tl.constexpr):
-    """sum_k W[rows, k] x[k] over this program's columns (split `program_id(1)`), float32 [rows]."""
+             EVEN_K: tl.constexpr, STAGES: tl.constexpr):
+    """sum_k W[rows, k] x[k] over this program's columns (split `program_id(1)`), float32 [rows].
+    STAGES > 1: the loop software-pipelined by Triton over STAGES buffers in shared memory, each
+    step's loads issued STAGES - 1 steps ahead as asynchronous copies (cp.async)."""
     begin = tl.program_id(1) * split_cols
     end = tl.minimum(begin + split_cols, K)
     # 8 contiguous columns a lane (not 16): the activations' 16-byte loads are 8 columns a lane.
     ks = tl.max_contiguous(tl.arange(0, BK), 8)
     row_off = rows.to(tl.int64) * K
     acc = tl.zeros([rows.shape[0], BK], dtype=tl.float32)
-    for k0 in range(begin, end, BK):
-        cols = k0 + ks
-        w = masked_load(v_ptr, row_off[:, None] + cols[None, :], row_mask[:, None], (cols < end)[None, :], EVEN_N,
-                        EVEN_K)
-        if EVEN_K:  # noqa: SIM108  (constexpr branches: only one is compiled)
-            x = tl.load(x_ptr + cols)
-        else:
-            x = tl.load(x_ptr + cols, mask=cols < end, other=0.0)
-        acc += w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * x.to(tl.float32)[None, :]
+    if STAGES > 1:
+        for k0 in tl.range(begin, end, BK, num_stages=STAGES):
+            acc = _fp8_step(acc, v_ptr, x_ptr, row_off, row_mask, k0, end, ks, EVEN_N, EVEN_K)
+    else:
+        for k0 in range(begin, end, BK):
+            acc = _fp8_step(acc, v_ptr, x_ptr, row_off, row_mask, k0, end, ks, EVEN_N, EVEN_K)
     return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _fp8_step(acc, v_ptr, x_ptr, row_off, row_mask, k0, end, ks, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    """acc + the products of the step at column k0."""
+    cols = k0 + ks
+    w = masked_load(v_ptr, row_off[:, None] + cols[None, :], row_mask[:, None], (cols < end)[None, :], EVEN_N,
+                    EVEN_K)
+    if EVEN_K:  # noqa: SIM108  (constexpr branches: only one is compiled)
+        x = tl.load(x_ptr + cols)
+    else:
+        x = tl.load(x_ptr + cols, mask=cols < end, other=0.0)
+    return acc + w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * x.to(tl.float32)[None, :]
 
 
 @triton.jit
@@ -170,7 +182,7 @@ def _int8_dot(v_ptr, x_ptr, starts, row_mask, K, split_chunks, flip_lo, flip_hi,
 def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, split, flip_lo, flip_hi, FP8: tl.constexpr,
                    BN: tl.constexpr, STEP: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                    ASM: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-                   AHEAD: tl.constexpr):
+                   AHEAD: tl.constexpr, STAGES: tl.constexpr):
     """Program (i, s): output rows i*BN.., the columns of split s (`split` of them: columns for
     fp8, chunks for int8; STEP per loop step). ACT >= 0: the weight is [gate; up] and the tile
     holds both rows of each output (gate row r, up row n + r), one pass over x."""
@@ -179,7 +191,7 @@ def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, split, flip
         starts = tile_starts(tl.program_id(0), n, K // 8, BN, ACT >= 0, ASM)
         total = _fp8_ahead_dot(v_ptr, x_ptr, starts, row_mask, K, split, STEP, EVEN_N, EVEN_K, ASM, AHEAD)
     elif FP8:
-        total = _fp8_dot(v_ptr, x_ptr, rows, row_mask, K, split, STEP, EVEN_N, EVEN_K)
+        total = _fp8_dot(v_ptr, x_ptr, rows, row_mask, K, split, STEP, EVEN_N, EVEN_K, STAGES)
     else:
         starts = tile_starts(tl.program_id(0), n, K // 16, BN, ACT >= 0, ASM)
         total = _int8_dot(v_ptr, x_ptr, starts, row_mask, K, split, flip_lo, flip_hi, STEP, EVEN_N, EVEN_K, ASM)
@@ -239,8 +251,11 @@ class Rowwise8Linear(KernelLinear):
             splits = split_candidates(n, block_n, units, _sms()) if mode == "partial" else [1]
             out += [MatvecConfig(block_n, bk, s, warps) for s in splits[-2:]]
         # Each tiling again with its loads two steps ahead, where a program takes more than one step
-        # (one step ahead, ptxas issues them at the end of the step before, next to their use).
-        return out + [replace(c, ahead=2) for c in out if fp8_steps(K, c) > 1]
+        # (one step ahead, ptxas issues them at the end of the step before, next to their use); the 1-
+        # and 2-warp tilings also pipelined through shared memory, where a program takes 3 steps or
+        # more (the pipeline syncs the block every step, cheapest with few warps).
+        return (out + [replace(c, ahead=2) for c in out if fp8_steps(K, c) > 1]
+                + [replace(c, stages=3) for c in out if c.num_warps <= 2 and fp8_steps(K, c) >= 3])
 
     def _matvec(self, x, out, config, act, partial, rows=None, cols=None):
         n, programs, config = prefix_rows(self, config, act, rows)
@@ -264,7 +279,7 @@ class Rowwise8Linear(KernelLinear):
             MAGIC_BITS | 0x8000,
             FP8=self.fp8, BN=config.block_n, STEP=step, EVEN_N=n % config.block_n == 0, EVEN_K=even, ASM=asm,
             ACT=act, HAS_BIAS=self.bias is not None, PARTIAL=partial, AHEAD=config.ahead if self.fp8 else 0,
-            num_warps=config.num_warps)
+            STAGES=config.stages if self.fp8 else 0, num_warps=config.num_warps)
         return config.split
 
     def _matmul(self, x, rows=None, cols=None, halves=1):
