@@ -318,13 +318,13 @@ class BatchEngine:
         if b > grouped_int_batch.MAX_ROWS or not grouped_int_batch.takes(op):
             return None
         if self.device.type != "cuda":
-            return grouped_int_batch.candidates(op)[0]
+            return grouped_int_batch.candidates(op, b)[0]
         key = (op.out_features, op.in_features, op.group, op.asym, b)
         if key not in self.choices:
             probe = torch.randn(b, op.in_features, device=self.device).to(x.dtype)
             rows_matmul = grouped_int_batch.rows_matmul
             times = {"/".join(map(str, c)): _time_or_inf(lambda c=c: rows_matmul(op, probe, c))
-                     for c in grouped_int_batch.candidates(op)}
+                     for c in grouped_int_batch.candidates(op, b)}
             times["matmul"] = _time(lambda: op(probe))
             self.choices[key] = times
         best = min(self.choices[key].items(), key=lambda kv: kv[1])[0]

@@ -49,6 +49,45 @@ def test_the_transposed_scheme_matches_the_reference(rows, group):
         assert torch.equal(rows_matmul(op, x[2:3].clone(), choice), got[2:3]), choice
 
 
+@pytest.mark.parametrize(("rows", "group"), [(1, 32), (7, 64), (16, 128)])
+def test_the_register_mma_scheme_matches_the_reference(rows, group):
+    """Every band and split of the "mma" scheme (bfloat16 activations, up to 16 rows; codes loaded two
+    steps ahead, so splits of two steps read past their end and must not use it): the column order of
+    the codes and of the activations' registers against the real columns, and rows past M masked off."""
+    from thin.runtime.kernels.grouped_int_batch import candidates, rows_matmul
+
+    op, dense, bias = make_op("int4", (128, 512), {"group_size": group}, dtype=torch.bfloat16, bias=True, seed=group)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16).to(DEVICE)
+    want = x.float().cpu() @ dense.T + bias.float().cpu()
+    choices = [c for c in candidates(op, rows) if c[0] == "mma"]
+    assert {(bn, s) for _, bn, s in choices} >= {(32, 1), (64, 1), (32, 2), (64, 2)}
+    for choice in choices:
+        got = rows_matmul(op, x, choice)
+        assert got.dtype == torch.bfloat16 and got.shape == (rows, 128)
+        assert rel_err(got, want) < tolerance(torch.bfloat16), choice
+        # A row alone gives what it gives among others.
+        assert torch.equal(rows_matmul(op, x[-1:].clone(), choice), got[-1:]), choice
+
+
+def test_the_candidates_depend_on_the_row_count():
+    """"mma" up to 16 rows only (and never without a row count); "nibble" left out from 16 rows up where
+    "trans" runs, kept for float32 activations."""
+    from thin.runtime.kernels.grouped_int_batch import MMA_ROWS, candidates, rows_matmul
+
+    op, _, _ = make_op("int4", (128, 256), {"group_size": 32}, dtype=torch.bfloat16)
+    schemes = {rows: {c[0] for c in candidates(op, rows)} for rows in (None, 2, MMA_ROWS, MMA_ROWS + 1, 64)}
+    assert schemes[None] == {"rows", "nibble", "trans"}
+    assert schemes[2] == {"rows", "nibble", "trans", "mma"}
+    assert schemes[MMA_ROWS] == {"rows", "trans", "mma"}
+    assert schemes[MMA_ROWS + 1] == schemes[64] == {"rows", "trans"}
+    with pytest.raises(ValueError, match="choice"):
+        rows_matmul(op, torch.zeros(MMA_ROWS + 1, 256, dtype=torch.bfloat16, device=DEVICE), ("mma", 32, 1))
+    with pytest.raises(ValueError, match="choice"):
+        rows_matmul(op, torch.zeros(2, 256, device=DEVICE), ("mma", 32, 1))  # float32 activations
+    float_op, _, _ = make_op("int4", (128, 256), {"group_size": 32})
+    assert {c[0] for c in candidates(float_op, 64)} == {"rows", "nibble"}
+
+
 def test_the_transposed_scheme_is_offered_only_where_it_runs():
     from thin.runtime.kernels.grouped_int_batch import candidates, rows_matmul
 
@@ -66,13 +105,14 @@ def test_the_transposed_scheme_is_offered_only_where_it_runs():
 @pytest.mark.parametrize("shape", [(6144, 4096), (4096, 14336)])
 @pytest.mark.parametrize("rows", [2, 16, 64])
 def test_every_candidate_at_a_real_shape_on_gpu(shape, rows):
-    """The inline-PTX dequantization and the tensor-core layouts of every candidate, on the GPU."""
+    """The inline-PTX dequantization and the tensor-core layouts of every candidate at that row count
+    ("mma" at 2 and 16 rows), on the GPU."""
     from thin.runtime.kernels.grouped_int_batch import candidates, rows_matmul
 
     op, dense, _ = make_op("int4", shape, {"group_size": 128}, dtype=torch.bfloat16, seed=rows)
     x = torch.randn(rows, shape[1], generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16).to(DEVICE)
     want = x.float().cpu() @ dense.T
-    for choice in candidates(op):
+    for choice in candidates(op, rows):
         assert rel_err(rows_matmul(op, x, choice), want) < tolerance(torch.bfloat16), choice
 
 

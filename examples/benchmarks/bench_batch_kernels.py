@@ -4,9 +4,10 @@
 
 For each projection shape (qkv, o, gate_up, down, lm_head) and number of rows (sequences in the
 step) it times every candidate the batch engine chooses among (runtime/batch_engine.py): the few-rows
-kernel in each scheme, band width and split (runtime/kernels/grouped_int_batch.py) and the op's own
-prefill matmul, next to the matrix-vector product of one row. Times are the batch engine's own measurement
-(median of 5 x 5 launches, microseconds); GB/s counts the packed weight bytes read once.
+kernel in each scheme, band width and split offered at that row count (runtime/kernels/grouped_int_batch.py:
+candidates(op, rows)) and the op's own prefill matmul, next to the matrix-vector product of one row. Times
+are the batch engine's own measurement (median of 5 x 5 launches, microseconds; inf: the candidate did not
+compile on this GPU); GB/s counts the packed weight bytes read once.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ def make_op(shape, group: int):
 
 
 def bench_shape(name: str, shape, rows: list[int], group: int) -> None:
-    from thin.runtime.batch_engine import _time
+    from thin.runtime.batch_engine import _time, _time_or_inf
     from thin.runtime.kernels import grouped_int_batch
 
     op, nbytes = make_op(shape, group)
@@ -42,8 +43,8 @@ def bench_shape(name: str, shape, rows: list[int], group: int) -> None:
     t1 = _time(lambda: op(one))
     for m in rows:
         x = torch.randn(m, shape[1], device="cuda").to(torch.bfloat16)
-        times = {"/".join(map(str, c)): _time(lambda c=c, x=x: grouped_int_batch.rows_matmul(op, x, c))
-                 for c in grouped_int_batch.candidates(op)}
+        times = {"/".join(map(str, c)): _time_or_inf(lambda c=c, x=x: grouped_int_batch.rows_matmul(op, x, c))
+                 for c in grouped_int_batch.candidates(op, m)}
         best = min(times, key=times.get)
         tm = _time(lambda x=x: op(x))
         detail = ", ".join(f"{k} {v:.1f}" for k, v in times.items())

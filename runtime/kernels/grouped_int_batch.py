@@ -11,7 +11,7 @@ dtype with the group's scale (one scale a row and step: BK divides the group) an
 tl.dot against all the rows of activations at once. Every output row is computed from its own
 activations only, whatever the other rows hold.
 
-Two schemes, timed against each other per shape and row count (`candidates`):
+The schemes, timed against each other per shape and row count (`candidates`):
 - "rows": the band's codes unpacked into a [BN, BK] tile (a reshape of [BN, BK / 8, 8]) for one
   tl.dot a step; the reshape moves every code between lanes through shared memory.
 - "nibble": no reshape. Code position j (0..7) of every word is one [BN, BK / 8] tile by itself,
@@ -27,6 +27,16 @@ Two schemes, timed against each other per shape and row count (`candidates`):
   x.T is permuted to match (`_trans_kernel`). Symmetric int4 under bfloat16 activations; the
   K range may be split over programs (float32 partial sums, then `_sum_splits`) when the bands
   alone are too few to fill the device.
+- "mma": the same column order and in-place dequantization as "trans", neither operand through
+  shared memory: one warp a program, mma.sync (m16n8k16, both operands in registers) of the
+  activations [16, BK] as the first operand against the band's dequantized codes [BK, BN] as the
+  second. A thread's codes (4 H contiguous bytes of each of its weight rows, H = BK / 32) and its
+  activations (the 8 H columns those bytes hold, of each of its two tokens) come straight from global
+  memory into the registers the operands need, so a step has none of the "trans" loop's STS of x.T,
+  generic-to-async proxy fence (MEMBAR) and block-wide barriers (only the group scales' move into the
+  accumulator's layout, one STS and two LDS within the warp), and the codes are loaded two steps
+  before their use (loop-carried registers, as the one-row matvec's `ahead`), the activations one
+  step ahead. Up to 16 rows (`MMA_ROWS`).
 """
 
 from __future__ import annotations
@@ -178,6 +188,118 @@ def _trans_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, row_halve
         tl.store(out_ptr + tok[None, :] * N + rows[:, None], acc.to(out_ptr.dtype.element_ty), mask=tok_mask[None, :])
 
 
+def _pair_asm(shift: int) -> str:
+    """PTX for `_code_pairs`: `_code_asm` on a whole word (both int16 halves), its bf16 pair split into
+    two 16-bit results (low half first)."""
+    source = f"shr.u32 t, $2, {shift}; " if shift else ""
+    operand = "t" if shift else "$2"
+    return ("{ .reg .b32 t, o, z, d; "
+            f"mov.b32 o, 0x{ONE2.value:08X}; mov.b32 z, 0x{zero_pair(8) & 0xFFFFFFFF:08X}; {source}"
+            f"lop3.b32 t, {operand}, 0x000F000F, 0x{PAIR_MAGIC:08X}, 0xea; fma.rn.bf16x2 d, t, o, z; "
+            "mov.b32 {$0, $1}, d; }")
+
+
+_PAIRS_0 = tl.constexpr(_pair_asm(0))
+_PAIRS_4 = tl.constexpr(_pair_asm(4))
+_PAIRS_8 = tl.constexpr(_pair_asm(8))
+_PAIRS_12 = tl.constexpr(_pair_asm(12))
+
+
+@triton.jit
+def _code_pairs(words, S: tl.constexpr, MID: tl.constexpr, ASM: tl.constexpr):
+    """[..., 2]: u - MID for the codes at bits S..S+3 of the low and the high int16 half of each
+    32-bit word (what `_codes` gives for a word's two halves, without splitting the word first).
+    ASM: bfloat16 by `_pair_asm`; else float32 (the interpreter's twin)."""
+    if ASM:
+        if S == 0:
+            asm: tl.constexpr = _PAIRS_0
+        elif S == 4:
+            asm: tl.constexpr = _PAIRS_4
+        elif S == 8:
+            asm: tl.constexpr = _PAIRS_8
+        else:
+            asm: tl.constexpr = _PAIRS_12
+        low, high = tl.inline_asm_elementwise(asm, "=h,=h,r", [words], dtype=(tl.bfloat16, tl.bfloat16),
+                                              is_pure=True, pack=1)
+    else:
+        low = (((words >> S) & 0xF) - MID).to(tl.float32)
+        high = (((words >> (16 + S)) & 0xF) - MID).to(tl.float32)
+    return tl.join(low, high)
+
+
+@triton.jit
+def _mma_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, row_words, k_len, MID: tl.constexpr,
+                G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PARTIAL: tl.constexpr,
+                HAS_BIAS: tl.constexpr, ASM: tl.constexpr):
+    """Program (i, s), one warp: out[:M, i*BN:(i+1)*BN] over columns s*k_len .. (s+1)*k_len, x as the
+    dot's first operand and the band's codes, dequantized in registers, as its second. PARTIAL and
+    the bias as in `_trans_kernel`.
+
+    A step's tile columns are `_trans_kernel`'s order (H = BK / 32 words a row per lane group t):
+    tile column 32 hi + 16 s1 + 8 s0 + 2 t + half is real column 8 (H t + hi) + 4 half + 2 s1 + s0.
+    The m16n8k16 operands give lane (g, t) the tile columns 2 t, 2 t + 1, 2 t + 8, 2 t + 9 of each 16,
+    of its token rows g, g + 8 (first operand) and of weight row g of each 8 (second), i.e. the real
+    columns 8 H t .. 8 H t + 8 H - 1 of the step: the H words of its rows, the 8 H activations of its
+    tokens, each one contiguous load. The loads are shaped so that this is the layout they get
+    ([row tile, g, t, word] and [word, token tile, g, t, column]): the permutation into tile order
+    is then a renaming of registers (and, for x, moving bf16 halves between them), never a trip
+    through shared memory. The codes (and group scales) of step k + 2 and the activations of step
+    k + 1 are loaded while step k is computed (past the last step: the last step again), so a load of
+    codes has a whole step between its issue and its first use: ptxas moves the loop-carried
+    registers at the top of the next step (sm_90 SASS of a 64-row band: 600 of the loop's 639
+    instructions between each LDG.E.128 of codes and its first reader)."""
+    H: tl.constexpr = BK // 32
+    band = tl.program_id(0) * BN
+    k_first = tl.program_id(1) * k_len
+    k_last = k_first + k_len - BK
+    # Codes: [BN / 8, 8, 4, H] int32, weight row 8 n + g, lane group t's H words.
+    n = tl.arange(0, BN // 8)[:, None, None, None]
+    g = tl.arange(0, 8)[None, :, None, None]
+    t = tl.arange(0, 4)[None, None, :, None]
+    words = w_ptr + (band + 8 * n + g).to(tl.int64) * row_words + H * t + tl.arange(0, H)[None, None, None, :]
+    # Activations: [H, BM / 8, 8, 4, 8], token 8 a + g, real column 8 H t + 8 c + e.
+    c5 = tl.arange(0, H)[:, None, None, None, None]
+    tok5 = 8 * tl.arange(0, BM // 8)[None, :, None, None, None] + tl.arange(0, 8)[None, None, :, None, None]
+    t5 = tl.arange(0, 4)[None, None, None, :, None]
+    x_cols = x_ptr + tok5 * K + 8 * H * t5 + 8 * c5 + tl.arange(0, 8)[None, None, None, None, :]
+    x_mask = tl.broadcast_to(tok5 < M, [H, BM // 8, 8, 4, 8])
+    rows = band + tl.arange(0, BN)
+    side = scale_ptr + rows.to(tl.int64) * (K // G)
+    codes_1 = tl.load(words + tl.multiple_of(k_first // 8, 4 * H))
+    scale_1 = tl.load(side + k_first // G)
+    x_1 = tl.load(x_cols + k_first, mask=x_mask, other=0.0)
+    k_second = tl.minimum(k_first + BK, k_last)
+    codes_2 = tl.load(words + tl.multiple_of(k_second // 8, 4 * H))
+    scale_2 = tl.load(side + k_second // G)
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in tl.range(k_first, k_first + k_len, BK, num_stages=1):
+        codes, scale, x = codes_1, scale_1.to(tl.float32), x_1
+        k_ahead = tl.minimum(k0 + 2 * BK, k_last)
+        codes_1, scale_1 = codes_2, scale_2
+        codes_2 = tl.load(words + tl.multiple_of(k_ahead // 8, 4 * H))
+        scale_2 = tl.load(side + k_ahead // G)
+        x_1 = tl.load(x_cols + tl.minimum(k0 + BK, k_last), mask=x_mask, other=0.0)
+        h = tl.permute(tl.reshape(codes, [BN, 4, H]), (0, 2, 1))  # [BN, hi, t]
+        pairs = tl.join(tl.join(_code_pairs(h, 0, MID, ASM), _code_pairs(h, 4, MID, ASM)),
+                        tl.join(_code_pairs(h, 8, MID, ASM), _code_pairs(h, 12, MID, ASM)))  # [BN, hi, t, half, s0, s1]
+        wt = tl.reshape(tl.permute(pairs, (1, 5, 4, 2, 3, 0)), [BK, BN])
+        # [c, a, g, t, e] -> [token, t, hi = c, half, s1, s0] -> [token, hi, s1, s0, t, half]
+        xr = tl.reshape(tl.permute(x, (1, 2, 3, 0, 4)), [BM, 4, H, 2, 2, 2])
+        xo = tl.reshape(tl.permute(xr, (0, 2, 4, 5, 1, 3)), [BM, BK])
+        if ASM:  # noqa: SIM108  (constexpr branches: only one is compiled)
+            part = tl.dot(xo, wt)
+        else:
+            part = tl.dot(xo.to(tl.float32), wt, input_precision="ieee")
+        acc += part * scale[None, :]
+    tok = tl.arange(0, BM)
+    if PARTIAL:
+        tl.store(out_ptr + tl.program_id(1) * M * N + tok[:, None] * N + rows[None, :], acc, mask=(tok < M)[:, None])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows).to(tl.float32)[None, :]
+        tl.store(out_ptr + tok[:, None] * N + rows[None, :], acc.to(out_ptr.dtype.element_ty), mask=(tok < M)[:, None])
+
+
 @triton.jit
 def _sum_splits(part_ptr, bias_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
                 BLOCK: tl.constexpr):
@@ -216,22 +338,29 @@ def block_candidates(op) -> list[int]:
     return [bn for bn in (16, 32, 64) if op.out_features % bn == 0]
 
 
-SCHEMES = ("rows", "nibble", "trans")
+SCHEMES = ("rows", "nibble", "trans", "mma")
 SPLITS = (1, 2, 4, 8)
+MMA_ROWS = 16  # the "mma" scheme's activations: one m16 tile of tokens
 
 
-def candidates(op) -> list[tuple[str, int, int]]:
-    """(scheme, band width, splits of the columns) worth timing for `op`: the nibble scheme needs 128
-    columns a step (eight dots of at least 16); the transposed one symmetric codes, bfloat16
-    activations and bands of 64 or 128 rows, its column range split in up to 8 parts of at least
-    two steps each."""
+def candidates(op, rows: int | None = None) -> list[tuple[str, int, int]]:
+    """(scheme, band width, splits of the columns) worth timing for `op` at `rows` rows (None: any
+    count up to MAX_ROWS): the nibble scheme needs 128 columns a step (eight dots of at least 16);
+    the transposed one symmetric codes, bfloat16 activations and bands of 64 or 128 rows, its column
+    range split in up to 8 parts of at least two steps each; "mma" the same codes and activations,
+    bands of 32 or 64 rows, the same splits, and at most MMA_ROWS rows. Where "trans" runs, "nibble"
+    is left out from 16 rows up (the H200 timed it slower than "trans" for every llama-8b shape at 16
+    and 64 rows)."""
     out = [("rows", bn, 1) for bn in block_candidates(op)]
-    if op.in_features % 128 == 0 and op.group % 32 == 0:
+    bf16_pairs = not op.asym and op.mid == 8 and op.dtype == torch.bfloat16
+    if op.in_features % 128 == 0 and op.group % 32 == 0 and not (bf16_pairs and rows is not None and rows >= 16):
         out += [("nibble", bn, 1) for bn in block_candidates(op)]
-    if not op.asym and op.mid == 8 and op.dtype == torch.bfloat16:
+    if bf16_pairs:
         steps = op.in_features // _block_k(op)
-        out += [("trans", bn, s) for bn in (64, 128) if op.out_features % bn == 0
-                for s in SPLITS if steps % s == 0 and (s == 1 or steps // s >= 2)]
+        splits = [s for s in SPLITS if steps % s == 0 and (s == 1 or steps // s >= 2)]
+        out += [("trans", bn, s) for bn in (64, 128) if op.out_features % bn == 0 for s in splits]
+        if rows is not None and rows <= MMA_ROWS:
+            out += [("mma", bn, s) for bn in (32, 64) if op.out_features % bn == 0 for s in splits]
     return out
 
 
@@ -240,14 +369,16 @@ def rows_matmul(op, x: torch.Tensor, choice: tuple[str, int, int] = ("rows", 16,
     `choice` = (scheme, band width, splits), one of candidates(op)."""
     M, K = x.shape
     N = op.out_features
-    if (not takes(op) or op.in_features != K or not 1 <= M <= MAX_ROWS or tuple(choice) not in candidates(op)
-            or (choice[0] == "trans" and x.dtype != op.dtype)):
+    if (not takes(op) or op.in_features != K or not 1 <= M <= MAX_ROWS or tuple(choice) not in candidates(op, M)
+            or (choice[0] in ("trans", "mma") and x.dtype != op.dtype)):
         raise ValueError(f"rows_matmul takes int4 weights, 1..{MAX_ROWS} rows of {op.in_features} and a choice of "
                          f"candidates(op), got {op!r}, {tuple(x.shape)} {x.dtype} and {choice}")
     scheme, bn, splits = choice
     bias = op.bias if op.bias is not None else x
     if scheme == "trans":
         return _trans(op, x.contiguous(), bn, splits, bias)
+    if scheme == "mma":
+        return _mma(op, x.contiguous(), bn, splits, bias)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
     nibble = scheme == "nibble"
     _rows_kernel[(N // bn,)](
@@ -268,7 +399,27 @@ def _trans(op, x: torch.Tensor, bn: int, splits: int, bias: torch.Tensor) -> tor
         x, op.low32, op.scales, bias, part, M, N, K, K // 4, K // splits, MID=op.mid, G=op.group,
         BM=max(16, next_power_of_2(M)), BN=bn, BK=_block_k(op), PARTIAL=splits > 1, HAS_BIAS=op.bias is not None,
         ASM=not interpreting(), num_warps=4, num_stages=4)
+    return _summed(op, part, bias, out, splits)
+
+
+def _mma(op, x: torch.Tensor, bn: int, splits: int, bias: torch.Tensor) -> torch.Tensor:
+    """The "mma" scheme: one launch of one-warp programs, or with splits > 1 float32 partial sums and
+    `_sum_splits`."""
+    M, K = x.shape
+    N = op.out_features
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
+    part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if splits > 1 else out
+    _mma_kernel[(N // bn, splits)](
+        x, op.low32, op.scales, bias, part, M, N, K, K // 8, K // splits, MID=op.mid, G=op.group, BM=MMA_ROWS,
+        BN=bn, BK=_block_k(op), PARTIAL=splits > 1, HAS_BIAS=op.bias is not None,
+        ASM=not interpreting(), num_warps=1, num_stages=1)
+    return _summed(op, part, bias, out, splits)
+
+
+def _summed(op, part: torch.Tensor, bias: torch.Tensor, out: torch.Tensor, splits: int) -> torch.Tensor:
+    """out, after `_sum_splits` of the float32 partial sums `part` where the columns were split."""
     if splits > 1:
+        M, N = out.shape
         block = 1024
         _sum_splits[(triton.cdiv(M * N, block),)](part, bias, out, M * N, N, SPLITS=splits,
                                                   HAS_BIAS=op.bias is not None, BLOCK=block)
