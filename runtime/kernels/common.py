@@ -231,8 +231,6 @@ def precompile(uses, workers: int | None = None) -> int:
     lock (ptxas runs as a subprocess), so threads overlap it: the same 9 took 6.6 s on two threads.
     Each candidate is launched once on random input, which is what compiles it; a candidate that
     fails here is left to `choose`, which times it as before (and skips it when it cannot compile)."""
-    from concurrent.futures import ThreadPoolExecutor
-
     if interpreting():
         return 0
     cache, jobs, seen = _TuneCache.get(), [], set()
@@ -245,27 +243,34 @@ def precompile(uses, workers: int | None = None) -> int:
             continue
         seen.add(key)
         jobs += [(op.device, _launcher(op, config, mode)) for config in candidates]
-    if not jobs:
-        return 0
+    compile_launches(jobs, workers)
+    return len(jobs)
+
+
+def compile_launches(jobs, workers: int | None = None) -> None:
+    """Run each (device, launch) of `jobs` once, on `workers` host threads (default
+    `compile_threads()`), for what the first call of a Triton launch does: compile it (see
+    `precompile`). A launch that fails is skipped: the caller's own timing of it meets the
+    same failure and handles it."""
+    from concurrent.futures import ThreadPoolExecutor
 
     def run(job):
         device, launch = job
         try:
             with torch.cuda.device(device):
                 launch()
-        except Exception:  # noqa: BLE001  (choose() meets the same failure and handles it)
+        except Exception:  # noqa: BLE001  (the timing that follows meets the same failure and handles it)
             pass
 
     workers = workers or compile_threads()
     if workers == 1:
         for job in jobs:
             run(job)
-    else:
+    elif jobs:
         with ThreadPoolExecutor(workers) as pool:
             list(pool.map(run, jobs))
     for device in {device for device, _ in jobs}:
         torch.cuda.synchronize(device)
-    return len(jobs)
 
 
 def median_ms_or_inf(launch, **timing) -> float:

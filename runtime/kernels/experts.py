@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .common import ACTIVATION_CODES, median_ms_or_inf, next_power_of_2
+from .common import ACTIVATION_CODES, compile_launches, median_ms_or_inf, next_power_of_2
 from .expert_rows import FORMAT_CODES, SUPPORTED, ExpertGroup, row_bias, rows_dot, weight_parts
 from .tiles import activate
 
@@ -286,8 +286,7 @@ class MoEKernels:
         key = (index, kind)
         if key not in self._configs:
             g = self.groups(kind)[index]
-            shape = (kind, g.fmt, g.dt, g.group, g.asym, g.has_bias, self.hidden, self.inter, self.num_experts,
-                     self.top_k, len(self.groups(kind)), str(self.dtype), str(self.device))
+            shape = self._shape(index, kind)
             candidates = self.candidates(g, kind)
             if len(candidates) == 1 or self.device.type != "cuda" or not self.tune:
                 self._configs[key] = candidates[0]
@@ -300,6 +299,12 @@ class MoEKernels:
                     _CHOSEN[shape] = best
                 self._configs[key] = _CHOSEN[shape]
         return self._configs[key]
+
+    def _shape(self, index: int, kind: str) -> tuple:
+        """What a tiling choice depends on (the key of _CHOSEN)."""
+        g = self.groups(kind)[index]
+        return (kind, g.fmt, g.dt, g.group, g.asym, g.has_bias, self.hidden, self.inter, self.num_experts,
+                self.top_k, len(self.groups(kind)), str(self.dtype), str(self.device))
 
     def _time(self, index: int, kind: str, config: ExpertConfig) -> float:
         """Median milliseconds of one launch with `config`; infinite when it does not compile here (a
@@ -322,10 +327,35 @@ class MoEKernels:
         return median_ms_or_inf(launch, repeats=5, inner=10, device=self.device)
 
     def warm_up(self) -> None:
-        """Choose every kernel's tiles now (timed on a GPU), not inside the first decode step."""
+        """Choose every kernel's tiles now (timed on a GPU), not inside the first decode step; the
+        candidates still to be timed are compiled first, on several host threads."""
+        if self.device.type == "cuda" and self.tune and not interpreting():
+            self._precompile()
         for kind in ("gate_up", "down"):
             for index in range(len(self.groups(kind))):
                 self.config(index, kind)
+
+    def _precompile(self) -> None:
+        """Launch every candidate of each kernel whose tiles are not chosen yet once, on host threads
+        (common.compile_launches): what compiles them. The router and the default gate/up run first,
+        here, so the chosen experts and their intermediates the down kernels read are in place."""
+        pending = [(index, kind) for kind in ("gate_up", "down") for index, g in enumerate(self.groups(kind))
+                   if self._shape(index, kind) not in _CHOSEN and len(self.candidates(g, kind)) > 1]
+        if not pending:
+            return
+        x = torch.randn(self.hidden, device=self.device).to(self.dtype)
+        out = torch.empty(self.top_k, self.hidden, dtype=torch.float32, device=self.device)
+        self.route(x)
+        for i, g in enumerate(self.gate_up_groups):
+            self._gate_up(i, x, self.candidates(g, "gate_up")[0])
+        jobs = []
+        for index, kind in pending:
+            for config in self.candidates(self.groups(kind)[index], kind):
+                if kind == "gate_up":
+                    jobs.append((self.device, lambda i=index, c=config: self._gate_up(i, x, c)))
+                else:
+                    jobs.append((self.device, lambda i=index, c=config: self._down(i, out, c)))
+        compile_launches(jobs)
 
     # ---- launches ----
 
