@@ -31,7 +31,7 @@ def test_rows_matmul_matches_the_reference(rows, params):
 @pytest.mark.parametrize("rows", [3, 20])
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_the_transposed_scheme_matches_the_reference(rows, group):
-    """Every band and split of the "trans" scheme (bfloat16 activations), each step's column
+    """Every band and split of the "trans" and "transw" schemes (bfloat16 activations), each step's column
     permutation against the codes' real columns: a wrong order of the code positions, halves or
     lane words fails it."""
     from thin.runtime.kernels.grouped_int_batch import candidates, rows_matmul
@@ -39,8 +39,9 @@ def test_the_transposed_scheme_matches_the_reference(rows, group):
     op, dense, bias = make_op("int4", (128, 512), {"group_size": group}, dtype=torch.bfloat16, bias=True, seed=group)
     x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16).to(DEVICE)
     want = x.float().cpu() @ dense.T + bias.float().cpu()
-    choices = [c for c in candidates(op) if c[0] == "trans"]
-    assert {(bn, s) for _, bn, s in choices} >= {(64, 1), (128, 1), (64, 2), (128, 2)}
+    choices = [c for c in candidates(op) if c[0] in ("trans", "transw")]
+    for scheme in ("trans", "transw"):
+        assert {(bn, s) for name, bn, s in choices if name == scheme} >= {(64, 1), (128, 1), (64, 2), (128, 2)}
     for choice in choices:
         got = rows_matmul(op, x, choice)
         assert got.dtype == torch.bfloat16 and got.shape == (rows, 128)
@@ -76,10 +77,10 @@ def test_the_candidates_depend_on_the_row_count():
 
     op, _, _ = make_op("int4", (128, 256), {"group_size": 32}, dtype=torch.bfloat16)
     schemes = {rows: {c[0] for c in candidates(op, rows)} for rows in (None, 2, MMA_ROWS, MMA_ROWS + 1, 64)}
-    assert schemes[None] == {"rows", "nibble", "trans"}
-    assert schemes[2] == {"rows", "nibble", "trans", "mma"}
-    assert schemes[MMA_ROWS] == {"rows", "trans", "mma"}
-    assert schemes[MMA_ROWS + 1] == schemes[64] == {"rows", "trans"}
+    assert schemes[None] == {"rows", "nibble", "trans", "transw"}
+    assert schemes[2] == {"rows", "nibble", "trans", "transw", "mma"}
+    assert schemes[MMA_ROWS] == {"rows", "trans", "transw", "mma"}
+    assert schemes[MMA_ROWS + 1] == schemes[64] == {"rows", "trans", "transw"}
     with pytest.raises(ValueError, match="choice"):
         rows_matmul(op, torch.zeros(MMA_ROWS + 1, 256, dtype=torch.bfloat16, device=DEVICE), ("mma", 32, 1))
     with pytest.raises(ValueError, match="choice"):
@@ -93,7 +94,9 @@ def test_the_transposed_scheme_is_offered_only_where_it_runs():
 
     asym, _, _ = make_op("int4", (128, 256), {"group_size": 32, "asymmetric": 1}, dtype=torch.bfloat16)
     narrow, _, _ = make_op("int4", (96, 256), {"group_size": 32}, dtype=torch.bfloat16)
-    assert not [c for c in candidates(asym) + candidates(narrow) if c[0] == "trans"]
+    assert not [c for c in candidates(asym, 2) if c[0] in ("trans", "transw", "mma")]
+    # 96 rows: no band of 64 for the transposed schemes; "mma" in bands of 32.
+    assert {(c[0], c[1]) for c in candidates(narrow, 2) if c[0] in ("trans", "transw", "mma")} == {("mma", 32)}
     op, _, _ = make_op("int4", (128, 256), {"group_size": 32}, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="choice"):
         rows_matmul(op, torch.zeros(2, 256, device=DEVICE), ("trans", 64, 1))  # float32 activations

@@ -27,6 +27,8 @@ The schemes, timed against each other per shape and row count (`candidates`):
   x.T is permuted to match (`_trans_kernel`). Symmetric int4 under bfloat16 activations; the
   K range may be split over programs (float32 partial sums, then `_sum_splits`) when the bands
   alone are too few to fill the device.
+- "transw": "trans" with the band's codes copied into shared memory as one row-major tile, 16 bytes
+  a copy, and a warpgroup per 64 rows of the band (`_trans_kernel`'s WIDE).
 - "mma": the same column order and in-place dequantization as "trans", neither operand through
   shared memory: one warp a program, mma.sync (m16n8k16, both operands in registers) of the
   activations [16, BK] as the first operand against the band's dequantized codes [BK, BN] as the
@@ -141,10 +143,17 @@ def _codes(h, S: tl.constexpr, MID: tl.constexpr, ASM: tl.constexpr):
 def _trans_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, row_halves, k_len, MID: tl.constexpr,
                   G: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PARTIAL: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, ASM: tl.constexpr):
+                  HAS_BIAS: tl.constexpr, ASM: tl.constexpr, WIDE: tl.constexpr = False):
     """Program (i, s): out.T[i*BN:(i+1)*BN, :M] over columns s*k_len .. (s+1)*k_len, W's band as the
     dot's first operand. PARTIAL: float32 sums into out[s] (a [splits, M, N] buffer), else plus the
     bias in out's dtype.
+
+    WIDE (the "transw" scheme): a step's codes are loaded as one [BN, 8 H] tile of int16 halves (a
+    row's 16 H bytes in a row), its column offset declared a multiple of 8 H: Triton then copies
+    them 16 bytes at a time (cp.async.cg) into a row-major shared tile, which the lane groups of
+    eight rows read without bank conflicts. Without it the [BN, 4, 2 H] tile is copied 8 bytes at
+    a time into a tile ordered lane group first (sm_90: LDGSTS.E.64, and each LDS.128 of the codes
+    4-way bank-conflicted: the four lane groups of a row 1024 bytes apart). Same values either way.
 
     Column order of a step's tile (BK = 32 H columns, H words a row per lane group): tile column
     32 hi + 16 s1 + 8 s0 + 2 t + half is the code at bits 4 (2 s1 + s0) of int16 half `half` of
@@ -163,10 +172,15 @@ def _trans_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, row_halve
     # is an argument of its own so that the compiler sees its divisibility by 16 and vectorises).
     halves = w_ptr.to(tl.pointer_type(tl.int16), bitcast=True) + rows[:, None, None].to(tl.int64) * row_halves
     lane_halves = 2 * H * tl.arange(0, 4)[None, :, None] + tl.arange(0, 2 * H)[None, None, :]
+    band_halves = (w_ptr.to(tl.pointer_type(tl.int16), bitcast=True) + rows[:, None].to(tl.int64) * row_halves
+                   + tl.arange(0, 8 * H)[None, :])
     acc = tl.zeros([BN, BM], dtype=tl.float32)
     for k0 in range(k_first, k_first + k_len, BK):
         scale = tl.load(scale_ptr + rows.to(tl.int64) * (K // G) + k0 // G).to(tl.float32)
-        h = tl.load(halves + k0 // 4 + lane_halves)
+        if WIDE:  # noqa: SIM108  (constexpr branches: only one is compiled)
+            h = tl.load(band_halves + tl.multiple_of(k0 // 4, 8 * H))
+        else:
+            h = tl.load(halves + k0 // 4 + lane_halves)
         h = tl.permute(tl.reshape(h, [BN, 4, H, 2]), (0, 2, 1, 3))  # [BN, hi, t, half]
         pairs = tl.join(tl.join(_codes(h, 0, MID, ASM), _codes(h, 4, MID, ASM)),
                         tl.join(_codes(h, 8, MID, ASM), _codes(h, 12, MID, ASM)))  # [BN, hi, t, half, s0, s1]
@@ -338,7 +352,7 @@ def block_candidates(op) -> list[int]:
     return [bn for bn in (16, 32, 64) if op.out_features % bn == 0]
 
 
-SCHEMES = ("rows", "nibble", "trans", "mma")
+SCHEMES = ("rows", "nibble", "trans", "transw", "mma")
 SPLITS = (1, 2, 4, 8)
 MMA_ROWS = 16  # the "mma" scheme's activations: one m16 tile of tokens
 
@@ -347,8 +361,9 @@ def candidates(op, rows: int | None = None) -> list[tuple[str, int, int]]:
     """(scheme, band width, splits of the columns) worth timing for `op` at `rows` rows (None: any
     count up to MAX_ROWS): the nibble scheme needs 128 columns a step (eight dots of at least 16);
     the transposed one symmetric codes, bfloat16 activations and bands of 64 or 128 rows, its column
-    range split in up to 8 parts of at least two steps each; "mma" the same codes and activations,
-    bands of 32 or 64 rows, the same splits, and at most MMA_ROWS rows. Where "trans" runs, "nibble"
+    range split in up to 8 parts of at least two steps each ("transw" the same); "mma" the same codes
+    and activations, bands of 32 or 64 rows, the same splits, and at most MMA_ROWS rows. Where "trans"
+    runs, "nibble"
     is left out from 16 rows up (the H200 timed it slower than "trans" for every llama-8b shape at 16
     and 64 rows)."""
     out = [("rows", bn, 1) for bn in block_candidates(op)]
@@ -358,7 +373,8 @@ def candidates(op, rows: int | None = None) -> list[tuple[str, int, int]]:
     if bf16_pairs:
         steps = op.in_features // _block_k(op)
         splits = [s for s in SPLITS if steps % s == 0 and (s == 1 or steps // s >= 2)]
-        out += [("trans", bn, s) for bn in (64, 128) if op.out_features % bn == 0 for s in splits]
+        out += [(scheme, bn, s) for scheme in ("trans", "transw") for bn in (64, 128) if op.out_features % bn == 0
+                for s in splits]
         if rows is not None and rows <= MMA_ROWS:
             out += [("mma", bn, s) for bn in (32, 64) if op.out_features % bn == 0 for s in splits]
     return out
@@ -370,13 +386,13 @@ def rows_matmul(op, x: torch.Tensor, choice: tuple[str, int, int] = ("rows", 16,
     M, K = x.shape
     N = op.out_features
     if (not takes(op) or op.in_features != K or not 1 <= M <= MAX_ROWS or tuple(choice) not in candidates(op, M)
-            or (choice[0] in ("trans", "mma") and x.dtype != op.dtype)):
+            or (choice[0] in ("trans", "transw", "mma") and x.dtype != op.dtype)):
         raise ValueError(f"rows_matmul takes int4 weights, 1..{MAX_ROWS} rows of {op.in_features} and a choice of "
                          f"candidates(op), got {op!r}, {tuple(x.shape)} {x.dtype} and {choice}")
     scheme, bn, splits = choice
     bias = op.bias if op.bias is not None else x
-    if scheme == "trans":
-        return _trans(op, x.contiguous(), bn, splits, bias)
+    if scheme in ("trans", "transw"):
+        return _trans(op, x.contiguous(), bn, splits, bias, wide=scheme == "transw")
     if scheme == "mma":
         return _mma(op, x.contiguous(), bn, splits, bias)
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -389,8 +405,10 @@ def rows_matmul(op, x: torch.Tensor, choice: tuple[str, int, int] = ("rows", 16,
     return out
 
 
-def _trans(op, x: torch.Tensor, bn: int, splits: int, bias: torch.Tensor) -> torch.Tensor:
-    """The "trans" scheme: one launch, or with splits > 1 float32 partial sums and `_sum_splits`."""
+def _trans(op, x: torch.Tensor, bn: int, splits: int, bias: torch.Tensor, wide: bool = False) -> torch.Tensor:
+    """The "trans" scheme: one launch, or with splits > 1 float32 partial sums and `_sum_splits`. wide:
+    "transw", the codes copied as one row-major tile (`_trans_kernel`'s WIDE) by a warpgroup per 64
+    rows of the band (8 warps at 128 rows: half the registers a thread of 4 warps needs there)."""
     M, K = x.shape
     N = op.out_features
     out = torch.empty(M, N, dtype=x.dtype, device=x.device)
@@ -398,7 +416,7 @@ def _trans(op, x: torch.Tensor, bn: int, splits: int, bias: torch.Tensor) -> tor
     _trans_kernel[(N // bn, splits)](
         x, op.low32, op.scales, bias, part, M, N, K, K // 4, K // splits, MID=op.mid, G=op.group,
         BM=max(16, next_power_of_2(M)), BN=bn, BK=_block_k(op), PARTIAL=splits > 1, HAS_BIAS=op.bias is not None,
-        ASM=not interpreting(), num_warps=4, num_stages=4)
+        ASM=not interpreting(), WIDE=wide, num_warps=bn // 16 if wide else 4, num_stages=4)
     return _summed(op, part, bias, out, splits)
 
 
