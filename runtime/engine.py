@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 
 import torch
 
@@ -37,6 +37,14 @@ from .linear import LinearOp
 from .paged_kv import PREFILL_CHUNK, PagedKVCache
 from .sampling import GenerationOptions
 
+# Where a decode step may prefetch weights into L2 (DecodeEngine(prefetch=...)), each launched before
+# latency-bound kernels that leave DRAM idle, so the next small matvec finds its bytes in L2:
+PREFETCH_POINTS = {
+    "o": "layer i's o weight, right after layer i's qkv matvec (during RoPE + KV append and attention)",
+    "qkv": "layer i+1's qkv weights, right after layer i's FFN (during the residual + norm)",
+    "qkv-early": "layer i+1's qkv weights, right before layer i's down matvec (alongside down's reads)",
+}
+
 
 class EngineUnsupported(NotImplementedError):
     """The model has a feature the decode engine has no kernel path for."""
@@ -44,9 +52,12 @@ class EngineUnsupported(NotImplementedError):
 
 class DecodeEngine:
     """Prefill and graph-captured decode for `executor`'s model on its device (CUDA; also the CPU
-    under Triton's interpreter, without graphs, which is how the test suite runs it)."""
+    under Triton's interpreter, without graphs, which is how the test suite runs it).
 
-    def __init__(self, executor, *, graphs: bool = True):
+    `prefetch`: names from PREFETCH_POINTS where each decode step also launches an L2 prefetch of
+    the weights read next (an experiment the benchmarks compare; none by default)."""
+
+    def __init__(self, executor, *, graphs: bool = True, prefetch: Collection[str] = ()):
         _check_supported(executor)
         from .kernels import attention, norm, rope, sampling  # noqa: F401  (imports triton)
 
@@ -87,6 +98,9 @@ class DecodeEngine:
         self.logits = new(self.vocab)
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._samplers: dict = {}
+        # L2 prefetches of the small weights (kernels/prefetch.py) by (layer index, point): an experiment,
+        # off unless asked for (PREFETCH_POINTS).
+        self.prefetches = _prefetches(executor, prefetch)
         # Names the sections of a step for the profiler (bench --profile); a no-op otherwise.
         self._mark = lambda name: contextlib.nullcontext()
 
@@ -201,6 +215,7 @@ class DecodeEngine:
             with mark("qkv"):
                 self._project(a.qkv, self.normed, self.qkv)
                 self._whole_qk_norm(a, self.qkv[None])
+            self._prefetch(index, "o")
             with mark("qk norm + rope + append"):
                 rope_append(self.qkv, self.q, k_cache, v_cache, table, self.pos, self.num_heads,
                             self.num_kv_heads, self.head_dim, rope=_tables(a), **_qk_norms(a))
@@ -219,10 +234,12 @@ class DecodeEngine:
             else:
                 with mark("gate/up + act"):
                     width = self._mlp(layer.ffn, self.normed)
+                self._prefetch(index, "qkv-early")
                 with mark("down"):
                     parts, bias = self._partial_sums(layer.ffn.down, self.mlp[:width], layer.ffn.width)
                     if layer.ffn.shift is not None:  # an elastic FFN level: what its dropped channels add
                         bias = layer.ffn.shift if bias is None else bias + layer.ffn.shift
+            self._prefetch(index, "qkv")
             following = layers[index + 1].attn_norm if index + 1 < len(layers) else self.ex.final_norm
             with mark("residual + norm"):
                 add_rmsnorm(self.residual, self.normed, partials=parts, bias=bias,
@@ -386,6 +403,12 @@ class DecodeEngine:
             out.mul_(mlp.scale)
         return width
 
+    def _prefetch(self, index: int, point: str) -> None:
+        launch = self.prefetches.get((index, point))
+        if launch is not None:
+            with self._mark("prefetch"):
+                launch()
+
     def _whole_qk_norm(self, a, qkv: torch.Tensor) -> None:
         """OLMo-2: RMSNorm over the whole q and k projections (before the head split), in place."""
         if a.q_norm is None or a.qk_norm_per_head:
@@ -447,6 +470,28 @@ def generate(engine: DecodeEngine, prompt_ids: Sequence[int], options: Generatio
         # The keys and values kept: the prompt and every generated token fed back (a step launched
         # past a stop token wrote one more, beyond this length).
         cache.length = length + fed
+
+
+def _prefetches(executor, points: Collection[str]) -> dict:
+    """{(layer index, point): Prefetch} for the PREFETCH_POINTS named (the weights each one reads
+    ahead; the last layer has no next qkv)."""
+    unknown = set(points) - set(PREFETCH_POINTS)
+    if unknown:
+        raise ValueError(f"unknown prefetch point(s) {sorted(unknown)}; the engine has {list(PREFETCH_POINTS)}")
+    if not points:
+        return {}
+    from .kernels.prefetch import Prefetch, weight_tensors
+
+    layers = executor.layers
+    out = {}
+    for index, layer in enumerate(layers):
+        if "o" in points:
+            out[index, "o"] = Prefetch(weight_tensors([layer.attention.o]), executor.device)
+        ahead = layers[index + 1].attention.qkv if index + 1 < len(layers) else []
+        for point in ("qkv", "qkv-early"):
+            if point in points and ahead and (point == "qkv" or isinstance(layer.ffn, MLPPlan)):
+                out[index, point] = Prefetch(weight_tensors(ahead), executor.device)
+    return out
 
 
 def _check_supported(executor) -> None:

@@ -55,10 +55,10 @@ def models(tmp_path_factory, kernels_here):
     return get
 
 
-def _engine(model, graphs=True):
+def _engine(model, graphs=True, **options):
     from thin.runtime.engine import DecodeEngine
 
-    return DecodeEngine(model.executor, graphs=graphs)
+    return DecodeEngine(model.executor, graphs=graphs, **options)
 
 
 def _prompt(n=9, seed=0):
@@ -89,6 +89,35 @@ def test_quantized_greedy_tokens_match_the_executor(models, quant):
     model = models("llama", quant)
     prompt = _prompt(seed=1)
     assert _engine_tokens(_engine(model), prompt, 6) == _executor_tokens(model, prompt, 6)
+
+
+@pytest.mark.parametrize("quant", [None, "int4", "fp8_e4m3"])
+def test_prefetch_changes_no_token_or_logit_and_covers_the_weights(models, quant):
+    """Every prefetch point on: the same tokens and bit-identical last logits as without, and each
+    launch (which the interpreter runs as a record of its lanes' segments) covered its weights."""
+    from thin.runtime.engine import PREFETCH_POINTS
+    from thin.runtime.kernels.prefetch import byte_ranges, weight_tensors
+
+    model = models("llama", quant)
+    prompt = _prompt(seed=7)
+    plain, fetching = _engine(model), _engine(model, prefetch=tuple(PREFETCH_POINTS))
+    assert _engine_tokens(fetching, prompt, 5) == _engine_tokens(plain, prompt, 5)
+    assert torch.equal(fetching.logits, plain.logits)
+    layers = model.executor.layers
+    assert set(fetching.prefetches) == ({(i, "o") for i in range(len(layers))}
+                                        | {(i, p) for i in range(len(layers) - 1) for p in ("qkv", "qkv-early")})
+    for (index, point), fetch in fetching.prefetches.items():
+        ops = [layers[index].attention.o] if point == "o" else layers[index + 1].attention.qkv
+        assert fetch.ranges == byte_ranges(weight_tensors(ops))
+        if fetch.record is not None:
+            lanes = [(a, a + n) for a, n in fetch.record.reshape(-1, 2).tolist() if n > 0]
+            assert sum(e - b for b, e in lanes) == fetch.nbytes
+            assert all(any(b <= lb and le <= e for b, e in fetch.ranges) for lb, le in lanes)
+
+
+def test_prefetch_points_are_checked(models):
+    with pytest.raises(ValueError, match="unknown prefetch point"):
+        _engine(models("llama"), prefetch=("down",))
 
 
 def test_conversation_cache_prefills_only_the_new_turn(models):
