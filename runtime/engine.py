@@ -55,9 +55,12 @@ class DecodeEngine:
     under Triton's interpreter, without graphs, which is how the test suite runs it).
 
     `prefetch`: names from PREFETCH_POINTS where each decode step also launches an L2 prefetch of
-    the weights read next (an experiment the benchmarks compare; none by default)."""
+    the weights read next (an experiment the benchmarks compare; none by default). With
+    `prefetch_stream` (CUDA) those launches go to a second stream, forked from the step's at each
+    point and joined at the step's end: a captured step holds them as a branch beside the kernels
+    that follow, off their path."""
 
-    def __init__(self, executor, *, graphs: bool = True, prefetch: Collection[str] = ()):
+    def __init__(self, executor, *, graphs: bool = True, prefetch: Collection[str] = (), prefetch_stream: bool = False):
         _check_supported(executor)
         from .kernels import attention, norm, rope, sampling  # noqa: F401  (imports triton)
 
@@ -101,6 +104,8 @@ class DecodeEngine:
         # L2 prefetches of the small weights (kernels/prefetch.py) by (layer index, point): an experiment,
         # off unless asked for (PREFETCH_POINTS).
         self.prefetches = _prefetches(executor, prefetch)
+        side = prefetch_stream and self.prefetches and self.device.type == "cuda"
+        self._side = torch.cuda.Stream(self.device) if side else None
         # Names the sections of a step for the profiler (bench --profile); a no-op otherwise.
         self._mark = lambda name: contextlib.nullcontext()
 
@@ -249,6 +254,8 @@ class DecodeEngine:
         with mark("sample"):
             sampler(self.logits, self.token, cache.out_tokens, self.seen, self.pos, self.step, self.seed,
                     advance_pos=True)
+        if self._side is not None:  # join the prefetch branch
+            torch.cuda.current_stream(self.device).wait_stream(self._side)
 
     def decode_n_tokens(self, cache: PagedKVCache, n: int, sampler, stop_ids: frozenset[int] = frozenset(),
                         graph: bool | None = None) -> Iterator[int]:
@@ -405,8 +412,14 @@ class DecodeEngine:
 
     def _prefetch(self, index: int, point: str) -> None:
         launch = self.prefetches.get((index, point))
-        if launch is not None:
-            with self._mark("prefetch"):
+        if launch is None:
+            return
+        with self._mark("prefetch"):
+            if self._side is None:
+                launch()
+                return
+            self._side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._side):
                 launch()
 
     def _whole_qk_norm(self, a, qkv: torch.Tensor) -> None:

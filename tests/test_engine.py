@@ -115,6 +115,20 @@ def test_prefetch_changes_no_token_or_logit_and_covers_the_weights(models, quant
             assert all(any(b <= lb and le <= e for b, e in fetch.ranges) for lb, le in lanes)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="a second stream, and a captured step that branches onto it")
+def test_prefetch_on_a_second_stream_changes_no_token(models):
+    from thin.runtime.engine import PREFETCH_POINTS
+
+    model = models("llama", "int4")
+    prompt = _prompt(seed=8)
+    side = _engine(model, prefetch=tuple(PREFETCH_POINTS), prefetch_stream=True)
+    assert side._side is not None
+    cache = side.new_cache(64)
+    assert _engine_tokens(side, prompt, 20, cache=cache) == _engine_tokens(_engine(model), prompt, 20)
+    assert cache.graphs, "the step with its prefetch branch was captured"
+
+
 def test_prefetch_points_are_checked(models):
     with pytest.raises(ValueError, match="unknown prefetch point"):
         _engine(models("llama"), prefetch=("down",))

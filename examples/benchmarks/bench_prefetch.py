@@ -1,10 +1,11 @@
 """Decode with and without L2 prefetch of the small weights, in one process on one artifact.
 
-    python examples/benchmarks/bench_prefetch.py MODEL.thin [--variants o+qkv,o+qkv-early,o] \\
+    python examples/benchmarks/bench_prefetch.py MODEL.thin [--variants o+qkv,o+qkv-early+side] \\
         [--rounds 3] [--runs 3] [--gen 128] [--prompt-len 512] [--profile]
 
 Loads the artifact once on the GPU, then builds one decode engine per variant over the same weights
-(DecodeEngine(prefetch=...): "off" and each '+'-joined set of runtime.engine.PREFETCH_POINTS) and
+(DecodeEngine(prefetch=...): "off" and each '+'-joined set of runtime.engine.PREFETCH_POINTS, with
+"side" for prefetch_stream: the launches on a second stream, a branch of the captured step) and
 measures each with runtime/bench.run, `thin-exec bench`'s own measurement (graphed decode, median of
 --runs, the positions-attended and graph-vs-eager checks, the copy bandwidth), the variants taking
 turns for --rounds rounds so a drifting clock or temperature hits them alike. Before timing, every
@@ -25,7 +26,7 @@ import time
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("model", help="a compiled .thin artifact")
-    ap.add_argument("--variants", default="o+qkv,o+qkv-early,o",
+    ap.add_argument("--variants", default="o,o+qkv,o+qkv-early,o+side,o+qkv+side,o+qkv-early+side",
                     help="comma list of '+'-joined prefetch points, measured next to 'off'")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--runs", type=int, default=3, help="timed runs a measurement (its median)")
@@ -43,9 +44,10 @@ def main() -> None:
 
     variants = ["off"] + [v for v in args.variants.split(",") if v and v != "off"]
     for v in variants[1:]:
-        unknown = set(v.split("+")) - set(PREFETCH_POINTS)
-        if unknown:
-            sys.exit(f"unknown prefetch point(s) {sorted(unknown)} in {v!r}; points: {', '.join(PREFETCH_POINTS)}")
+        unknown = set(v.split("+")) - set(PREFETCH_POINTS) - {"side"}
+        if unknown or v == "side":
+            sys.exit(f"variant {v!r}: '+'-joined prefetch points ({', '.join(PREFETCH_POINTS)}), optionally with "
+                     "'side'" + (f"; unknown: {', '.join(sorted(unknown))}" if unknown else ""))
     if not torch.cuda.is_available():
         sys.exit("bench_prefetch measures the CUDA decode engine: no CUDA device here")
     started = time.perf_counter()
@@ -55,7 +57,9 @@ def main() -> None:
     print(f"loaded in {time.perf_counter() - started:.1f} s", file=sys.stderr)
     engines = {"off": model.engine}
     for v in variants[1:]:
-        engines[v] = DecodeEngine(model.executor, prefetch=tuple(v.split("+")))
+        points = v.split("+")
+        engines[v] = DecodeEngine(model.executor, prefetch=tuple(p for p in points if p != "side"),
+                                  prefetch_stream="side" in points)
 
     prompt = torch.randint(0, model.ir.vocab_size, (64,), generator=torch.Generator().manual_seed(1)).tolist()
     options = GenerationOptions(max_new_tokens=32, stop_token_ids=())
