@@ -18,6 +18,7 @@ which shows whether a prefetched matvec got faster.
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -48,6 +49,8 @@ def main() -> None:
         if unknown or v == "side":
             sys.exit(f"variant {v!r}: '+'-joined prefetch points ({', '.join(PREFETCH_POINTS)}), optionally with "
                      "'side'" + (f"; unknown: {', '.join(sorted(unknown))}" if unknown else ""))
+    if not os.path.isfile(args.model):
+        sys.exit(f"{args.model}: no such artifact")
     if not torch.cuda.is_available():
         sys.exit("bench_prefetch measures the CUDA decode engine: no CUDA device here")
     started = time.perf_counter()
