@@ -30,6 +30,20 @@ def _error_line(error) -> str:
     return f"thin-exec: error: {printable(one_line(error))}"
 
 
+def report_progress(prefix: str = "thin-exec") -> None:
+    """Runtime progress notes (logger "thin.runtime": the first load's kernel compiles) go to stderr
+    as `PREFIX: ...` lines."""
+    import logging
+
+    log = logging.getLogger("thin.runtime")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"{prefix}: %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
 def _fail(message):
     # Messages stay on one line so scripts can grep them.
     typer.echo(_error_line(message), err=True)
@@ -224,6 +238,7 @@ def run(
 
     options = {"max_new_tokens": max_new_tokens, "temperature": temperature, "top_k": top_k, "top_p": top_p,
                    "min_p": min_p, "repetition_penalty": repetition_penalty, "seed": seed}
+    report_progress()
     try:
         _check_file(model_path)
         if uncertified and ffn_keep is None:
@@ -280,6 +295,7 @@ def bench(
     from thin.runtime import bench as measure
     from thin.runtime import load
 
+    report_progress()
     try:
         _check_file(model_path)
         if prompt_len < 1 or gen < 2 or runs < 1:

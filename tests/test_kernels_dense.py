@@ -122,3 +122,45 @@ def test_compile_threads(monkeypatch):
             compile_threads()
     monkeypatch.delenv("THIN_COMPILE_THREADS")
     assert 1 <= compile_threads() <= 16
+
+
+def test_compile_launches_reports_progress(monkeypatch, caplog):
+    """The first load's compile says what it does (thin-exec prints the "thin.runtime" log on stderr);
+    every launch runs once, a failing one is skipped."""
+    import contextlib
+    import logging
+
+    from thin.runtime.kernels import common
+
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    ran = []
+
+    def fails():
+        raise RuntimeError("does not compile")
+
+    jobs = [("cuda", lambda i=i: ran.append(i)) for i in range(3)] + [("cuda", fails)]
+    with caplog.at_level(logging.INFO, logger="thin.runtime"):
+        common.compile_launches(jobs, workers=1)
+        common.compile_launches([], workers=1)
+    assert ran == [0, 1, 2]
+    messages = [r.getMessage() for r in caplog.records if r.name == "thin.runtime"]
+    assert len(messages) == 2 and "compiling 4 kernel launch candidates" in messages[0] and "1 thread" in messages[0]
+    assert messages[1].startswith("compiled in ")
+
+
+def test_thin_exec_prints_runtime_progress(capsys):
+    import logging
+
+    from thin.runtime.cli import report_progress
+
+    log = logging.getLogger("thin.runtime")
+    saved = (list(log.handlers), log.level, log.propagate)
+    try:
+        log.handlers.clear()
+        report_progress()
+        report_progress()  # once only
+        log.info("compiling 3 kernel launch candidates")
+        assert capsys.readouterr().err == "thin-exec: compiling 3 kernel launch candidates\n"
+    finally:
+        log.handlers[:], log.level, log.propagate = saved[0], saved[1], saved[2]

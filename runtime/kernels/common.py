@@ -11,6 +11,7 @@ triggers while it loads, by timing the candidates on the real weight (or read fr
 from __future__ import annotations
 
 import json
+import logging
 import os
 import tempfile
 import time
@@ -262,15 +263,22 @@ def compile_launches(jobs, workers: int | None = None) -> None:
         except Exception:  # noqa: BLE001  (the timing that follows meets the same failure and handles it)
             pass
 
+    if not jobs:
+        return
     workers = workers or compile_threads()
+    log = logging.getLogger("thin.runtime")
+    log.info(f"compiling {len(jobs)} kernel launch candidates for this GPU on {workers} thread(s) (the first "
+             "load of these formats and shapes; Triton caches them)")
+    started = time.perf_counter()
     if workers == 1:
         for job in jobs:
             run(job)
-    elif jobs:
+    else:
         with ThreadPoolExecutor(workers) as pool:
             list(pool.map(run, jobs))
     for device in {device for device, _ in jobs}:
         torch.cuda.synchronize(device)
+    log.info(f"compiled in {time.perf_counter() - started:.1f} s; timing them")
 
 
 def median_ms_or_inf(launch, **timing) -> float:

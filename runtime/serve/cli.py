@@ -62,9 +62,11 @@ def serve(
     from thin.artifacts import ArtifactError
     from thin.ir import ThinError
     from thin.runtime import DeviceUnavailableError, load
+    from thin.runtime.cli import report_progress
 
     if not model_path.is_file():
         _fail(f"no such file: {model_path}")
+    report_progress("thin-exec serve")
     try:
         model = load(model_path, device=device, verify=verify)
         server = create_app(model, name=name, limits=Limits(max_batch=max_batch, max_queue=max_queue),
