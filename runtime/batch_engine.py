@@ -17,12 +17,13 @@ addresses, and the host writes a row only when a sequence joins or leaves.
 A step of one sequence runs the decode engine's matrix-vector kernels (the cost of `thin-exec`
 alone); a step of b > 1 runs each linear layer as one small matrix product over the b rows (the
 kernels' dequantize-a-tile-then-dot path, cuBLAS for dense weights; int4 weights through
-kernels/grouped_int_batch.py where that timed faster on this device), attention per sequence at its
-own position through its own row of block tables, and picks every row's token on the device with
-that row's options (runtime/kernels/sampling.pick_rows). Rows are independent: what a sequence
-gets does not depend on the others in the batch, only on the kernels that run its bucket (the
-matrix-vector path of bucket 1 and the matrix products of the others round differently in 16-bit
-dtypes, so greedy text can part after a near tie there; in float32 they agree).
+kernels/grouped_int_batch.py where that timed faster on this device: o's and down's split-K
+partial sums summed by the residual norm, gate/up's activation in the kernel's epilogue),
+attention per sequence at its own position through its own row of block tables, and picks every
+row's token on the device with that row's options (runtime/kernels/sampling.pick_rows). Rows are
+independent: what a sequence gets does not depend on the others in the batch, only on the kernels
+that run its bucket (the matrix-vector path of bucket 1 and the matrix products of the others round
+differently in 16-bit dtypes, so greedy text can part after a near tie there; in float32 they agree).
 """
 
 from __future__ import annotations
@@ -279,53 +280,73 @@ class BatchEngine:
                   track=track)
 
     def _add_norm(self, residual, normed, op, x, post, norm) -> None:
-        """residual += post(op(x)); normed = norm(residual); one row through split-K partial sums."""
+        """residual += post(op(x)); normed = norm(residual); split-K partial sums summed by the norm
+        kernel (one row: the matvec's; more: the int4 batch kernel's)."""
         from .kernels.norm import add_rmsnorm
 
         if residual.shape[0] == 1:
             parts, bias = self.engine._partial_sums(op, x.reshape(-1))
             add_rmsnorm(residual, normed, partials=parts, bias=bias, post=_norm(post), norm=_norm(norm))
         else:
-            add_rmsnorm(residual, normed, dense=self._linear([op], x), post=_norm(post), norm=_norm(norm))
+            # The int4 batch kernel's split-K partial sums go to the norm as they are (it adds them and the
+            # bias): no summing launch, no round trip of the output through the compute dtype.
+            h = self._linear([op], x, partial=True)
+            if h.dim() == 3:
+                add_rmsnorm(residual, normed, partials=h, bias=op.bias, post=_norm(post), norm=_norm(norm))
+            else:
+                add_rmsnorm(residual, normed, dense=h, post=_norm(post), norm=_norm(norm))
 
     def _mlp_rows(self, mlp, x: torch.Tensor) -> torch.Tensor:
         from .kernels.activation import glu
+        from .kernels.grouped_int_batch import rows_matmul
 
         if mlp.gated and len(mlp.up) == 1:
-            return glu(self._linear(mlp.up, x), mlp.activation)
+            # act(gate) * up in the int4 batch kernel's epilogue (or, split, with the partial sums' sum).
+            choice = self._rows_kernel(mlp.up[0], x, mlp.activation)
+            if choice:
+                return rows_matmul(mlp.up[0], x, choice, activation=mlp.activation)
+            return glu(mlp.up[0](x), mlp.activation)
         if mlp.gated:
             return activate(mlp.activation, self._linear(mlp.up[:1], x)) * self._linear(mlp.up[1:], x)
         return activate(mlp.activation, self._linear(mlp.up, x))
 
-    def _linear(self, ops, x: torch.Tensor) -> torch.Tensor:
+    def _linear(self, ops, x: torch.Tensor, partial: bool = False) -> torch.Tensor:
         """x [b, K] @ [W1; W2; ...].T for b > 1 rows: each op as a small matrix product (the int4
-        batch kernel where it was measured faster here, else the op's own matmul)."""
+        batch kernel where it was measured faster here, else the op's own matmul). partial (one op):
+        the int4 batch kernel's float32 partial sums [splits, b, N], bias not added, where it splits
+        the columns (grouped_int_batch.rows_matmul's `partial`)."""
         from .kernels.grouped_int_batch import rows_matmul
 
         outs = []
         for op in ops:
-            choice = self._rows_kernel(op, x)
-            outs.append(rows_matmul(op, x, choice) if choice else op(x))
+            choice = self._rows_kernel(op, x, "partial" if partial else "")
+            outs.append(rows_matmul(op, x, choice, partial=partial) if choice else op(x))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
 
-    def _rows_kernel(self, op, x: torch.Tensor) -> tuple[str, int, int] | None:
+    def _rows_kernel(self, op, x: torch.Tensor, use: str = "") -> tuple[str, int, int] | None:
         """The (scheme, band width, splits) the int4 batch kernel runs `op` with for x's rows, or None
         for the op's own matmul: on CUDA whichever timed fastest at this shape and row count on the
-        first step of the bucket (self.choices keeps the times, in microseconds, by "scheme/band/splits")."""
+        first step of the bucket (self.choices keeps the times, in microseconds, by "scheme/band/splits").
+        `use` is how the step uses the output, and each candidate is timed so: "" the output itself,
+        "partial" split-K partial sums left unsummed (the norm adds them), an activation's name the
+        fused [gate; up] GLU (in the epilogue, or summed from the partial sums with it; the op's own
+        matmul then followed by activation.glu)."""
         from .kernels import grouped_int_batch
+        from .kernels.activation import glu
 
         b = x.shape[0]
         if b > grouped_int_batch.MAX_ROWS or not grouped_int_batch.takes(op):
             return None
         if self.device.type != "cuda":
             return grouped_int_batch.candidates(op, b)[0]
-        key = (op.out_features, op.in_features, op.group, op.asym, b)
+        key = (op.out_features, op.in_features, op.group, op.asym, b) + ((use,) if use else ())
         if key not in self.choices:
             probe = torch.randn(b, op.in_features, device=self.device).to(x.dtype)
             rows_matmul = grouped_int_batch.rows_matmul
-            times = {"/".join(map(str, c)): _time_or_inf(lambda c=c: rows_matmul(op, probe, c))
+            how = {"partial": use == "partial", "activation": use if use not in ("", "partial") else None}
+            times = {"/".join(map(str, c)): _time_or_inf(lambda c=c: rows_matmul(op, probe, c, **how))
                      for c in grouped_int_batch.candidates(op, b)}
-            times["matmul"] = _time(lambda: op(probe))
+            times["matmul"] = _time(lambda: glu(op(probe), use) if how["activation"] else op(probe))
             self.choices[key] = times
         best = min(self.choices[key].items(), key=lambda kv: kv[1])[0]
         if best == "matmul":

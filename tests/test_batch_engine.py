@@ -63,6 +63,30 @@ def test_batched_greedy_gives_each_sequence_its_own_tokens(models, quant):
         assert got[name] == _alone(model, prompt, n), name
 
 
+def test_the_int4_step_fuses_the_glu_and_the_partial_sums(models, monkeypatch):
+    # The batched int4 step asks the batch kernel for act(gate) * up in one go and for o's and down's
+    # output as split-K partial sums (the fused norm adds them); the tokens stay those it gets alone.
+    from thin.runtime.kernels import grouped_int_batch
+
+    model = models("llama", "int4")
+    plan = {i: (_prompt(n, seed=70 + i), 4, {}) for i, n in enumerate((5, 8))}
+    want = {name: _alone(model, prompt, n) for name, (prompt, n, _) in plan.items()}
+    calls = []
+    rows_matmul = grouped_int_batch.rows_matmul
+
+    def spy(op, x, choice, **how):
+        calls.append((op.out_features, how))
+        return rows_matmul(op, x, choice, **how)
+
+    monkeypatch.setattr(grouped_int_batch, "rows_matmul", spy)
+    assert _run(_batch(model), plan) == want
+    mlp = model.executor.layers[0].ffn
+    assert (mlp.up[0].out_features, {"activation": mlp.activation}) in calls
+    assert (mlp.down.out_features, {"partial": True}) in calls
+    qkv = model.executor.layers[0].attention.qkv[0]
+    assert (qkv.out_features, {"partial": False}) in calls  # rope_append reads qkv's summed output
+
+
 def test_sequences_join_and_leave_mid_decode(models):
     # Lengths differ, so sequences leave at different steps; late joiners enter a running batch and
     # move slots when an earlier one leaves (buckets 1, 2 and 4 all run).

@@ -119,6 +119,37 @@ def test_every_candidate_at_a_real_shape_on_gpu(shape, rows):
         assert rel_err(rows_matmul(op, x, choice), want) < tolerance(torch.bfloat16), choice
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [2, 16, 64])
+def test_the_fused_glu_and_partial_sums_at_real_shapes_on_gpu(rows):
+    """llama-8b's gate_up (the GLU epilogue, or the partial sums summed with the activation) and down
+    (partial sums into the fused norm) against the plain output, every candidate, on the GPU."""
+    from thin.runtime.kernels.activation import glu
+    from thin.runtime.kernels.grouped_int_batch import candidates, rows_matmul
+    from thin.runtime.kernels.norm import add_rmsnorm
+
+    gen = torch.Generator().manual_seed(rows)
+    gate_up, _, _ = make_op("int4", (28672, 4096), {"group_size": 128}, dtype=torch.bfloat16, seed=rows)
+    x = torch.randn(rows, 4096, generator=gen).to(torch.bfloat16).to(DEVICE)
+    for choice in candidates(gate_up, rows):
+        want = glu(rows_matmul(gate_up, x, choice), "silu")
+        assert rel_err(rows_matmul(gate_up, x, choice, activation="silu"), want) < 1e-2, choice
+    down, _, bias = make_op("int4", (4096, 14336), {"group_size": 128}, dtype=torch.bfloat16, bias=True, seed=rows)
+    x = torch.randn(rows, 14336, generator=gen).to(torch.bfloat16).to(DEVICE)
+    residual = torch.randn(rows, 4096, generator=gen).to(torch.bfloat16).to(DEVICE)
+    norm = ((1 + 0.1 * torch.randn(4096, generator=gen)).to(DEVICE), 1e-5)
+    for choice in candidates(down, rows):
+        h = rows_matmul(down, x, choice, partial=True)
+        got_res, got = residual.clone(), torch.empty_like(residual)
+        if h.dim() == 3:
+            add_rmsnorm(got_res, got, partials=h, bias=bias, norm=norm)
+        else:
+            add_rmsnorm(got_res, got, dense=h, norm=norm)
+        want_res, want = residual.clone(), torch.empty_like(residual)
+        add_rmsnorm(want_res, want, dense=rows_matmul(down, x, choice), norm=norm)
+        assert torch.equal(got_res, want_res) and torch.equal(got, want), choice
+
+
 def test_rows_matmul_refuses_what_it_does_not_take():
     from thin.runtime.kernels.grouped_int_batch import rows_matmul, takes
 
@@ -126,3 +157,66 @@ def test_rows_matmul_refuses_what_it_does_not_take():
     assert not takes(op)
     with pytest.raises(ValueError, match="int4"):
         rows_matmul(op, torch.zeros(2, 64, device=DEVICE))
+
+
+def _sequential_sum(part, bias):
+    """The partial sums' total in float32: split 0, 1, ..., then the bias."""
+    total = part[0].clone()
+    for s in range(1, part.shape[0]):
+        total += part[s]
+    return total + bias.float() if bias is not None else total
+
+
+@pytest.mark.parametrize(("rows", "bias"), [(3, True), (16, False)])
+def test_partial_sums_and_the_fused_glu(rows, bias):
+    """rows_matmul's `partial` (split-K partial sums as they are, for the fused norm) and `activation`
+    (act(gate) * up of a fused [gate; up] weight: in each scheme's epilogue, or from the partial sums
+    with activation.glu_partials) give what the plain output and activation.glu give, for every
+    candidate (splits 1, 2 and 4)."""
+    from thin.runtime.kernels.activation import glu
+    from thin.runtime.kernels.grouped_int_batch import candidates, rows_matmul
+    from thin.runtime.kernels.norm import add_rmsnorm
+
+    op, dense, b = make_op("int4", (256, 512), {"group_size": 64}, dtype=torch.bfloat16, bias=bias, seed=rows)
+    x = torch.randn(rows, 512, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16).to(DEVICE)
+    choices = candidates(op, rows)
+    assert {c[2] for c in choices} == {1, 2, 4} and {c[0] for c in choices} >= {"rows", "trans", "transw", "mma"}
+    want = x.float().cpu() @ dense.T + (b.float().cpu() if bias else 0)
+    residual = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).to(DEVICE)
+    norm = ((1 + 0.1 * torch.randn(256, generator=torch.Generator().manual_seed(2))).to(DEVICE), 1e-5)
+    for choice in choices:
+        plain = rows_matmul(op, x, choice)
+        assert rel_err(plain, want) < tolerance(torch.bfloat16), choice
+        part = rows_matmul(op, x, choice, partial=True)
+        if choice[2] > 1:
+            assert part.dtype == torch.float32 and part.shape == (choice[2], rows, 256), choice
+            assert rel_err(_sequential_sum(part, b), want) < tolerance(torch.bfloat16), choice
+            # The fused norm over the partial sums gives what it gives over the summed output.
+            summed, normed = residual.clone(), torch.empty_like(residual)
+            add_rmsnorm(summed, normed, partials=part, bias=b, norm=norm)
+            dense_res, dense_out = residual.clone(), torch.empty_like(residual)
+            add_rmsnorm(dense_res, dense_out, dense=plain, norm=norm)
+            assert torch.equal(summed, dense_res) and torch.equal(normed, dense_out), choice
+        else:
+            assert torch.equal(part, plain), choice
+        fused = rows_matmul(op, x, choice, activation="silu")
+        assert fused.dtype == torch.bfloat16 and fused.shape == (rows, 128), choice
+        assert torch.equal(fused, glu(plain, "silu")), choice
+    with pytest.raises(ValueError, match="activation"):
+        rows_matmul(op, x, choices[0], partial=True, activation="silu")
+    with pytest.raises(ValueError, match="activation"):
+        rows_matmul(op, x, choices[0], activation="swish")
+
+
+@pytest.mark.parametrize("params", [{"group_size": 32}, {"group_size": 128, "asymmetric": 1}])
+def test_the_fused_glu_in_float32(params):
+    """The "rows" and "nibble" schemes' GLU epilogue (float32 activations, asymmetric codes, a bias)."""
+    from thin.runtime.kernels.activation import glu
+    from thin.runtime.kernels.grouped_int_batch import candidates, rows_matmul
+
+    op, _, _ = make_op("int4", (128, 256), params, bias=True, seed=7)
+    x = torch.randn(5, 256, generator=torch.Generator().manual_seed(7)).to(DEVICE)
+    for choice in candidates(op, 5):
+        want = glu(rows_matmul(op, x, choice), "gelu_tanh")
+        assert rel_err(rows_matmul(op, x, choice, activation="gelu_tanh"), want) < 1e-6, choice
+        assert torch.equal(rows_matmul(op, x, choice, partial=True), rows_matmul(op, x, choice)), choice

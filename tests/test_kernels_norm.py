@@ -29,6 +29,34 @@ def test_partials_bias_post_norm(dtype, post):
     assert rel_err(residual, want_res) < tol and rel_err(out, want_out) < tol
 
 
+@pytest.mark.parametrize("splits", [1, 2, 4])
+@pytest.mark.parametrize(("bias", "post"), [(False, False), (True, True)])
+def test_partials_of_several_rows(splits, bias, post):
+    """Split-K partial sums [splits, rows, H] of a batched step (grouped_int_batch.rows_matmul's
+    `partial`): each row sums its own, plus the bias; one row's [splits, H] is its [splits, 1, H]."""
+    from thin.runtime.kernels.norm import add_rmsnorm, reference
+
+    H, rows, dtype = 96, 3, torch.bfloat16
+    gen = torch.Generator().manual_seed(10 + splits)
+    residual = torch.randn(rows, H, generator=gen).to(dtype).to(DEVICE)
+    parts = torch.randn(splits, rows, H, generator=gen).to(DEVICE)
+    b = torch.randn(H, generator=gen).to(dtype).to(DEVICE) if bias else None
+    norm, post_norm = (_weight(H, 1), 1e-6), ((_weight(H, 2), 1e-5) if post else None)
+    h = parts.sum(0) + (b.float() if bias else 0)
+    want_res, want_out = reference(residual.cpu(), h.cpu(), None if post_norm is None else (post_norm[0].cpu(), 1e-5),
+                                   (norm[0].cpu(), norm[1]))
+    got_res, out = residual.clone(), poisoned(rows, H, dtype=dtype)
+    add_rmsnorm(got_res, out, partials=parts, bias=b, post=post_norm, norm=norm)
+    assert rel_err(got_res, want_res) < 8e-3 and rel_err(out, want_out) < 8e-3
+    # Each row alone, from its own partial sums, gives the same row.
+    for r in range(rows):
+        one_res, one_out = residual[r].clone(), poisoned(H, dtype=dtype)
+        add_rmsnorm(one_res, one_out, partials=parts[:, r].contiguous(), bias=b, post=post_norm, norm=norm)
+        assert torch.equal(one_res, got_res[r]) and torch.equal(one_out, out[r])
+    with pytest.raises(ValueError, match="partial sums"):
+        add_rmsnorm(residual.clone(), out, partials=parts[:, :2].contiguous(), bias=b, norm=norm)
+
+
 def test_rows_with_a_dense_delta_and_without_a_norm():
     from thin.runtime.kernels.norm import add_rmsnorm, reference
 

@@ -1,5 +1,6 @@
 """act(gate) * up over rows of a fused [gate; up] projection's output: the prefill half of the
-gated MLP (decode fuses it into the matvec's epilogue, tiles.store_glu)."""
+gated MLP (decode fuses it into the matvec's epilogue, tiles.store_glu), and in a batched decode
+step the sum of a split projection's float32 partial sums with it (`glu_partials`)."""
 
 from __future__ import annotations
 
@@ -12,14 +13,26 @@ from .tiles import activate
 
 
 @triton.jit
-def _glu_kernel(x_ptr, out_ptr, n, ACT: tl.constexpr, BLOCK: tl.constexpr):
-    """Row r, columns c*BLOCK..: out[r, c] = act(x[r, c]) * x[r, n + c], rounded as torch rounds."""
+def _glu_kernel(x_ptr, bias_ptr, out_ptr, n, rows, ACT: tl.constexpr, BLOCK: tl.constexpr, SPLITS: tl.constexpr = 0,
+                HAS_BIAS: tl.constexpr = False):
+    """Row r, columns c*BLOCK..: out[r, c] = act(x[r, c]) * x[r, n + c], rounded as torch rounds.
+    SPLITS > 0: x is float32 partial sums [SPLITS, rows, 2 n], each of gate and up summed in split order
+    (plus the bias) and rounded to out's dtype first, as grouped_int_batch's `_sum_splits` rounds it."""
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
     dtype = out_ptr.dtype.element_ty
     gate = tl.load(x_ptr + row * 2 * n + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * 2 * n + n + cols, mask=mask, other=0.0).to(tl.float32)
+    if SPLITS > 0:
+        for s in tl.static_range(1, SPLITS):
+            gate += tl.load(x_ptr + (s * rows + row) * 2 * n + cols, mask=mask, other=0.0)
+            up += tl.load(x_ptr + (s * rows + row) * 2 * n + n + cols, mask=mask, other=0.0)
+        if HAS_BIAS:
+            gate += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+            up += tl.load(bias_ptr + n + cols, mask=mask, other=0.0).to(tl.float32)
+        gate = gate.to(dtype).to(tl.float32)
+        up = up.to(dtype).to(tl.float32)
     act = activate(gate, ACT).to(dtype).to(tl.float32)
     tl.store(out_ptr + row * n + cols, (act * up).to(dtype), mask=mask)
 
@@ -30,5 +43,22 @@ def glu(gate_up: torch.Tensor, activation: str) -> torch.Tensor:
     n = width // 2
     out = torch.empty(*gate_up.shape[:-1], n, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, next_power_of_2(n))
-    _glu_kernel[(rows, -(-n // block))](gate_up.contiguous(), out, n, ACT=ACTIVATION_CODES[activation], BLOCK=block)
+    _glu_kernel[(rows, -(-n // block))](gate_up.contiguous(), out, out, n, rows, ACT=ACTIVATION_CODES[activation],
+                                        BLOCK=block)
+    return out
+
+
+def glu_partials(part: torch.Tensor, activation: str, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """float32 partial sums [splits, rows, 2n] of a fused [gate; up] projection (its bias not yet
+    added) -> act(gate) * up [rows, n] in `dtype`, one launch: what glu gives for the summed output."""
+    splits, rows, width = part.shape
+    n = width // 2
+    if part.dtype != torch.float32 or width % 2 or not part.is_contiguous():
+        raise ValueError(f"glu_partials takes contiguous float32 [splits, rows, 2n], got {tuple(part.shape)} "
+                         f"{part.dtype}")
+    out = torch.empty(rows, n, dtype=dtype, device=part.device)
+    block = min(1024, next_power_of_2(n))
+    _glu_kernel[(rows, -(-n // block))](part, bias if bias is not None else out, out, n, rows,
+                                        ACT=ACTIVATION_CODES[activation], BLOCK=block, SPLITS=splits,
+                                        HAS_BIAS=bias is not None)
     return out

@@ -25,8 +25,8 @@ The schemes, timed against each other per shape and row count (`candidates`):
   activation block is the shared-memory operand. No conversion of the weight tile through shared
   memory: the tile's columns are taken in the order the operand layout hands them to a thread, and
   x.T is permuted to match (`_trans_kernel`). Symmetric int4 under bfloat16 activations; the
-  K range may be split over programs (float32 partial sums, then `_sum_splits`) when the bands
-  alone are too few to fill the device.
+  K range may be split over programs (float32 partial sums, then `_sum_splits`, or handed on as
+  they are: `rows_matmul`'s `partial`) when the bands alone are too few to fill the device.
 - "transw": "trans" with the band's codes copied into shared memory as one row-major tile, 16 bytes
   a copy, and a warpgroup per 64 rows of the band (`_trans_kernel`'s WIDE).
 - "mma": the same column order and in-place dequantization as "trans", neither operand through
@@ -39,6 +39,11 @@ The schemes, timed against each other per shape and row count (`candidates`):
   accumulator's layout, one STS and two LDS within the warp), and the codes are loaded two steps
   before their use (loop-carried registers, as the one-row matvec's `ahead`), the activations one
   step ahead. Up to 16 rows (`MMA_ROWS`).
+
+Every scheme also runs a fused [gate; up] weight as the gated MLP's first half (`rows_matmul`'s
+`activation`): a band then holds matching gate and up rows (`_band_rows`) and its epilogue stores
+act(gate) * up, so the batched step has no separate activation launch (split: the partial sums and
+the activation in one launch, activation.glu_partials).
 """
 
 from __future__ import annotations
@@ -48,9 +53,10 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .common import next_power_of_2
+from .activation import glu_partials
+from .common import ACTIVATION_CODES, next_power_of_2
 from .pairs import ONE2, PAIR_MAGIC, zero_pair
-from .tiles import dot_tile
+from .tiles import activate, dot_tile
 
 
 @triton.jit
@@ -64,12 +70,50 @@ def _dequant(codes, scale, offset, MID: tl.constexpr, ASYM: tl.constexpr):
 
 
 @triton.jit
+def _band_rows(r, band, n, BN: tl.constexpr, GLU: tl.constexpr):
+    """The weight rows that band `band`'s positions r (0 .. BN - 1) compute: band * BN + r; with GLU
+    (a fused [gate; up] weight of 2 n rows) the first half of the band gate rows band * BN / 2 + r and
+    the second half the matching up rows, n further on, so that a program holds both halves of its
+    BN / 2 outputs."""
+    if GLU:  # noqa: SIM108  (constexpr branches: only one is compiled)
+        rows = band * (BN // 2) + r + tl.where(r < BN // 2, 0, n - BN // 2)
+    else:
+        rows = band * BN + r
+    return rows
+
+
+@triton.jit
+def _store_glu(out_ptr, bias_ptr, gate, up, tok, cols, M, n, HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
+    """out[tok, cols] = act(gate) * up for float32 [BM, BN / 2] gate and up sums (plus the gate and up
+    bias), each step rounded to out's dtype as the unfused path (the projection's output, then
+    activation.glu) rounds it."""
+    if HAS_BIAS:
+        gate += tl.load(bias_ptr + cols).to(tl.float32)[None, :]
+        up += tl.load(bias_ptr + n + cols).to(tl.float32)[None, :]
+    dtype = out_ptr.dtype.element_ty
+    gate = gate.to(dtype).to(tl.float32)
+    up = up.to(dtype).to(tl.float32)
+    act = activate(gate, ACT).to(dtype).to(tl.float32)
+    tl.store(out_ptr + tok[:, None] * n + cols[None, :], (act * up).to(dtype), mask=(tok < M)[:, None])
+
+
+@triton.jit
+def _glu_epilogue(acc, out_ptr, bias_ptr, band, M, n, BM: tl.constexpr, BN: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  ACT: tl.constexpr):
+    """A GLU band's [BM, BN] sums (gate columns, then up columns: `_band_rows`) into act(gate) * up."""
+    gate, up = tl.split(tl.permute(tl.reshape(acc, [BM, 2, BN // 2]), (0, 2, 1)))
+    _store_glu(out_ptr, bias_ptr, gate, up, tl.arange(0, BM), band * (BN // 2) + tl.arange(0, BN // 2), M, n,
+               HAS_BIAS, ACT)
+
+
+@triton.jit
 def _rows_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, M, N, K, MID: tl.constexpr,
                  ASYM: tl.constexpr, G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
-                 NIBBLE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
+                 NIBBLE: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, ACT: tl.constexpr = -1):
     """Program i: out[:M, i*BN:(i+1)*BN] = x[:M] @ W[rows].T (+ bias), W read once; NIBBLE: by code
-    position (eight dots a step), else one [BN, BK] tile a step."""
-    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    position (eight dots a step), else one [BN, BK] tile a step. ACT >= 0: W is a fused [gate; up]
+    weight (N = 2 n rows) and out [M, n] gets act(gate) * up (`_band_rows`, `_glu_epilogue`)."""
+    rows = _band_rows(tl.arange(0, BN), tl.program_id(0), N // 2, BN, ACT >= 0)
     tok = tl.arange(0, BM)
     tok_mask = tok < M
     c = tl.arange(0, BK // 8)
@@ -96,9 +140,13 @@ def _rows_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, M, N, K
             x = tl.load(x_ptr + tok[:, None] * K + (k0 + tl.arange(0, BK))[None, :], mask=tok_mask[:, None],
                         other=0.0)
             acc += dot_tile(x, w.to(x.dtype), IEEE)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows).to(tl.float32)[None, :]
-    tl.store(out_ptr + tok[:, None] * N + rows[None, :], acc.to(out_ptr.dtype.element_ty), mask=tok_mask[:, None])
+    if ACT >= 0:
+        _glu_epilogue(acc, out_ptr, bias_ptr, tl.program_id(0), M, N // 2, BM, BN, HAS_BIAS, ACT)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows).to(tl.float32)[None, :]
+        tl.store(out_ptr + tok[:, None] * N + rows[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=tok_mask[:, None])
 
 
 def _code_asm(shift: int) -> str:
@@ -143,10 +191,11 @@ def _codes(h, S: tl.constexpr, MID: tl.constexpr, ASM: tl.constexpr):
 def _trans_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, row_halves, k_len, MID: tl.constexpr,
                   G: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PARTIAL: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, ASM: tl.constexpr, WIDE: tl.constexpr = False):
+                  HAS_BIAS: tl.constexpr, ASM: tl.constexpr, WIDE: tl.constexpr = False, ACT: tl.constexpr = -1):
     """Program (i, s): out.T[i*BN:(i+1)*BN, :M] over columns s*k_len .. (s+1)*k_len, W's band as the
     dot's first operand. PARTIAL: float32 sums into out[s] (a [splits, M, N] buffer), else plus the
-    bias in out's dtype.
+    bias in out's dtype; ACT >= 0 (not PARTIAL): act(gate) * up of a fused [gate; up] weight into out
+    [M, N / 2] (`_band_rows`, `_glu_epilogue`).
 
     WIDE (the "transw" scheme): a step's codes are loaded as one [BN, 8 H] tile of int16 halves (a
     row's 16 H bytes in a row), its column offset declared a multiple of 8 H: Triton then copies
@@ -164,7 +213,7 @@ def _trans_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, row_halve
     step's columns. The group scale multiplies each step's [BN, BM] sums (BK divides the group):
     the tile holds the exact integers u - MID."""
     H: tl.constexpr = BK // 32
-    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    rows = _band_rows(tl.arange(0, BN), tl.program_id(0), N // 2, BN, ACT >= 0)
     k_first = tl.program_id(1) * k_len
     tok = tl.arange(0, BM)
     tok_mask = tok < M
@@ -196,6 +245,8 @@ def _trans_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, row_halve
     if PARTIAL:
         dest = out_ptr + tl.program_id(1) * M * N + tok[None, :] * N + rows[:, None]
         tl.store(dest, acc, mask=tok_mask[None, :])
+    elif ACT >= 0:
+        _glu_epilogue(tl.trans(acc), out_ptr, bias_ptr, tl.program_id(0), M, N // 2, BM, BN, HAS_BIAS, ACT)
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rows).to(tl.float32)[:, None]
@@ -244,10 +295,10 @@ def _code_pairs(words, S: tl.constexpr, MID: tl.constexpr, ASM: tl.constexpr):
 @triton.jit
 def _mma_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, row_words, k_len, MID: tl.constexpr,
                 G: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, PARTIAL: tl.constexpr,
-                HAS_BIAS: tl.constexpr, ASM: tl.constexpr):
+                HAS_BIAS: tl.constexpr, ASM: tl.constexpr, ACT: tl.constexpr = -1):
     """Program (i, s), one warp: out[:M, i*BN:(i+1)*BN] over columns s*k_len .. (s+1)*k_len, x as the
-    dot's first operand and the band's codes, dequantized in registers, as its second. PARTIAL and
-    the bias as in `_trans_kernel`.
+    dot's first operand and the band's codes, dequantized in registers, as its second. PARTIAL, the
+    bias and ACT (act(gate) * up of a fused [gate; up] weight) as in `_trans_kernel`.
 
     A step's tile columns are `_trans_kernel`'s order (H = BK / 32 words a row per lane group t):
     tile column 32 hi + 16 s1 + 8 s0 + 2 t + half is real column 8 (H t + hi) + 4 half + 2 s1 + s0.
@@ -263,21 +314,22 @@ def _mma_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, row_words, 
     registers at the top of the next step (sm_90 SASS of a 64-row band: 600 of the loop's 639
     instructions between each LDG.E.128 of codes and its first reader)."""
     H: tl.constexpr = BK // 32
-    band = tl.program_id(0) * BN
+    band = tl.program_id(0)
     k_first = tl.program_id(1) * k_len
     k_last = k_first + k_len - BK
     # Codes: [BN / 8, 8, 4, H] int32, weight row 8 n + g, lane group t's H words.
     n = tl.arange(0, BN // 8)[:, None, None, None]
     g = tl.arange(0, 8)[None, :, None, None]
     t = tl.arange(0, 4)[None, None, :, None]
-    words = w_ptr + (band + 8 * n + g).to(tl.int64) * row_words + H * t + tl.arange(0, H)[None, None, None, :]
+    words = (w_ptr + _band_rows(8 * n + g, band, N // 2, BN, ACT >= 0).to(tl.int64) * row_words + H * t
+             + tl.arange(0, H)[None, None, None, :])
     # Activations: [H, BM / 8, 8, 4, 8], token 8 a + g, real column 8 H t + 8 c + e.
     c5 = tl.arange(0, H)[:, None, None, None, None]
     tok5 = 8 * tl.arange(0, BM // 8)[None, :, None, None, None] + tl.arange(0, 8)[None, None, :, None, None]
     t5 = tl.arange(0, 4)[None, None, None, :, None]
     x_cols = x_ptr + tok5 * K + 8 * H * t5 + 8 * c5 + tl.arange(0, 8)[None, None, None, None, :]
     x_mask = tl.broadcast_to(tok5 < M, [H, BM // 8, 8, 4, 8])
-    rows = band + tl.arange(0, BN)
+    rows = _band_rows(tl.arange(0, BN), band, N // 2, BN, ACT >= 0)
     side = scale_ptr + rows.to(tl.int64) * (K // G)
     codes_1 = tl.load(words + tl.multiple_of(k_first // 8, 4 * H))
     scale_1 = tl.load(side + k_first // G)
@@ -308,6 +360,8 @@ def _mma_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, row_words, 
     tok = tl.arange(0, BM)
     if PARTIAL:
         tl.store(out_ptr + tl.program_id(1) * M * N + tok[:, None] * N + rows[None, :], acc, mask=(tok < M)[:, None])
+    elif ACT >= 0:
+        _glu_epilogue(acc, out_ptr, bias_ptr, band, M, N // 2, BM, BN, HAS_BIAS, ACT)
     else:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rows).to(tl.float32)[None, :]
@@ -380,58 +434,91 @@ def candidates(op, rows: int | None = None) -> list[tuple[str, int, int]]:
     return out
 
 
-def rows_matmul(op, x: torch.Tensor, choice: tuple[str, int, int] = ("rows", 16, 1)) -> torch.Tensor:
+def rows_matmul(op, x: torch.Tensor, choice: tuple[str, int, int] = ("rows", 16, 1), *, partial: bool = False,
+                activation: str | None = None) -> torch.Tensor:
     """x [M, K] (M <= 64) @ W.T (+ bias) -> [M, N] in x's dtype, for an op `takes` accepts, by
-    `choice` = (scheme, band width, splits), one of candidates(op)."""
+    `choice` = (scheme, band width, splits), one of candidates(op).
+
+    partial: where the choice splits the columns, the float32 partial sums [splits, M, N] as they
+    are, bias not added (for add_rmsnorm's `partials`, which sums them with the bias); else the
+    output as without it. activation: W is a fused [gate; up] weight (N = 2 n) and the result is
+    act(gate) * up [M, n], rounded as activation.glu of the plain output rounds it: in the kernel's
+    epilogue, or where the columns are split summed from the partial sums by activation.glu_partials
+    (one launch either way, none for `_sum_splits`)."""
     M, K = x.shape
     N = op.out_features
     if (not takes(op) or op.in_features != K or not 1 <= M <= MAX_ROWS or tuple(choice) not in candidates(op, M)
             or (choice[0] in ("trans", "transw", "mma") and x.dtype != op.dtype)):
         raise ValueError(f"rows_matmul takes int4 weights, 1..{MAX_ROWS} rows of {op.in_features} and a choice of "
                          f"candidates(op), got {op!r}, {tuple(x.shape)} {x.dtype} and {choice}")
+    if activation is not None and (partial or activation not in ACTIVATION_CODES):
+        raise ValueError(f"rows_matmul's activation is one of {', '.join(ACTIVATION_CODES)} and not partial, got "
+                         f"{activation!r} (partial={partial})")
+    act = -1 if activation is None else ACTIVATION_CODES[activation]
     scheme, bn, splits = choice
     bias = op.bias if op.bias is not None else x
     if scheme in ("trans", "transw"):
-        return _trans(op, x.contiguous(), bn, splits, bias, wide=scheme == "transw")
-    if scheme == "mma":
-        return _mma(op, x.contiguous(), bn, splits, bias)
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    nibble = scheme == "nibble"
-    _rows_kernel[(N // bn,)](
-        x.contiguous(), op.low32, op.scales, op.offsets, bias, out, M, N, K, MID=op.mid, ASYM=op.asym, G=op.group,
-        BM=max(16, next_power_of_2(M)), BN=bn, BK=128 if nibble else _block_k(op), NIBBLE=nibble,
-        HAS_BIAS=op.bias is not None, IEEE=x.dtype == torch.float32 or interpreting(), num_warps=4,
-        num_stages=3 if nibble else 4)
-    return out
+        out, part = _trans(op, x.contiguous(), bn, splits, bias, wide=scheme == "transw", act=act, sums=not partial)
+    elif scheme == "mma":
+        out, part = _mma(op, x.contiguous(), bn, splits, bias, act=act, sums=not partial)
+    else:
+        out = part = torch.empty(M, N if act < 0 else N // 2, dtype=x.dtype, device=x.device)
+        nibble = scheme == "nibble"
+        _rows_kernel[(N // bn,)](
+            x.contiguous(), op.low32, op.scales, op.offsets, bias, out, M, N, K, MID=op.mid, ASYM=op.asym,
+            G=op.group, BM=max(16, next_power_of_2(M)), BN=bn, BK=128 if nibble else _block_k(op), NIBBLE=nibble,
+            HAS_BIAS=op.bias is not None, IEEE=x.dtype == torch.float32 or interpreting(), ACT=act, num_warps=4,
+            num_stages=3 if nibble else 4)
+    if part is out or partial:
+        return part
+    if act >= 0:
+        return glu_partials(part, activation, op.bias, x.dtype)
+    return _summed(op, part, bias, out, splits)
 
 
-def _trans(op, x: torch.Tensor, bn: int, splits: int, bias: torch.Tensor, wide: bool = False) -> torch.Tensor:
-    """The "trans" scheme: one launch, or with splits > 1 float32 partial sums and `_sum_splits`. wide:
-    "transw", the codes copied as one row-major tile (`_trans_kernel`'s WIDE) by a warpgroup per 64
-    rows of the band (8 warps at 128 rows: half the registers a thread of 4 warps needs there)."""
+def _trans(op, x: torch.Tensor, bn: int, splits: int, bias: torch.Tensor, wide: bool = False,
+           act: int = -1, sums: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The "trans" scheme: (out, part): one launch into out (part is out), or with splits > 1 float32
+    partial sums into part (out made for `_summed` only where `sums` and act < 0: a GLU's comes from
+    activation.glu_partials). wide: "transw",
+    the codes copied as one row-major tile (`_trans_kernel`'s WIDE) by a warpgroup per 64 rows of the
+    band (8 warps at 128 rows: half the registers a thread of 4 warps needs there). act >= 0: the
+    fused [gate; up] epilogue (`_trans_kernel`'s ACT)."""
     M, K = x.shape
     N = op.out_features
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if splits > 1 else out
+    out, part = _outputs(x, N, splits, act, sums)
     _trans_kernel[(N // bn, splits)](
         x, op.low32, op.scales, bias, part, M, N, K, K // 4, K // splits, MID=op.mid, G=op.group,
         BM=max(16, next_power_of_2(M)), BN=bn, BK=_block_k(op), PARTIAL=splits > 1, HAS_BIAS=op.bias is not None,
-        ASM=not interpreting(), WIDE=wide, num_warps=bn // 16 if wide else 4, num_stages=4)
-    return _summed(op, part, bias, out, splits)
+        ASM=not interpreting(), WIDE=wide, ACT=act if splits == 1 else -1, num_warps=bn // 16 if wide else 4,
+        num_stages=4)
+    return out, part
 
 
-def _mma(op, x: torch.Tensor, bn: int, splits: int, bias: torch.Tensor) -> torch.Tensor:
-    """The "mma" scheme: one launch of one-warp programs, or with splits > 1 float32 partial sums and
-    `_sum_splits`."""
+def _mma(op, x: torch.Tensor, bn: int, splits: int, bias: torch.Tensor,
+         act: int = -1, sums: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The "mma" scheme: one launch of one-warp programs; (out, part) as `_trans`."""
     M, K = x.shape
     N = op.out_features
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device)
-    part = torch.empty(splits, M, N, dtype=torch.float32, device=x.device) if splits > 1 else out
+    out, part = _outputs(x, N, splits, act, sums)
     _mma_kernel[(N // bn, splits)](
         x, op.low32, op.scales, bias, part, M, N, K, K // 8, K // splits, MID=op.mid, G=op.group, BM=MMA_ROWS,
         BN=bn, BK=_block_k(op), PARTIAL=splits > 1, HAS_BIAS=op.bias is not None,
-        ASM=not interpreting(), num_warps=1, num_stages=1)
-    return _summed(op, part, bias, out, splits)
+        ASM=not interpreting(), ACT=act if splits == 1 else -1, num_warps=1, num_stages=1)
+    return out, part
+
+
+def _outputs(x: torch.Tensor, N: int, splits: int, act: int,
+             sums: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(out, part) of a launch: out [M, N] (or [M, N / 2] after a GLU epilogue) in x's dtype, and what the
+    kernel writes: out itself, or float32 partial sums [splits, M, N] (out then made only for
+    `_summed`: where `sums` and not a GLU)."""
+    M = x.shape[0]
+    if splits == 1:
+        out = torch.empty(M, N if act < 0 else N // 2, dtype=x.dtype, device=x.device)
+        return out, out
+    out = torch.empty(M, N, dtype=x.dtype, device=x.device) if act < 0 and sums else None
+    return out, torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
 
 
 def _summed(op, part: torch.Tensor, bias: torch.Tensor, out: torch.Tensor, splits: int) -> torch.Tensor:

@@ -7,7 +7,8 @@
 
 Each rounding step is the torch path's (executor.py: the projection's output, the post-norm,
 the add, the norm are each rounded to the compute dtype; statistics in float32). One program a
-row: a decode step has one row of hidden_size values, summed from at most a few partial rows.
+row: a decode step has one row of hidden_size values (a batched step a few rows), summed from at
+most a few partial rows each.
 """
 
 from __future__ import annotations
@@ -28,11 +29,12 @@ def _rms(x, mask, w_ptr, cols, H, eps):
 
 
 @triton.jit
-def _add_rmsnorm_kernel(res_ptr, delta_ptr, bias_ptr, post_ptr, norm_ptr, out_ptr, H, n_parts, post_eps, eps,
-                        DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, POST: tl.constexpr, NORM: tl.constexpr,
-                        BLOCK: tl.constexpr):
-    """Row r (program r). DELTA: 0 none, 1 float32 partials [n_parts, H] (decode, one row),
-    2 a dense [rows, H] projection output."""
+def _add_rmsnorm_kernel(res_ptr, delta_ptr, bias_ptr, post_ptr, norm_ptr, out_ptr, H, n_parts, part_stride,
+                        post_eps, eps, DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, POST: tl.constexpr,
+                        NORM: tl.constexpr, BLOCK: tl.constexpr):
+    """Row r (program r). DELTA: 0 none, 1 float32 partials [n_parts, rows, H] (part_stride = rows * H;
+    the decode step's one row: [n_parts, H]), summed in split order, then the bias; 2 a dense [rows, H]
+    projection output."""
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
@@ -42,7 +44,7 @@ def _add_rmsnorm_kernel(res_ptr, delta_ptr, bias_ptr, post_ptr, norm_ptr, out_pt
         if DELTA == 1:
             h = tl.zeros([BLOCK], dtype=tl.float32)
             for s in range(0, n_parts):
-                h += tl.load(delta_ptr + s * H + cols, mask=mask, other=0.0)
+                h += tl.load(delta_ptr + s * part_stride + row * H + cols, mask=mask, other=0.0)
             if HAS_BIAS:
                 h += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         else:
@@ -61,22 +63,25 @@ def _add_rmsnorm_kernel(res_ptr, delta_ptr, bias_ptr, post_ptr, norm_ptr, out_pt
 
 def add_rmsnorm(residual: torch.Tensor, out: torch.Tensor, *, partials: torch.Tensor | None = None,
                 dense: torch.Tensor | None = None, bias: torch.Tensor | None = None, post=None, norm=None) -> None:
-    """residual [rows, H] (or [H]) += h (from `partials` [n, H] float32 summed, plus `bias`, for one
-    row; or `dense` [rows, H]), h first normed by `post` when given; then out = norm(residual).
+    """residual [rows, H] (or [H]) += h (from `partials` [n, rows, H] float32 summed over n, plus
+    `bias`, [n, H] for one row; or `dense` [rows, H]), h first normed by `post` when given; then
+    out = norm(residual).
 
     `post` and `norm` are (float32 weight [H], eps) pairs or None (out = residual)."""
     H = residual.shape[-1]
     rows = residual.numel() // H
     delta = 0 if partials is None and dense is None else 1 if partials is not None else 2
-    if delta == 1 and rows != 1:
-        raise ValueError("partial sums are for one row (a decode step)")
+    if delta == 1 and (partials.dtype != torch.float32 or partials.numel() != partials.shape[0] * rows * H
+                       or not partials.is_contiguous()):
+        raise ValueError(f"partial sums are float32 [n, {rows}, {H}] (or [n, {H}] for one row), got "
+                         f"{tuple(partials.shape)} {partials.dtype}")
     source = partials if partials is not None else dense if dense is not None else residual
     post_w, post_eps = post if post is not None else (residual, 0.0)
     norm_w, eps = norm if norm is not None else (residual, 0.0)
     block = next_power_of_2(H)
     _add_rmsnorm_kernel[(rows,)](
         residual, source, bias if bias is not None else residual, post_w, norm_w, out, H,
-        partials.shape[0] if partials is not None else 0, float(post_eps), float(eps), DELTA=delta,
+        partials.shape[0] if partials is not None else 0, rows * H, float(post_eps), float(eps), DELTA=delta,
         HAS_BIAS=bias is not None, POST=post is not None, NORM=norm is not None, BLOCK=block,
         num_warps=min(16, max(1, block // 256)))
 
