@@ -259,11 +259,16 @@ class BatchEngine:
             if b == 1:  # the decode engine's matrix-vector path: a batch of one costs what one sequence does
                 e._project(a.qkv, normed[0], e.qkv)
                 qkv = e.qkv[None]
+            elif len(a.qkv) == 1 and (a.q_norm is None or a.qk_norm_per_head):
+                # No whole-projection q/k norm in between: rope_append sums the split-K partial sums itself.
+                qkv = self._linear(a.qkv, normed, partial=True)
             else:
                 qkv = self._linear(a.qkv, normed)
             e._whole_qk_norm(a, qkv)
+            splits = qkv.shape[0] if qkv.dim() == 3 else 0
             rope_append(qkv, q, self.keys[index], self.values[index], self.tables[:b], self.pos, e.num_heads,
-                        e.num_kv_heads, e.head_dim, rope=_tables(a), **_qk_norms(a))
+                        e.num_kv_heads, e.head_dim, rope=_tables(a), **_qk_norms(a), splits=splits,
+                        bias=a.qkv[0].bias if splits else None)
             self.attention[b](q, self.keys[index], self.values[index], self.tables[:b], self.pos, attn, scale=a.scale,
                               window=a.sliding_window, softcap=a.logit_softcap, sinks=getattr(a, "sinks", None))
             self._add_norm(residual, normed, a.o, attn, layer.attn_post_norm, layer.ffn_norm)

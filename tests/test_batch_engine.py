@@ -64,8 +64,9 @@ def test_batched_greedy_gives_each_sequence_its_own_tokens(models, quant):
 
 
 def test_the_int4_step_fuses_the_glu_and_the_partial_sums(models, monkeypatch):
-    # The batched int4 step asks the batch kernel for act(gate) * up in one go and for o's and down's
-    # output as split-K partial sums (the fused norm adds them); the tokens stay those it gets alone.
+    # The batched int4 step asks the batch kernel for act(gate) * up in one go and for qkv's, o's and
+    # down's output as split-K partial sums (rope_append and the fused norm add them); the tokens stay
+    # those it gets alone.
     from thin.runtime.kernels import grouped_int_batch
 
     model = models("llama", "int4")
@@ -84,7 +85,7 @@ def test_the_int4_step_fuses_the_glu_and_the_partial_sums(models, monkeypatch):
     assert (mlp.up[0].out_features, {"activation": mlp.activation}) in calls
     assert (mlp.down.out_features, {"partial": True}) in calls
     qkv = model.executor.layers[0].attention.qkv[0]
-    assert (qkv.out_features, {"partial": False}) in calls  # rope_append reads qkv's summed output
+    assert (qkv.out_features, {"partial": True}) in calls  # rope_append sums qkv's partial sums
 
 
 def test_sequences_join_and_leave_mid_decode(models):

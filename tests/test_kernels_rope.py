@@ -76,3 +76,42 @@ def test_physical_blocks_differ_from_logical():
     cache.length = 0
     cache.reserve(4)
     assert cache.block_table[0].item() in table  # freed blocks are handed out again
+
+
+@pytest.mark.parametrize("splits", [2, 4])
+@pytest.mark.parametrize(("dtype", "bias", "qk_norm"), [(torch.bfloat16, True, True), (torch.float32, False, False)])
+def test_split_partial_sums_of_a_batched_step(splits, dtype, bias, qk_norm):
+    """A batched step's qkv as float32 split-K partial sums [splits, T, width] (plus the bias), summed by
+    rope_append itself: the same q, keys and values as from the summed projection output
+    (grouped_int_batch's `_sum_splits`), each token at its own position through its own block-table row."""
+    from types import SimpleNamespace
+
+    from thin.runtime.kernels.grouped_int_batch import _summed
+    from thin.runtime.kernels.rope import rope_append
+    from thin.runtime.rope import RotaryTables
+
+    T, heads, kv_heads, D = 3, 4, 2, 32
+    width = (heads + 2 * kv_heads) * D
+    gen = torch.Generator().manual_seed(splits)
+    part = torch.randn(splits, T, width, generator=gen).to(DEVICE)
+    b = torch.randn(width, generator=gen).to(dtype).to(DEVICE) if bias else None
+    tables = RotaryTables(KINDS["llama3"], torch.device("cpu"), dtype)
+    tables.get(0, 64)
+    rope = (tables.cos.to(DEVICE), tables.sin.to(DEVICE))
+    norms = {"q_norm": ((1 + 0.3 * torch.randn(D, generator=gen)).to(DEVICE), 1e-6),
+             "k_norm": ((1 + 0.3 * torch.randn(D, generator=gen)).to(DEVICE), 1e-6)} if qk_norm else {}
+    table = torch.tensor([[3, 1], [0, 2], [5, 4]], dtype=torch.int32, device=DEVICE)  # 2 blocks of 4 a row
+    pos = torch.tensor([2, 5, 7], dtype=torch.int32, device=DEVICE)
+    dense = torch.empty(T, width, dtype=dtype, device=DEVICE)
+    _summed(SimpleNamespace(bias=b), part, b if bias else dense, dense, splits)
+    outs = []
+    for qkv, how in ((dense, {}), (part, {"splits": splits, "bias": b})):
+        q = torch.full((T, heads, D), float("nan"), dtype=dtype, device=DEVICE)
+        keys, values = (torch.zeros(6, kv_heads, 4, D, dtype=dtype, device=DEVICE) for _ in range(2))
+        rope_append(qkv, q, keys, values, table, pos, heads, kv_heads, D, rope=rope, **norms, **how)
+        outs.append((q, keys, values))
+    for got, want in zip(outs[1], outs[0], strict=True):
+        assert torch.equal(got, want)
+    assert outs[0][1].abs().sum() > 0 and not outs[0][0].isnan().any()
+    with pytest.raises(ValueError, match="partial sums"):
+        rope_append(part.to(torch.bfloat16), q, keys, values, table, pos, heads, kv_heads, D, rope=rope, splits=splits)

@@ -19,26 +19,47 @@ from .common import next_power_of_2
 
 
 @triton.jit
-def _head(x_ptr, w_ptr, eps, cos_ptr, sin_ptr, position, D, R, d, NORM: tl.constexpr, ROPE: tl.constexpr):
-    """One head's D features (float32, rounded to the dtype of x_ptr at each torch step)."""
-    dtype = x_ptr.dtype.element_ty
+def _features(x_ptr, bias_ptr, cols, mask, split_stride, dtype, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """qkv's features at `cols` (float32): loaded as they are, or (SPLITS > 0) the sum of SPLITS float32
+    partial sums split_stride apart, in split order, plus the bias, rounded to `dtype` (the projection's
+    summed output, as grouped_int_batch's `_sum_splits` rounds it)."""
+    x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    if SPLITS > 0:
+        for s in tl.static_range(1, SPLITS):
+            x += tl.load(x_ptr + s * split_stride + cols, mask=mask, other=0.0)
+        if HAS_BIAS:
+            x += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        x = x.to(dtype).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _head(x_ptr, w_ptr, eps, cos_ptr, sin_ptr, position, D, R, d, NORM: tl.constexpr, ROPE: tl.constexpr,
+          bias_ptr=None, split_stride=0, dtype: tl.constexpr = None, SPLITS: tl.constexpr = 0,
+          HAS_BIAS: tl.constexpr = False):
+    """One head's D features (float32, rounded to the dtype of x_ptr at each torch step; SPLITS > 0: x_ptr
+    holds float32 partial sums (`_features`) and `dtype` is the compute dtype)."""
+    if SPLITS == 0:  # noqa: SIM108  (constexpr branches: only one is compiled)
+        ty = x_ptr.dtype.element_ty
+    else:
+        ty = dtype
     mask = d < D
-    x = tl.load(x_ptr + d, mask=mask, other=0.0).to(tl.float32)
+    x = _features(x_ptr, bias_ptr, d, mask, split_stride, ty, SPLITS, HAS_BIAS)
     if NORM:
         x = tl.where(mask, x, 0.0)
         inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
-        x = (x * inv * tl.load(w_ptr + d, mask=mask, other=0.0)).to(dtype).to(tl.float32)
+        x = (x * inv * tl.load(w_ptr + d, mask=mask, other=0.0)).to(ty).to(tl.float32)
     if ROPE:
         half = R // 2
         rot = d < R
         partner = tl.where(d < half, d + half, d - half)
-        other = tl.load(x_ptr + partner, mask=rot, other=0.0).to(tl.float32)
+        other = _features(x_ptr, bias_ptr, partner, rot, split_stride, ty, SPLITS, HAS_BIAS)
         if NORM:  # the partner feature is normed too (same row statistics)
-            other = (other * inv * tl.load(w_ptr + partner, mask=rot, other=0.0)).to(dtype).to(tl.float32)
+            other = (other * inv * tl.load(w_ptr + partner, mask=rot, other=0.0)).to(ty).to(tl.float32)
         other = tl.where(d < half, -other, other)
         cos = tl.load(cos_ptr + position * R + d, mask=rot, other=1.0).to(tl.float32)
         sin = tl.load(sin_ptr + position * R + d, mask=rot, other=0.0).to(tl.float32)
-        rotated = ((x * cos).to(dtype).to(tl.float32) + (other * sin).to(dtype).to(tl.float32)).to(dtype)
+        rotated = ((x * cos).to(ty).to(tl.float32) + (other * sin).to(ty).to(tl.float32)).to(ty)
         x = tl.where(rot, rotated.to(tl.float32), x)
     return x
 
@@ -47,10 +68,13 @@ def _head(x_ptr, w_ptr, eps, cos_ptr, sin_ptr, position, D, R, d, NORM: tl.const
 def _rope_append_kernel(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, pos_ptr, cos_ptr, sin_ptr,
                         qn_ptr, kn_ptr, q_eps, k_eps, HQ, HKV, D, R, table_stride,
                         BS: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
-                        ROWS: tl.constexpr):
+                        ROWS: tl.constexpr, bias_ptr=None, split_stride=0, SPLITS: tl.constexpr = 0,
+                        HAS_BIAS: tl.constexpr = False):
     """Program (t, h): token t of this call; h < HQ a query head (-> q), else key/value head h - HQ
     (-> the cache slot of position pos + t, through the block table). ROWS: token t is the next
-    token of sequence t of a batch, at position pos[t], through row t of the block table."""
+    token of sequence t of a batch, at position pos[t], through row t of the block table. SPLITS > 0:
+    qkv is float32 partial sums [SPLITS, T, width] (split_stride = T * width), summed here with the
+    bias (`_features`)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -61,29 +85,43 @@ def _rope_append_kernel(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, pos
         position = tl.load(pos_ptr) + t
     row = qkv_ptr + t * (HQ + 2 * HKV) * D
     if h < HQ:
-        x = _head(row + h * D, qn_ptr, q_eps, cos_ptr, sin_ptr, position, D, R, d, NORM, ROPE)
+        x = _head(row + h * D, qn_ptr, q_eps, cos_ptr, sin_ptr, position, D, R, d, NORM, ROPE, bias_ptr + h * D,
+                  split_stride, q_ptr.dtype.element_ty, SPLITS, HAS_BIAS)
         tl.store(q_ptr + (t * HQ + h) * D + d, x.to(q_ptr.dtype.element_ty), mask=d < D)
     else:
         kv = h - HQ
         block = tl.load(table_ptr + position // BS)
         slot = ((block * HKV + kv) * BS + position % BS).to(tl.int64) * D
-        k = _head(row + (HQ + kv) * D, kn_ptr, k_eps, cos_ptr, sin_ptr, position, D, R, d, NORM, ROPE)
+        k = _head(row + (HQ + kv) * D, kn_ptr, k_eps, cos_ptr, sin_ptr, position, D, R, d, NORM, ROPE,
+                  bias_ptr + (HQ + kv) * D, split_stride, q_ptr.dtype.element_ty, SPLITS, HAS_BIAS)
         tl.store(k_cache_ptr + slot + d, k.to(k_cache_ptr.dtype.element_ty), mask=d < D)
-        v = tl.load(row + (HQ + HKV + kv) * D + d, mask=d < D, other=0.0)
+        if SPLITS > 0:
+            v = _features(row + (HQ + HKV + kv) * D, bias_ptr + (HQ + HKV + kv) * D, d, d < D, split_stride,
+                          q_ptr.dtype.element_ty, SPLITS, HAS_BIAS).to(v_cache_ptr.dtype.element_ty)
+        else:
+            v = tl.load(row + (HQ + HKV + kv) * D + d, mask=d < D, other=0.0)
         tl.store(v_cache_ptr + slot + d, v, mask=d < D)
 
 
 def rope_append(qkv: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                 block_table: torch.Tensor, pos: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                rope=None, q_norm=None, k_norm=None) -> None:
+                rope=None, q_norm=None, k_norm=None, splits: int = 0, bias: torch.Tensor | None = None) -> None:
     """qkv [T, (num_heads + 2 num_kv_heads) * head_dim] at positions pos[0] .. pos[0] + T - 1:
     q (normed, rotated) into q_out [T, num_heads, head_dim]; k (normed, rotated) and v into their
     cache slots. `k_cache`/`v_cache` are [blocks, num_kv_heads, block_size, head_dim]; `rope` is
     (cos, sin) tables [positions, rotary_dim] or None; q_norm/k_norm are (weight [head_dim], eps).
 
     A 2-D `block_table` [>= T, blocks] makes the T tokens the next tokens of T sequences: token t at
-    position pos[t], stored through block_table[t] (a batched decode step)."""
-    T = qkv.numel() // ((num_heads + 2 * num_kv_heads) * head_dim)
+    position pos[t], stored through block_table[t] (a batched decode step). `splits` > 0: qkv is the
+    projection's float32 split-K partial sums [splits, T, width], summed here with `bias` (q_out's
+    dtype is the compute dtype)."""
+    width = (num_heads + 2 * num_kv_heads) * head_dim
+    if splits and (qkv.dtype != torch.float32 or qkv.numel() % (splits * width) or not qkv.is_contiguous()):
+        raise ValueError(f"rope_append's partial sums are float32 [{splits}, T, {width}], got {tuple(qkv.shape)} "
+                         f"{qkv.dtype}")
+    if not splits and bias is not None:
+        raise ValueError("rope_append adds a bias to partial sums only")
+    T = qkv.numel() // (max(1, splits) * width)
     rows = block_table.dim() == 2
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q_norm and k_norm come together")
@@ -95,4 +133,5 @@ def rope_append(qkv: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor, v
         qkv, q_out, k_cache, v_cache, block_table, pos, cos, sin, qn, kn, float(q_eps), float(k_eps), num_heads,
         num_kv_heads, head_dim, rotary_dim, block_table.stride(0) if rows else 0, BS=k_cache.shape[2],
         BLOCK_D=next_power_of_2(head_dim), NORM=q_norm is not None, ROPE=rope is not None, ROWS=rows,
+        bias_ptr=bias if bias is not None else qkv, split_stride=T * width, SPLITS=splits, HAS_BIAS=bias is not None,
         num_warps=1 if head_dim <= 128 else 2)
