@@ -35,9 +35,13 @@ def report_progress(prefix: str = "thin-exec") -> None:
     as `PREFIX: ...` lines."""
     import logging
 
+    class ToStderr(logging.Handler):  # whatever sys.stderr is when a note is written
+        def emit(self, record):
+            typer.echo(self.format(record), err=True)
+
     log = logging.getLogger("thin.runtime")
     if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = ToStderr()
         handler.setFormatter(logging.Formatter(f"{prefix}: %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
