@@ -331,13 +331,15 @@ class BatchEngine:
     def _rows_kernel(self, op, x: torch.Tensor, use: str = "") -> tuple[str, int, int] | None:
         """The (scheme, band width, splits) the int4 batch kernel runs `op` with for x's rows, or None
         for the op's own matmul: on CUDA whichever timed fastest at this shape and row count on the
-        first step of the bucket (self.choices keeps the times, in microseconds, by "scheme/band/splits").
+        first step of the bucket, the candidates compiled on host threads first (self.choices keeps the
+        times, in microseconds, by "scheme/band/splits").
         `use` is how the step uses the output, and each candidate is timed so: "" the output itself,
         "partial" split-K partial sums left unsummed (the norm adds them), an activation's name the
         fused [gate; up] GLU (in the epilogue, or summed from the partial sums with it; the op's own
         matmul then followed by activation.glu)."""
         from .kernels import grouped_int_batch
         from .kernels.activation import glu
+        from .kernels.common import compile_launches
 
         b = x.shape[0]
         if b > grouped_int_batch.MAX_ROWS or not grouped_int_batch.takes(op):
@@ -349,8 +351,10 @@ class BatchEngine:
             probe = torch.randn(b, op.in_features, device=self.device).to(x.dtype)
             rows_matmul = grouped_int_batch.rows_matmul
             how = {"partial": use == "partial", "activation": use if use not in ("", "partial") else None}
-            times = {"/".join(map(str, c)): _time_or_inf(lambda c=c: rows_matmul(op, probe, c, **how))
-                     for c in grouped_int_batch.candidates(op, b)}
+            launches = {"/".join(map(str, c)): (lambda c=c: rows_matmul(op, probe, c, **how))
+                        for c in grouped_int_batch.candidates(op, b)}
+            compile_launches([(self.device, launch) for launch in launches.values()], report=False)
+            times = {name: _time_or_inf(launch) for name, launch in launches.items()}
             times["matmul"] = _time(lambda: glu(op(probe), use) if how["activation"] else op(probe))
             self.choices[key] = times
         best = min(self.choices[key].items(), key=lambda kv: kv[1])[0]

@@ -248,11 +248,11 @@ def precompile(uses, workers: int | None = None) -> int:
     return len(jobs)
 
 
-def compile_launches(jobs, workers: int | None = None) -> None:
+def compile_launches(jobs, workers: int | None = None, *, report: bool = True) -> None:
     """Run each (device, launch) of `jobs` once, on `workers` host threads (default
     `compile_threads()`), for what the first call of a Triton launch does: compile it (see
     `precompile`). A launch that fails is skipped: the caller's own timing of it meets the
-    same failure and handles it."""
+    same failure and handles it. `report`: say so on the "thin.runtime" log (thin-exec prints it)."""
     from concurrent.futures import ThreadPoolExecutor
 
     def run(job):
@@ -266,9 +266,9 @@ def compile_launches(jobs, workers: int | None = None) -> None:
     if not jobs:
         return
     workers = workers or compile_threads()
-    log = logging.getLogger("thin.runtime")
-    log.info(f"compiling {len(jobs)} kernel launch candidates for this GPU on {workers} thread(s) (the first "
-             "load of these formats and shapes; Triton caches them)")
+    note = logging.getLogger("thin.runtime").info if report else lambda message: None
+    note(f"compiling {len(jobs)} kernel launch candidates for this GPU on {workers} thread(s) (the first "
+         "load of these formats and shapes; Triton caches them)")
     started = time.perf_counter()
     if workers == 1:
         for job in jobs:
@@ -278,7 +278,7 @@ def compile_launches(jobs, workers: int | None = None) -> None:
             list(pool.map(run, jobs))
     for device in {device for device, _ in jobs}:
         torch.cuda.synchronize(device)
-    log.info(f"compiled in {time.perf_counter() - started:.1f} s; timing them")
+    note(f"compiled in {time.perf_counter() - started:.1f} s; timing them")
 
 
 def median_ms_or_inf(launch, **timing) -> float:
