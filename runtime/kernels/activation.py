@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from .common import ACTIVATION_CODES, next_power_of_2
-from .tiles import activate
+from .tiles import activate, split_sum
 
 
 @triton.jit
@@ -22,15 +22,13 @@ def _glu_kernel(x_ptr, bias_ptr, out_ptr, n, rows, ACT: tl.constexpr, BLOCK: tl.
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n
     dtype = out_ptr.dtype.element_ty
-    gate = tl.load(x_ptr + row * 2 * n + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(x_ptr + row * 2 * n + n + cols, mask=mask, other=0.0).to(tl.float32)
-    if SPLITS > 0:
-        for s in tl.static_range(1, SPLITS):
-            gate += tl.load(x_ptr + (s * rows + row) * 2 * n + cols, mask=mask, other=0.0)
-            up += tl.load(x_ptr + (s * rows + row) * 2 * n + n + cols, mask=mask, other=0.0)
-        if HAS_BIAS:
-            gate += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            up += tl.load(bias_ptr + n + cols, mask=mask, other=0.0).to(tl.float32)
+    if SPLITS == 0:
+        gate = tl.load(x_ptr + row * 2 * n + cols, mask=mask, other=0.0).to(tl.float32)
+        up = tl.load(x_ptr + row * 2 * n + n + cols, mask=mask, other=0.0).to(tl.float32)
+    else:
+        stride = rows * 2 * n
+        gate = split_sum(x_ptr, row * 2 * n + cols, mask, stride, bias_ptr, cols, SPLITS, HAS_BIAS)
+        up = split_sum(x_ptr, row * 2 * n + n + cols, mask, stride, bias_ptr, n + cols, SPLITS, HAS_BIAS)
         gate = gate.to(dtype).to(tl.float32)
         up = up.to(dtype).to(tl.float32)
     act = activate(gate, ACT).to(dtype).to(tl.float32)

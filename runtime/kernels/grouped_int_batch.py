@@ -56,7 +56,7 @@ from . import interpreting
 from .activation import glu_partials
 from .common import ACTIVATION_CODES, next_power_of_2
 from .pairs import ONE2, PAIR_MAGIC, zero_pair
-from .tiles import activate, dot_tile
+from .tiles import activate, dot_tile, split_sum
 
 
 @triton.jit
@@ -374,11 +374,7 @@ def _sum_splits(part_ptr, bias_ptr, out_ptr, MN, N, SPLITS: tl.constexpr, HAS_BI
     """out = the sum over SPLITS of part[s] (+ bias), in out's dtype, in a fixed order."""
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = i < MN
-    total = tl.load(part_ptr + i, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLITS):
-        total += tl.load(part_ptr + s * MN + i, mask=mask, other=0.0)
-    if HAS_BIAS:
-        total += tl.load(bias_ptr + i % N, mask=mask, other=0.0).to(tl.float32)
+    total = split_sum(part_ptr, i, mask, MN, bias_ptr, i % N, SPLITS, HAS_BIAS)
     tl.store(out_ptr + i, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 
 from .common import next_power_of_2
+from .tiles import split_sum
 
 
 @triton.jit
@@ -23,14 +24,9 @@ def _features(x_ptr, bias_ptr, cols, mask, split_stride, dtype, SPLITS: tl.const
     """qkv's features at `cols` (float32): loaded as they are, or (SPLITS > 0) the sum of SPLITS float32
     partial sums split_stride apart, in split order, plus the bias, rounded to `dtype` (the projection's
     summed output, as grouped_int_batch's `_sum_splits` rounds it)."""
-    x = tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    if SPLITS > 0:
-        for s in tl.static_range(1, SPLITS):
-            x += tl.load(x_ptr + s * split_stride + cols, mask=mask, other=0.0)
-        if HAS_BIAS:
-            x += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        x = x.to(dtype).to(tl.float32)
-    return x
+    if SPLITS == 0:
+        return tl.load(x_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    return split_sum(x_ptr, cols, mask, split_stride, bias_ptr, cols, SPLITS, HAS_BIAS).to(dtype).to(tl.float32)
 
 
 @triton.jit

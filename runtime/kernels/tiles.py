@@ -278,6 +278,19 @@ def plane_codes(plane_ptr, rows, cols, row_mask, bytes_per_row, W: tl.constexpr)
 
 
 @triton.jit
+def split_sum(ptr, offs, mask, split_stride, bias_ptr, bias_offs, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """float32 sum of SPLITS split-K partial sums (ptr + s * split_stride + offs, in split order), then
+    the bias at bias_ptr + bias_offs: the one order every consumer of partial sums adds them in, so a
+    projection's output is the same whichever kernel sums it."""
+    total = tl.load(ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    for s in tl.static_range(1, SPLITS):
+        total += tl.load(ptr + s * split_stride + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + bias_offs, mask=mask, other=0.0).to(tl.float32)
+    return total
+
+
+@triton.jit
 def activate(x, ACT: tl.constexpr):
     """The IR activation with code ACT (common.ACTIVATION_CODES) of float32 x."""
     if ACT == 0:  # silu (exp's argument bounded: no inf on the way to -0)
