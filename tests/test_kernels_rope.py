@@ -84,8 +84,6 @@ def test_split_partial_sums_of_a_batched_step(splits, dtype, bias, qk_norm):
     """A batched step's qkv as float32 split-K partial sums [splits, T, width] (plus the bias), summed by
     rope_append itself: the same q, keys and values as from the summed projection output
     (grouped_int_batch's `_sum_splits`), each token at its own position through its own block-table row."""
-    from types import SimpleNamespace
-
     from thin.runtime.kernels.grouped_int_batch import _summed
     from thin.runtime.kernels.rope import rope_append
     from thin.runtime.rope import RotaryTables
@@ -102,8 +100,7 @@ def test_split_partial_sums_of_a_batched_step(splits, dtype, bias, qk_norm):
              "k_norm": ((1 + 0.3 * torch.randn(D, generator=gen)).to(DEVICE), 1e-6)} if qk_norm else {}
     table = torch.tensor([[3, 1], [0, 2], [5, 4]], dtype=torch.int32, device=DEVICE)  # 2 blocks of 4 a row
     pos = torch.tensor([2, 5, 7], dtype=torch.int32, device=DEVICE)
-    dense = torch.empty(T, width, dtype=dtype, device=DEVICE)
-    _summed(SimpleNamespace(bias=b), part, b if bias else dense, dense, splits)
+    dense = _summed(part, b, dtype)
     outs = []
     for qkv, how in ((dense, {}), (part, {"splits": splits, "bias": b})):
         q = torch.full((T, heads, D), float("nan"), dtype=dtype, device=DEVICE)

@@ -149,15 +149,18 @@ def _rows_kernel(x_ptr, w_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, M, N, K
                  mask=tok_mask[:, None])
 
 
-def _code_asm(shift: int) -> str:
+def _code_asm(shift: int, halves: bool = False) -> str:
     """PTX for `_codes`: the code at bits `shift`..`shift`+3 of each int16 half of a register, OR-ed
     into bf16 128.0 (lop3 0xea: (a & b) | c) and 128 + 8 taken off by one pair fma (t * 1 - 136); the
-    constants are pairs.py's (ONE2, PAIR_MAGIC, zero_pair(8))."""
-    source = f"shr.u32 t, $1, {shift}; " if shift else ""
-    operand = "t" if shift else "$1"
-    return ("{ .reg .b32 t, o, z; "
+    constants are pairs.py's (ONE2, PAIR_MAGIC, zero_pair(8)). halves (`_code_pairs`): the bf16 pair
+    handed out as two 16-bit results, low half first."""
+    word = "$2" if halves else "$1"
+    source = f"shr.u32 t, {word}, {shift}; " if shift else ""
+    operand = "t" if shift else word
+    result, split = ("d", " mov.b32 {$0, $1}, d;") if halves else ("$0", "")
+    return (f"{{ .reg .b32 t, o, z{', d' if halves else ''}; "
             f"mov.b32 o, 0x{ONE2.value:08X}; mov.b32 z, 0x{zero_pair(8) & 0xFFFFFFFF:08X}; {source}"
-            f"lop3.b32 t, {operand}, 0x000F000F, 0x{PAIR_MAGIC:08X}, 0xea; fma.rn.bf16x2 $0, t, o, z; }}")
+            f"lop3.b32 t, {operand}, 0x000F000F, 0x{PAIR_MAGIC:08X}, 0xea; fma.rn.bf16x2 {result}, t, o, z;{split} }}")
 
 
 _CODES_0 = tl.constexpr(_code_asm(0))
@@ -253,28 +256,17 @@ def _trans_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, out_ptr, M, N, K, row_halve
         tl.store(out_ptr + tok[None, :] * N + rows[:, None], acc.to(out_ptr.dtype.element_ty), mask=tok_mask[None, :])
 
 
-def _pair_asm(shift: int) -> str:
-    """PTX for `_code_pairs`: `_code_asm` on a whole word (both int16 halves), its bf16 pair split into
-    two 16-bit results (low half first)."""
-    source = f"shr.u32 t, $2, {shift}; " if shift else ""
-    operand = "t" if shift else "$2"
-    return ("{ .reg .b32 t, o, z, d; "
-            f"mov.b32 o, 0x{ONE2.value:08X}; mov.b32 z, 0x{zero_pair(8) & 0xFFFFFFFF:08X}; {source}"
-            f"lop3.b32 t, {operand}, 0x000F000F, 0x{PAIR_MAGIC:08X}, 0xea; fma.rn.bf16x2 d, t, o, z; "
-            "mov.b32 {$0, $1}, d; }")
-
-
-_PAIRS_0 = tl.constexpr(_pair_asm(0))
-_PAIRS_4 = tl.constexpr(_pair_asm(4))
-_PAIRS_8 = tl.constexpr(_pair_asm(8))
-_PAIRS_12 = tl.constexpr(_pair_asm(12))
+_PAIRS_0 = tl.constexpr(_code_asm(0, halves=True))
+_PAIRS_4 = tl.constexpr(_code_asm(4, halves=True))
+_PAIRS_8 = tl.constexpr(_code_asm(8, halves=True))
+_PAIRS_12 = tl.constexpr(_code_asm(12, halves=True))
 
 
 @triton.jit
 def _code_pairs(words, S: tl.constexpr, MID: tl.constexpr, ASM: tl.constexpr):
     """[..., 2]: u - MID for the codes at bits S..S+3 of the low and the high int16 half of each
     32-bit word (what `_codes` gives for a word's two halves, without splitting the word first).
-    ASM: bfloat16 by `_pair_asm`; else float32 (the interpreter's twin)."""
+    ASM: bfloat16 by `_code_asm` (halves); else float32 (the interpreter's twin)."""
     if ASM:
         if S == 0:
             asm: tl.constexpr = _PAIRS_0
@@ -413,9 +405,8 @@ def candidates(op, rows: int | None = None) -> list[tuple[str, int, int]]:
     the transposed one symmetric codes, bfloat16 activations and bands of 64 or 128 rows, its column
     range split in up to 8 parts of at least two steps each ("transw" the same); "mma" the same codes
     and activations, bands of 32 or 64 rows, the same splits, and at most MMA_ROWS rows. Where "trans"
-    runs, "nibble"
-    is left out from 16 rows up (the H200 timed it slower than "trans" for every llama-8b shape at 16
-    and 64 rows)."""
+    runs, "nibble" is left out from 16 rows up (the H200 timed it slower than "trans" for every
+    llama-8b shape at 16 and 64 rows)."""
     out = [("rows", bn, 1) for bn in block_candidates(op)]
     bf16_pairs = not op.asym and op.mid == 8 and op.dtype == torch.bfloat16
     if op.in_features % 128 == 0 and op.group % 32 == 0 and not (bf16_pairs and rows is not None and rows >= 16):
@@ -454,74 +445,68 @@ def rows_matmul(op, x: torch.Tensor, choice: tuple[str, int, int] = ("rows", 16,
     scheme, bn, splits = choice
     bias = op.bias if op.bias is not None else x
     if scheme in ("trans", "transw"):
-        out, part = _trans(op, x.contiguous(), bn, splits, bias, wide=scheme == "transw", act=act, sums=not partial)
+        written = _trans(op, x.contiguous(), bn, splits, bias, wide=scheme == "transw", act=act)
     elif scheme == "mma":
-        out, part = _mma(op, x.contiguous(), bn, splits, bias, act=act, sums=not partial)
+        written = _mma(op, x.contiguous(), bn, splits, bias, act=act)
     else:
-        out = part = torch.empty(M, N if act < 0 else N // 2, dtype=x.dtype, device=x.device)
+        written = torch.empty(M, N if act < 0 else N // 2, dtype=x.dtype, device=x.device)
         nibble = scheme == "nibble"
         _rows_kernel[(N // bn,)](
-            x.contiguous(), op.low32, op.scales, op.offsets, bias, out, M, N, K, MID=op.mid, ASYM=op.asym,
+            x.contiguous(), op.low32, op.scales, op.offsets, bias, written, M, N, K, MID=op.mid, ASYM=op.asym,
             G=op.group, BM=max(16, next_power_of_2(M)), BN=bn, BK=128 if nibble else _block_k(op), NIBBLE=nibble,
             HAS_BIAS=op.bias is not None, IEEE=x.dtype == torch.float32 or interpreting(), ACT=act, num_warps=4,
             num_stages=3 if nibble else 4)
-    if part is out or partial:
-        return part
+    if splits == 1 or partial:
+        return written
     if act >= 0:
-        return glu_partials(part, activation, op.bias, x.dtype)
-    return _summed(op, part, bias, out, splits)
+        return glu_partials(written, activation, op.bias, x.dtype)
+    return _summed(written, op.bias, x.dtype)
 
 
 def _trans(op, x: torch.Tensor, bn: int, splits: int, bias: torch.Tensor, wide: bool = False,
-           act: int = -1, sums: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """The "trans" scheme: (out, part): one launch into out (part is out), or with splits > 1 float32
-    partial sums into part (out made for `_summed` only where `sums` and act < 0: a GLU's comes from
-    activation.glu_partials). wide: "transw",
-    the codes copied as one row-major tile (`_trans_kernel`'s WIDE) by a warpgroup per 64 rows of the
-    band (8 warps at 128 rows: half the registers a thread of 4 warps needs there). act >= 0: the
-    fused [gate; up] epilogue (`_trans_kernel`'s ACT)."""
+           act: int = -1) -> torch.Tensor:
+    """The "trans" scheme, one launch; what it wrote (`_outputs`). wide: "transw", the codes copied
+    as one row-major tile (`_trans_kernel`'s WIDE) by a warpgroup per 64 rows of the band (8 warps at
+    128 rows: half the registers a thread of 4 warps needs there). act >= 0: the fused [gate; up]
+    epilogue (`_trans_kernel`'s ACT; unsplit only)."""
     M, K = x.shape
     N = op.out_features
-    out, part = _outputs(x, N, splits, act, sums)
+    written = _outputs(x, N, splits, act)
     _trans_kernel[(N // bn, splits)](
-        x, op.low32, op.scales, bias, part, M, N, K, K // 4, K // splits, MID=op.mid, G=op.group,
+        x, op.low32, op.scales, bias, written, M, N, K, K // 4, K // splits, MID=op.mid, G=op.group,
         BM=max(16, next_power_of_2(M)), BN=bn, BK=_block_k(op), PARTIAL=splits > 1, HAS_BIAS=op.bias is not None,
         ASM=not interpreting(), WIDE=wide, ACT=act if splits == 1 else -1, num_warps=bn // 16 if wide else 4,
         num_stages=4)
-    return out, part
+    return written
 
 
-def _mma(op, x: torch.Tensor, bn: int, splits: int, bias: torch.Tensor,
-         act: int = -1, sums: bool = True) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """The "mma" scheme: one launch of one-warp programs; (out, part) as `_trans`."""
+def _mma(op, x: torch.Tensor, bn: int, splits: int, bias: torch.Tensor, act: int = -1) -> torch.Tensor:
+    """The "mma" scheme: one launch of one-warp programs; what it wrote, as `_trans`."""
     M, K = x.shape
     N = op.out_features
-    out, part = _outputs(x, N, splits, act, sums)
+    written = _outputs(x, N, splits, act)
     _mma_kernel[(N // bn, splits)](
-        x, op.low32, op.scales, bias, part, M, N, K, K // 8, K // splits, MID=op.mid, G=op.group, BM=MMA_ROWS,
+        x, op.low32, op.scales, bias, written, M, N, K, K // 8, K // splits, MID=op.mid, G=op.group, BM=MMA_ROWS,
         BN=bn, BK=_block_k(op), PARTIAL=splits > 1, HAS_BIAS=op.bias is not None,
         ASM=not interpreting(), ACT=act if splits == 1 else -1, num_warps=1, num_stages=1)
-    return out, part
+    return written
 
 
-def _outputs(x: torch.Tensor, N: int, splits: int, act: int,
-             sums: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """(out, part) of a launch: out [M, N] (or [M, N / 2] after a GLU epilogue) in x's dtype, and what the
-    kernel writes: out itself, or float32 partial sums [splits, M, N] (out then made only for
-    `_summed`: where `sums` and not a GLU)."""
+def _outputs(x: torch.Tensor, N: int, splits: int, act: int) -> torch.Tensor:
+    """What a launch writes: the output [M, N] (or [M, N / 2] after a GLU epilogue) in x's dtype, or
+    with split columns float32 partial sums [splits, M, N]."""
     M = x.shape[0]
     if splits == 1:
-        out = torch.empty(M, N if act < 0 else N // 2, dtype=x.dtype, device=x.device)
-        return out, out
-    out = torch.empty(M, N, dtype=x.dtype, device=x.device) if act < 0 and sums else None
-    return out, torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
+        return torch.empty(M, N if act < 0 else N // 2, dtype=x.dtype, device=x.device)
+    return torch.empty(splits, M, N, dtype=torch.float32, device=x.device)
 
 
-def _summed(op, part: torch.Tensor, bias: torch.Tensor, out: torch.Tensor, splits: int) -> torch.Tensor:
-    """out, after `_sum_splits` of the float32 partial sums `part` where the columns were split."""
-    if splits > 1:
-        M, N = out.shape
-        block = 1024
-        _sum_splits[(triton.cdiv(M * N, block),)](part, bias, out, M * N, N, SPLITS=splits,
-                                                  HAS_BIAS=op.bias is not None, BLOCK=block)
+def _summed(part: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """The float32 partial sums `part` [splits, M, N] summed (`_sum_splits`: in split order, then
+    the bias) into [M, N] in `dtype`."""
+    splits, M, N = part.shape
+    out = torch.empty(M, N, dtype=dtype, device=part.device)
+    block = 1024
+    _sum_splits[(triton.cdiv(M * N, block),)](part, bias if bias is not None else part, out, M * N, N,
+                                              SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=block)
     return out
