@@ -315,9 +315,7 @@ class MoEKernels:
 
         def launch():
             if not ready:  # the first (compiling) call also routes x, which the down kernel reads
-                self.route(x)
-                for i, g in enumerate(self.gate_up_groups):  # every slot's h, whichever group holds it
-                    self._gate_up(i, x, self.candidates(g, "gate_up")[0])
+                self._prime(x)
                 ready.append(True)
             if kind == "gate_up":
                 self._gate_up(index, x, config)
@@ -325,6 +323,13 @@ class MoEKernels:
                 self._down(index, out, config)
 
         return median_ms_or_inf(launch, repeats=5, inner=10, device=self.device)
+
+    def _prime(self, x: torch.Tensor) -> None:
+        """Route x and run every gate/up group's default tiles: the chosen experts and every slot's h,
+        whichever group holds it, that a down kernel reads."""
+        self.route(x)
+        for i, g in enumerate(self.gate_up_groups):
+            self._gate_up(i, x, self.candidates(g, "gate_up")[0])
 
     def warm_up(self) -> None:
         """Choose every kernel's tiles now (timed on a GPU), not inside the first decode step; the
@@ -337,17 +342,15 @@ class MoEKernels:
 
     def _precompile(self) -> None:
         """Launch every candidate of each kernel whose tiles are not chosen yet once, on host threads
-        (common.compile_launches): what compiles them. The router and the default gate/up run first,
-        here, so the chosen experts and their intermediates the down kernels read are in place."""
+        (common.compile_launches): what compiles them. `_prime` first, here, so the chosen experts and
+        their intermediates the down kernels read are in place."""
         pending = [(index, kind) for kind in ("gate_up", "down") for index, g in enumerate(self.groups(kind))
                    if self._shape(index, kind) not in _CHOSEN and len(self.candidates(g, kind)) > 1]
         if not pending:
             return
         x = torch.randn(self.hidden, device=self.device).to(self.dtype)
         out = torch.empty(self.top_k, self.hidden, dtype=torch.float32, device=self.device)
-        self.route(x)
-        for i, g in enumerate(self.gate_up_groups):
-            self._gate_up(i, x, self.candidates(g, "gate_up")[0])
+        self._prime(x)
         jobs = []
         for index, kind in pending:
             for config in self.candidates(self.groups(kind)[index], kind):

@@ -373,5 +373,5 @@ def split_candidates(n_rows: int, block_n: int, units: int, sms: int) -> list[in
 
 __all__ = ["MAGIC", "activate", "chunk_side", "code_term", "dot_tile", "glu_halves", "masked_load", "octet_dot",
            "octet_split", "opaque", "plane_codes", "plane_load", "plane_words", "row_starts", "shr16",
-           "split_candidates", "split_words", "store_glu", "store_rows", "store_tile", "tile_rows", "tile_rows_of",
-           "tile_starts", "triton", "upper_halves", "x_octet", "x_sum8"]
+           "split_candidates", "split_sum", "split_words", "store_glu", "store_rows", "store_tile", "tile_rows",
+           "tile_rows_of", "tile_starts", "triton", "upper_halves", "x_octet", "x_sum8"]
