@@ -33,3 +33,16 @@ class Program:
         except KeyError:
             raise KeyError(f"program has no weight loader for tensor {name!r}") from None
         return loader()
+
+    def decoded(self, name: str, device=None):
+        """One weight's values as float32 torch tensor of its shape: its stored bytes decoded by its
+        encoding's format (on `device`, moved there first, when given)."""
+        import torch
+
+        from . import formats
+
+        record = self.model.tensor(name)
+        raw = self.load(name)
+        if device is not None:
+            raw = raw.to(device)
+        return formats.get(record.encoding.format).decode(raw, record.shape, record.encoding.params, torch.float32)

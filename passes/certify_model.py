@@ -157,7 +157,6 @@ def _promote(ctx: PassContext, program: Program, measured: float, session) -> di
     """Sensitivity scales for the next plan: per probe group, the KLD its weights as compiled cause
     alone over the KLD predicted for them; the excess of `measured` over the sum of those goes, as
     one more factor, to the groups causing PROMOTE_SHARE of it."""
-    import torch
 
     from thin.ir import formats
 
@@ -176,8 +175,7 @@ def _promote(ctx: PassContext, program: Program, measured: float, session) -> di
         for n in group:
             r = records[n]
             if not formats.get(r.encoding.format).dense or r.encoding != ctx.source.model.tensor(n).encoding:
-                dense[n] = formats.get(r.encoding.format).decode(program.load(n).to(ctx.device), r.shape,
-                                                                 r.encoding.params, torch.float32)
+                dense[n] = program.decoded(n, ctx.device)
         kld = override_kld(session, windows, reference, dense) if dense else 0.0
         realized.append((kld, predicted, group))
     ctx.report("certify: measure tensors as compiled", len(groups), len(groups))

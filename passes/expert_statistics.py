@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import re
 
-from thin.ir import MLP, Model, MoE, Program, formats
+from thin.ir import MLP, Model, MoE, Program
 
 MIN_EXPERT_TOKENS = 128
 _EXPERT_INPUT = re.compile(r"layers\.(\d+)\.expert\.(\d+)\.(down\.)?in")
@@ -149,12 +149,7 @@ def _estimate(program, expert: MLP, sums: dict, prefix: str, e: int, pool: list[
 
 
 def _decode(program: Program, name: str | None):
-    import torch
-
-    if name is None:
-        return None
-    t = program.model.tensor(name)
-    return formats.get(t.encoding.format).decode(program.load(name), t.shape, t.encoding.params, torch.float32)
+    return None if name is None else program.decoded(name)
 
 
 def _hidden(program: Program, expert: MLP, x):

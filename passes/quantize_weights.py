@@ -238,10 +238,7 @@ def _quantize_many(program, ctx, batches: list[list[str]], encoding: Encoding) -
     fmt = formats.get(encoding.format)
     stacked, hessians, shapes = [], [], []
     for names in batches:
-        stacked.append(torch.cat([
-            formats.get(records[n].encoding.format).decode(program.load(n).to(ctx.device), records[n].shape,
-                                                           records[n].encoding.params, torch.float32)
-            for n in names]))
+        stacked.append(torch.cat([program.decoded(n, ctx.device) for n in names]))
         hessians.append(load_statistics(ctx, program, names[0])["hessian"])
         shapes += [records[n].shape for n in names]
     blob, _ = gptq_many(stacked, hessians, fmt, encoding.params)
@@ -256,8 +253,7 @@ def _quantize(program, ctx, records, encoding: Encoding, method: str, options: Q
     import torch
 
     fmt = formats.get(encoding.format)
-    dense = [formats.get(r.encoding.format).decode(program.load(r.name), r.shape, r.encoding.params, torch.float32)
-             for r in records]
+    dense = [program.decoded(r.name) for r in records]
     stats = load_statistics(ctx, program, records[0].name) if method == "gptq" and not fmt.dense else None
     if stats is None:
         return {r.name: fmt.encode(w, encoding.params) for r, w in zip(records, dense)}, False

@@ -130,7 +130,6 @@ def score_formats(program: Program, ctx: PassContext) -> Program:
     """Afterwards annotations['scores'] holds, for every plannable tensor, its sensitivity a_t and
     for every candidate encoding its bytes, predicted layer error E_t and predicted KLD a_t E_t
     (see the module docstring); the stored encoding scores 0."""
-    import torch
 
     options: ScoreOptions = ctx.config.score
     model = program.model
@@ -146,8 +145,7 @@ def score_formats(program: Program, ctx: PassContext) -> Program:
     for i, name in enumerate(names):
         ctx.report("score formats", i, len(names))
         r = records[name]
-        w = formats.get(r.encoding.format).decode(program.load(name).to(ctx.device), r.shape, r.encoding.params,
-                                                  torch.float32)
+        w = program.decoded(name, ctx.device)
         error = _error_model(program, ctx, name, w, method, correction, shared, inputs.get(name))
         rows = []
         for enc in candidates(r, *options.allowed(r)):
@@ -275,8 +273,6 @@ def _gptq_corrections(program: Program, ctx: PassContext, encodings) -> dict:
     leading columns, a smaller problem of the same kind)."""
     import math
 
-    import torch
-
     from .gptq import gptq, gptq_many, output_error
 
     model = program.model
@@ -287,8 +283,7 @@ def _gptq_corrections(program: Program, ctx: PassContext, encodings) -> dict:
     references = {}  # name: (rows x columns of the weight, their block of H, its factor), made once
     for name in (first, mlps[0].down.weight):
         r = model.tensor(name)
-        w = formats.get(r.encoding.format).decode(program.load(name).to(ctx.device), r.shape, r.encoding.params,
-                                                  torch.float32)
+        w = program.decoded(name, ctx.device)
         columns = min(w.shape[1], REFERENCE_COLUMNS)
         w = w[:REFERENCE_ROWS, :columns].contiguous()
         hessian = _hessian(ctx, program, name, r.shape[1], w.device)[:columns, :columns]
@@ -364,7 +359,6 @@ def _probe(program: Program, ctx: PassContext, names: list[str], probe_errors: d
            options: ScoreOptions) -> dict:
     """Sensitivities a_t: each probe group rounded alone to its probe encoding, mean KLD against the
     exact model on calibration windows, divided by the group's predicted layer error."""
-    import torch
 
     records = program.model.tensor_map()
     windows = probe_windows(ctx, options.probe_windows)
@@ -384,8 +378,7 @@ def _probe(program: Program, ctx: PassContext, names: list[str], probe_errors: d
             probe = probe_encoding(r)
             if probe is None:
                 continue
-            w = formats.get(r.encoding.format).decode(program.load(name).to(ctx.device), r.shape, r.encoding.params,
-                                                      torch.float32)
+            w = program.decoded(name, ctx.device)
             dense[name] = rounded(formats.get(probe.format), w, probe.params)
         error = sum(probe_errors[n] for n in dense)
         if not dense or error <= 0:
