@@ -155,12 +155,10 @@ class _Corrections:
 
         if self.layer is None or self.layer[0] != i:
             name = self.mlps[i].down.weight
-            r = self.program.model.tensor(name)
             device = self.ctx.device
             dtype = torch.float64 if torch.device(device).type == "cpu" else torch.float32
             # Decoded on the compile's device (llama-8b's int4 down: 59M weights a layer; the same values).
-            w = formats.decode(r.encoding.format, self.program.load(name).to(device), r.shape, r.encoding.params,
-                               torch.float32).to(dtype=dtype)
+            w = self.program.decoded(name, device).to(dtype=dtype)
             stats = load_statistics(self.ctx, self.program, name)
             mean = stats["mean"].to(device=device, dtype=dtype)
             covariance = stats["hessian"].to(device=device, dtype=dtype) - torch.outer(mean, mean)

@@ -102,7 +102,7 @@ def order_superblocks(program: Program, ctx: PassContext) -> Program:
         stats = load_statistics(ctx, program, mlp.down.weight)
         if stats is None:
             raise ValueError(f"no calibration statistics reached {mlp.down.weight}")
-        down = _dense(program, mlp.down.weight).to(ctx.device)
+        down = program.decoded(mlp.down.weight, ctx.device)
         # On the compile's device: ordering and permuting a 14336-wide second-moment matrix is seconds there.
         stats = {k: (v.to(ctx.device) if hasattr(v, "to") else v) for k, v in stats.items()}
         order = importance_order(down, stats, options.importance, centered)
@@ -213,10 +213,3 @@ def _permuted(load, record, order: list[int], width: int, halves: int, rows: boo
         return fmt.encode(w, record.encoding.params)
 
     return permuted
-
-
-def _dense(program: Program, name: str):
-    import torch
-
-    r = program.model.tensor(name)
-    return formats.decode(r.encoding.format, program.load(name), r.shape, r.encoding.params, torch.float32)
