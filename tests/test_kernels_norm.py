@@ -57,6 +57,26 @@ def test_partials_of_several_rows(splits, bias, post):
         add_rmsnorm(residual.clone(), out, partials=parts[:, :2].contiguous(), bias=b, norm=norm)
 
 
+def test_unrolled_sum_equals_the_loop(monkeypatch):
+    """Up to MAX_UNROLLED partial rows are summed by an unrolled loop, more by a runtime loop: the same
+    sum in the same order, bit for bit."""
+    from thin.runtime.kernels import norm as module
+
+    H, dtype = 96, torch.bfloat16
+    gen = torch.Generator().manual_seed(7)
+    residual = torch.randn(H, generator=gen).to(dtype).to(DEVICE)
+    parts = torch.randn(4, H, generator=gen).to(DEVICE)
+    b = torch.randn(H, generator=gen).to(dtype).to(DEVICE)
+    norm, post = (_weight(H, 1), 1e-6), (_weight(H, 2), 1e-5)
+    got = []
+    for unrolled in (module.MAX_UNROLLED, 0):
+        monkeypatch.setattr(module, "MAX_UNROLLED", unrolled)
+        res, out = residual.clone(), poisoned(H, dtype=dtype)
+        module.add_rmsnorm(res, out, partials=parts, bias=b, post=post, norm=norm)
+        got.append((res, out))
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+
+
 def test_rows_with_a_dense_delta_and_without_a_norm():
     from thin.runtime.kernels.norm import add_rmsnorm, reference
 

@@ -21,41 +21,53 @@ from .common import next_power_of_2
 
 
 @triton.jit
-def _rms(x, mask, w_ptr, cols, H, eps):
-    """x * rsqrt(mean(x^2) + eps) * w over one row (float32 in and out)."""
+def _rms(x, mask, w, H, eps):
+    """x * rsqrt(mean(x^2) + eps) * w over one row (float32 in and out; w: the loaded weight)."""
     x = tl.where(mask, x, 0.0)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / H + eps)
-    return x * inv * tl.load(w_ptr + cols, mask=mask, other=0.0)
+    return x * inv * w
 
 
 @triton.jit
 def _add_rmsnorm_kernel(res_ptr, delta_ptr, bias_ptr, post_ptr, norm_ptr, out_ptr, H, n_parts, part_stride,
                         post_eps, eps, DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, POST: tl.constexpr,
-                        NORM: tl.constexpr, BLOCK: tl.constexpr):
+                        NORM: tl.constexpr, BLOCK: tl.constexpr, N_PARTS: tl.constexpr):
     """Row r (program r). DELTA: 0 none, 1 float32 partials [n_parts, rows, H] (part_stride = rows * H;
     the decode step's one row: [n_parts, H]), summed in split order, then the bias; 2 a dense [rows, H]
-    projection output."""
+    projection output. N_PARTS: n_parts when it is small (the loop unrolled), else 0.
+
+    A chain of memory latencies, not a stream of bytes: the partial rows are loaded at once (not one a
+    loop step, each waiting for the one before) and the norm weights before the row's sum of squares,
+    so their latency overlaps it instead of following it."""
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
     dtype = res_ptr.dtype.element_ty
+    if NORM:
+        norm_w = tl.load(norm_ptr + cols, mask=mask, other=0.0)
+    if POST:
+        post_w = tl.load(post_ptr + cols, mask=mask, other=0.0)
     res = tl.load(res_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
     if DELTA > 0:
         if DELTA == 1:
             h = tl.zeros([BLOCK], dtype=tl.float32)
-            for s in range(0, n_parts):
-                h += tl.load(delta_ptr + s * part_stride + row * H + cols, mask=mask, other=0.0)
+            if N_PARTS > 0:
+                for s in tl.static_range(N_PARTS):
+                    h += tl.load(delta_ptr + s * part_stride + row * H + cols, mask=mask, other=0.0)
+            else:
+                for s in range(0, n_parts):
+                    h += tl.load(delta_ptr + s * part_stride + row * H + cols, mask=mask, other=0.0)
             if HAS_BIAS:
                 h += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         else:
             h = tl.load(delta_ptr + row * H + cols, mask=mask, other=0.0).to(tl.float32)
         h = h.to(dtype).to(tl.float32)
         if POST:
-            h = _rms(h, mask, post_ptr, cols, H, post_eps).to(dtype).to(tl.float32)
+            h = _rms(h, mask, post_w, H, post_eps).to(dtype).to(tl.float32)
         res = (res + h).to(dtype).to(tl.float32)
         tl.store(res_ptr + row * H + cols, res.to(dtype), mask=mask)
     if NORM:  # noqa: SIM108  (constexpr branches: only one is compiled)
-        out = _rms(res, mask, norm_ptr, cols, H, eps)
+        out = _rms(res, mask, norm_w, H, eps)
     else:
         out = res
     tl.store(out_ptr + row * H + cols, out.to(dtype), mask=mask)
@@ -83,7 +95,13 @@ def add_rmsnorm(residual: torch.Tensor, out: torch.Tensor, *, partials: torch.Te
         residual, source, bias if bias is not None else residual, post_w, norm_w, out, H,
         partials.shape[0] if partials is not None else 0, rows * H, float(post_eps), float(eps), DELTA=delta,
         HAS_BIAS=bias is not None, POST=post is not None, NORM=norm is not None, BLOCK=block,
+        N_PARTS=partials.shape[0] if partials is not None and partials.shape[0] <= MAX_UNROLLED else 0,
         num_warps=min(16, max(1, block // 256)))
+
+
+# Partial rows summed by an unrolled loop (one compiled kernel per count): the split-K factors and a
+# mixture's top-k are at most this in practice.
+MAX_UNROLLED = 8
 
 
 def reference(residual, h, post, norm):
