@@ -181,3 +181,74 @@ def test_partial_candidates_include_one_step_programs(monkeypatch):
     assert steps[(8, 2048, 2)] == 1 and steps[(16, 1024, 4)] == 1 and (8, 2048, 1) in steps
     assert all(-(-4096 // c.block_n) * c.split <= 8 * 132 for c in partial if 4096 // c.chunk // c.split == 1)
     assert {c.split for c in common.chunk_candidates(6144, 4096, 32, "direct", 4)} == {1}
+
+
+# ---- the prefill matmul's pipelined tiling (MatmulConfig "tiled") ---------------------------------------
+
+def tiled_configs(group):
+    """Tilings of the pipelined prefill kernel for the interpreter: several programs along the tokens
+    and the rows (the GROUP_M order, partial tiles of both), one or several steps a group."""
+    from thin.runtime.kernels.common import MatmulConfig
+
+    steps = [bk for bk in (32, 64, 128) if group % bk == 0]
+    return [MatmulConfig(16, 32, bk, 4, 3) for bk in steps] + [MatmulConfig(64, 128, steps[-1], 4, 3)]
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("asymmetric,group", [(0, 128), (1, 64), (0, 32)])
+def test_tiled_prefill_matches_decode(fmt, asymmetric, group):
+    """Every grouped-int format through the tiled prefill kernel, float32 (exact up to summation order:
+    a code in the wrong column fails) and bfloat16, with a bias, and over elastic prefixes."""
+    op, dense, b = make_op(fmt, (80, 256), {"group_size": group, "asymmetric": asymmetric}, bias=True, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    for T in (5, 40):
+        x = torch.randn(T, 256, generator=gen).to(DEVICE)
+        want = x.cpu() @ dense.T + b.cpu()
+        for config in tiled_configs(group):
+            got = op._matmul(x, config=config)
+            assert got.shape == (T, 80)
+            assert rel_err(got, want) < 2e-5, (T, config, rel_err(got, want))
+    # Prefixes: the first 32 rows of each half side by side; the first 128 columns.
+    config = tiled_configs(group)[0]
+    x = torch.randn(7, 256, generator=gen).to(DEVICE)
+    halves = torch.cat([dense[:32], dense[40:72]])
+    bias = torch.cat([b[:32], b[40:72]]).cpu()
+    assert rel_err(op._matmul(x, rows=32, halves=2, config=config), x.cpu() @ halves.T + bias) < 2e-5
+    h = x[:, :128].contiguous()
+    assert rel_err(op._matmul(h, cols=128, config=config), h.cpu() @ dense[:, :128].T + b.cpu()) < 2e-5
+
+
+@pytest.mark.parametrize("fmt", ["int4", "int6"])
+def test_tiled_prefill_bfloat16(fmt):
+    op, dense, _ = make_op(fmt, (96, 256), {"group_size": 128}, dtype=torch.bfloat16, seed=5)
+    x = torch.randn(21, 256, generator=torch.Generator().manual_seed(6)).bfloat16().to(DEVICE)
+    want = x.float().cpu() @ dense.bfloat16().float().T
+    for config in tiled_configs(128):
+        assert rel_err(op._matmul(x, config=config), want) < tolerance(torch.bfloat16), config
+
+
+def test_prefill_candidates_start_with_the_plain_kernel():
+    """The untuned default stays the first kernel; the tiled ones are only ever picked by timing, and
+    each takes whole steps of a group (groups of 32: 32-column steps)."""
+    for group in (32, 128):
+        op, _, _ = make_op("int4", (64, 256), {"group_size": group})
+        candidates = op.matmul_candidates(100, 256)
+        assert candidates[0].kernel == "plain" and len(candidates) > 1
+        assert all(group % c.block_k == 0 for c in candidates[1:])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt,asymmetric,group", [("int4", 0, 128), ("int4", 1, 32), ("int3", 0, 128),
+                                                  ("int5", 1, 64), ("int6", 0, 128)])
+@pytest.mark.parametrize("T", [16, 100, 512])
+def test_tiled_prefill_real_shapes_on_gpu(fmt, asymmetric, group, T, monkeypatch):
+    """Every prefill candidate at a real shape (whatever timing would pick) against the decode."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    op, dense, _ = make_op(fmt, (4096, 4096), {"group_size": group, "asymmetric": asymmetric},
+                           dtype=torch.bfloat16)
+    x = torch.randn(T, 4096, generator=torch.Generator().manual_seed(9)).bfloat16().to(DEVICE)
+    want = x.float() @ dense.to(DEVICE).bfloat16().float().T
+    for config in op.matmul_candidates(T, 4096):
+        got = op._matmul(x, config=config)
+        assert rel_err(got, want) < tolerance(torch.bfloat16), (config, rel_err(got, want))
+    assert rel_err(op(x), want) < tolerance(torch.bfloat16)  # the timed choice

@@ -356,10 +356,11 @@ class _TuneCache:
             cls._instance = cls(folder / "kernel-configs.json")
         return cls._instance
 
-    def lookup(self, key: str) -> MatvecConfig | None:
+    def lookup(self, key: str, kind: type = MatvecConfig):
+        """The `kind` (a configuration dataclass) stored under `key`, or None."""
         entry = self.entries.get(key)
         try:
-            return MatvecConfig(**entry) if entry else None
+            return kind(**entry) if entry else None
         except TypeError:
             return None
 
@@ -373,6 +374,48 @@ class _TuneCache:
             os.replace(tmp, self.path)
         except OSError:
             pass  # a read-only home still runs, it only tunes again next time
+
+
+@dataclass(frozen=True)
+class MatmulConfig:
+    """How a prefill matmul (many rows of activations) is tiled: `block_m` tokens x `block_n` output
+    rows per program, `block_k` columns per loop step, `num_warps`, `stages` (Triton's software
+    pipeline: loads of that many - 1 steps in flight); `kernel` names the family's kernel ("tiled":
+    the pipelined one, "plain": the first, untuned one)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int = 4
+    stages: int = 1
+    kernel: str = "tiled"
+
+
+def token_bucket(T: int) -> int:
+    """The row count a prefill matmul of T rows is tuned at: the next power of two, 16 to 4096."""
+    return min(max(next_power_of_2(T), 16), 4096)
+
+
+def choose_matmul(op: KernelLinear, T: int, N: int, K: int, candidates: list[MatmulConfig], run) -> MatmulConfig:
+    """The matmul configuration `op` runs T rows with (N outputs over K columns: a prefix may be
+    smaller than the weight): the first candidate under the interpreter, for an op not to be tuned
+    or a small weight (as `choose`), else the cached choice for this device, shape and
+    `token_bucket(T)`, else the fastest candidate timed on the real weight with `run(config, x)`
+    over random x of the bucket's rows (then cached). A candidate that does not compile is skipped."""
+    if interpreting() or not op.tune or len(candidates) == 1 or op.device.type != "cuda" or _small(op):
+        return candidates[0]
+    bucket = token_bucket(T)
+    key = _cache_key(op, f"matmul {bucket}x{N}x{K}")
+    cache = _TuneCache.get()
+    hit = cache.lookup(key, MatmulConfig)
+    if hit is not None and hit in candidates:
+        return hit
+    x = torch.randn(bucket, K, device=op.device).to(op.dtype)
+    times = {config: median_ms_or_inf(lambda config=config: run(config, x), repeats=5, inner=3)
+             for config in candidates}
+    best = min(candidates, key=times.get)
+    cache.store(key, best)
+    return best
 
 
 def prefix_rows(op: KernelLinear, config: MatvecConfig, act: int, rows: int | None) -> tuple[int, int, MatvecConfig]:

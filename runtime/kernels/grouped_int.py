@@ -26,7 +26,9 @@ from . import interpreting
 from .common import (
     MAGIC_BITS,
     KernelLinear,
+    MatmulConfig,
     MatvecConfig,
+    choose_matmul,
     chunk_candidates,
     chunk_launch,
     chunk_prefix,
@@ -34,6 +36,7 @@ from .common import (
     matmul_prefix,
     next_power_of_2,
     prefix_rows,
+    token_bucket,
 )
 from .pairs import PAIR_MAGIC, pair_sum, word_dot, x_pairs, zero_pair
 from .tiles import (
@@ -191,6 +194,90 @@ def _matmul_kernel(x_ptr, low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, ou
              mask=tok_mask[:, None] & row_mask[None, :])
 
 
+@triton.jit
+def _unpack8(words, S: tl.constexpr, STEP: tl.constexpr, W: tl.constexpr):
+    """The W-bit codes at bits S + STEP * i (i = 0..7) of each int32 word, as a [..., 2, 2, 2] tensor
+    whose last three dimensions flatten (row-major) to i: tl.join puts its new dimension last, so the
+    outermost join picks i's lowest bit (codes 0, 2, 4, 6 against 1, 3, 5, 7) and the innermost its
+    highest. Each join keeps the new dimension within a thread: no data moves between lanes."""
+    m: tl.constexpr = (1 << W) - 1
+    c0 = (words >> S) & m
+    c1 = (words >> (S + STEP)) & m
+    c2 = (words >> (S + 2 * STEP)) & m
+    c3 = (words >> (S + 3 * STEP)) & m
+    c4 = (words >> (S + 4 * STEP)) & m
+    c5 = (words >> (S + 5 * STEP)) & m
+    c6 = (words >> (S + 6 * STEP)) & m
+    c7 = (words >> (S + 7 * STEP)) & m
+    return tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)), tl.join(tl.join(c1, c5), tl.join(c3, c7)))
+
+
+@triton.jit
+def _plane_tile(words_ptr, row_words, row_mask, k0, BN: tl.constexpr, BK: tl.constexpr, W: tl.constexpr):
+    """Codes [BN, BK] (int32, columns k0 .. k0 + BK in order) of a W-bit plane: each row's BK * W / 32
+    packed words loaded whole (one contiguous load a row, no byte gathers), the 32 / W codes of a
+    word spread by shifts (`_unpack8`: column 8 c + i is code i of word c for 4-bit planes, 16 c + i
+    and 32 c + i for 2- and 1-bit ones)."""
+    P: tl.constexpr = 32 // W  # codes a word
+    words = tl.load(words_ptr + row_words[:, None] + (k0 // P + tl.arange(0, BK // P))[None, :],
+                    mask=row_mask[:, None], other=0)
+    if P == 8:
+        codes = _unpack8(words, 0, W, W)
+    elif P == 16:
+        codes = tl.join(_unpack8(words, 0, 2 * W, W), _unpack8(words, W, 2 * W, W))
+    else:
+        codes = tl.join(tl.join(_unpack8(words, 0, 4 * W, W), _unpack8(words, 2 * W, 4 * W, W)),
+                        tl.join(_unpack8(words, W, 4 * W, W), _unpack8(words, 3 * W, 4 * W, W)))
+    return tl.reshape(codes, [BN, BK])
+
+
+@triton.jit
+def _tiled_kernel(x_ptr, low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, T, N, K, KS, n1, block,
+                  WL: tl.constexpr, WH: tl.constexpr, MID: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
+    """Prefill, the pipelined tiling (MatmulConfig "tiled"): out[T, N] = x[T, K] @ W.T, as
+    `_matmul_kernel` computes it (same rows, prefix and bias), with whole packed words loaded per step
+    (`_plane_tile`), one group scale (and offset) per row and step (BK divides G), and the loop left
+    to Triton's software pipeline (num_stages). Programs run GROUP_M token tiles per band of weight
+    rows before the next band, so a band's codes are read from L2, not memory, by the token tiles
+    after the first."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(T, BM)
+    tiles_n = tl.cdiv(N, BN)
+    width = GROUP_M * tiles_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    tok = pid_m * BM + tl.arange(0, BM)
+    out_rows = pid_n * BN + tl.arange(0, BN)
+    tok_mask, row_mask = tok < T, out_rows < N
+    rows = (out_rows // n1) * block + out_rows % n1
+    # Rows' first words (int32 views of the planes) and group sides.
+    low_words = rows.to(tl.int64) * (KS * WL // 32)
+    high_words = rows.to(tl.int64) * (KS * WH // 32)
+    side_rows = rows.to(tl.int64) * (KS // G)
+    x_rows = x_ptr + tok.to(tl.int64)[:, None] * K + tl.arange(0, BK)[None, :]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        x = tl.load(x_rows + k0, mask=tok_mask[:, None], other=0.0)  # [BM, BK], 16 bytes a lane
+        codes = _plane_tile(low_ptr, low_words, row_mask, k0, BN, BK, WL)
+        if WH > 0:
+            codes |= _plane_tile(high_ptr, high_words, row_mask, k0, BN, BK, WH) << WL
+        scale = tl.load(scale_ptr + side_rows + k0 // G, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+        if ASYM:
+            offset = tl.load(offset_ptr + side_rows + k0 // G, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+            w = codes.to(tl.float32) * scale + offset
+        else:
+            w = (codes - MID).to(tl.float32) * scale
+        acc += dot_tile(x, w.to(x.dtype), IEEE)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + tok.to(tl.int64)[:, None] * N + out_rows[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=tok_mask[:, None] & row_mask[None, :])
+
+
 class GroupedIntLinear(KernelLinear):
     """A grouped-int weight served by the kernels above."""
 
@@ -209,6 +296,7 @@ class GroupedIntLinear(KernelLinear):
         self.low32, self.high32 = self.low.view(torch.int32), self.high.view(torch.int32)
         # The bf16-pair arithmetic (pairs.py): one 4-bit plane, a zero point, bfloat16 activations.
         self.pairs = (self.wl, self.wh, self.asym, dtype) == (4, 0, False, torch.bfloat16)
+        self._matmul_configs: dict[tuple[int, int, int], MatmulConfig] = {}
 
     def candidates(self, mode: str) -> list[MatvecConfig]:
         n = self.out_features // 2 if mode == "glu" else self.out_features
@@ -239,19 +327,61 @@ class GroupedIntLinear(KernelLinear):
             ZERO_BITS=zero_pair(self.mid) if config.packed else 0, AHEAD=config.ahead, num_warps=config.num_warps)
         return config.split
 
-    def _matmul(self, x, rows=None, cols=None, halves=1):
-        T = x.shape[0]
-        N, K, n1, block = matmul_prefix(self, rows, cols, halves)
-        out = torch.empty(T, N, dtype=self.dtype, device=x.device)
-        bm, bn, bk = matmul_blocks(T, N, K)
-        bias = self.bias if self.bias is not None else x
-        _matmul_kernel[(-(-T // bm), -(-N // bn))](
-            x, self.low, self.high, self.scales, self.offsets, bias, out, T, N, K, self.in_features, n1, block,
-            WL=self.wl, WH=self.wh,
-            MID=self.mid, ASYM=self.asym, G=self.group, BM=bm, BN=bn, BK=bk, HAS_BIAS=self.bias is not None,
-            IEEE=x.dtype == torch.float32 or interpreting(), num_warps=4)
+    def matmul_candidates(self, T: int, K: int) -> list[MatmulConfig]:
+        """Prefill tilings worth timing for T rows over K columns: the plain kernel first (the
+        untuned default), then the pipelined one ("tiled") where BK divides the group and K."""
+        bm, bn, bk = matmul_blocks(T, self.out_features, K)
+        plain = MatmulConfig(bm, bn, bk, 4, 1, "plain")
+        if interpreting():
+            return [plain, MatmulConfig(bm, bn, min(self.group, 64), 4, 1)]
+        bucket = token_bucket(T)
+        tiles = [(64, 64, 4), (64, 128, 4), (128, 128, 8), (128, 64, 4), (128, 128, 4), (128, 256, 8)]
+        if bucket <= 64:
+            tiles = [(bucket, 64, 4), (bucket, 128, 4), (bucket, 128, 8), (bucket, 256, 8)]
+        out = [plain]
+        for block_m, block_n, warps in tiles:
+            for block_k in (64, 128):
+                if self.group % block_k or K % block_k:
+                    continue
+                for stages in (3, 4):
+                    if block_k == 128 and stages == 4:
+                        continue  # shared memory: 4 steps of 128 columns of x and codes is past 200 KB at BM 128
+                    out.append(MatmulConfig(block_m, block_n, block_k, warps, stages))
+        if len(out) == 1 and self.group % 32 == 0 and K % 32 == 0:  # groups of 32
+            out += [MatmulConfig(b[0], b[1], 32, b[2], 4) for b in tiles[:3]]
         return out
 
+    def _matmul(self, x, rows=None, cols=None, halves=1, config=None):
+        T = x.shape[0]
+        N, K, n1, block = matmul_prefix(self, rows, cols, halves)
+        if config is None:
+            key = (token_bucket(T), N, K)
+            if key not in self._matmul_configs:  # timed once per bucket and shape (choose_matmul)
+                self._matmul_configs[key] = choose_matmul(self, T, N, K, self.matmul_candidates(T, K),
+                                                          lambda c, x: self._launch_matmul(x, N, K, n1, block, c))
+            config = self._matmul_configs[key]
+        return self._launch_matmul(x, N, K, n1, block, config)
+
+    def _launch_matmul(self, x, N, K, n1, block, config: MatmulConfig):
+        T = x.shape[0]
+        out = torch.empty(T, N, dtype=self.dtype, device=x.device)
+        bias = self.bias if self.bias is not None else x
+        bm, bn, bk = config.block_m, config.block_n, config.block_k
+        ieee = x.dtype == torch.float32 or interpreting()
+        if config.kernel == "plain":
+            _matmul_kernel[(-(-T // bm), -(-N // bn))](
+                x, self.low, self.high, self.scales, self.offsets, bias, out, T, N, K, self.in_features, n1, block,
+                WL=self.wl, WH=self.wh, MID=self.mid, ASYM=self.asym, G=self.group, BM=bm, BN=bn, BK=bk,
+                HAS_BIAS=self.bias is not None, IEEE=ieee, num_warps=config.num_warps)
+            return out
+        if self.group % bk or K % bk or bk * self.wh % 32 or bk * self.wl % 32:
+            raise ValueError(f"{self.format}: the tiled prefill takes {bk} columns a step, which must divide the "
+                             f"group ({self.group}) and the {K} columns and hold whole words of each plane")
+        _tiled_kernel[(-(-T // bm) * -(-N // bn),)](
+            x, self.low32, self.high32, self.scales, self.offsets, bias, out, T, N, K, self.in_features, n1, block,
+            WL=self.wl, WH=self.wh, MID=self.mid, ASYM=self.asym, G=self.group, BM=bm, BN=bn, BK=bk, GROUP_M=8,
+            HAS_BIAS=self.bias is not None, IEEE=ieee, num_warps=config.num_warps, num_stages=config.stages)
+        return out
 
 def _steps(K: int, config: MatvecConfig) -> int:
     """Loop steps of one program of `config` over K columns."""
