@@ -75,7 +75,15 @@ def _check(plan, dtype=torch.float32, seed=1, tol=None):
 def _tilings(candidates):
     from thin.runtime.kernels import interpreting
 
-    return candidates if interpreting() else [candidates[0], next(c for c in candidates if c.prefetch)]
+    if interpreting():
+        return candidates
+    # On a GPU: the default, the first prefetching tiling, and one whole-word tiling of each kind (warps,
+    # chunks a step, bf16 pairs or not).
+    kinds = {}
+    for c in candidates:
+        if c.words:
+            kinds.setdefault((c.num_warps, c.groups, c.packed), c)
+    return [candidates[0], next(c for c in candidates if c.prefetch), *kinds.values()]
 
 
 def run_moe_single(x, plan, e):
@@ -142,6 +150,24 @@ def test_uneven_shapes_mask_their_tails():
     """Rows and columns that the tiles do not divide (gpt-oss-20b's 2880 is 90 groups of 32)."""
     _check(_plan([("mxfp4", {})] * 3, hidden=96, inter=160, seed=8))
     _check(_plan([("f32", {})] * 3, hidden=96, inter=48, seed=9))
+
+
+def test_grouped_ints_read_as_whole_words():
+    """The whole-word tilings (expert_words.py), bf16 pairs included, are among the candidates every
+    _check runs: int4 under bf16 activations, fused and separate gate/up, rows and chunks the tiles do
+    not divide (3 chunks of 32 columns, steps of 2); asymmetric int4 in float32 (the FORMATS test runs the
+    other grouped ints' whole-word tilings)."""
+    from thin.runtime.kernels.experts import MoEKernels
+
+    plan = _plan([("int4", {"group_size": 32})] * 4, dtype=torch.bfloat16, hidden=96, inter=96, seed=13)
+    kernels = MoEKernels(plan, DEVICE, torch.bfloat16, tune=False)
+    for kind in ("gate_up", "down"):
+        labels = [c.label() for c in kernels.candidates(kernels.groups(kind)[0], kind)]
+        assert any(label.endswith("+words") for label in labels) and any("+pairs" in label for label in labels)
+    _check(plan, dtype=torch.bfloat16)
+    _check(_plan([("int4", {"group_size": 64})] * 4, dtype=torch.bfloat16, fused=False, top_k=3, hidden=128,
+                 inter=64, bias=True, seed=14), dtype=torch.bfloat16)
+    _check(_plan([("int4", {"group_size": 32, "asymmetric": 1})] * 3, hidden=96, inter=160, seed=15))
 
 
 def test_what_the_kernels_do_not_run_is_refused():

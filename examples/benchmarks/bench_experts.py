@@ -121,9 +121,7 @@ def main() -> None:
     print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
     for fmt, per, bw, nbytes, _, gu, dn in rows:
         cells = " | ".join(f"{per[p]:.1f} ({bw[p]:.0f})" for p in ("router", "gate_up", "down", "all"))
-        tiles = f"{gu.block_n}x{gu.groups}/{gu.num_warps}w{'+pf' if gu.prefetch else ''}; " \
-                f"{dn.block_n}x{dn.groups}/{dn.num_warps}w{'+pf' if dn.prefetch else ''}"
-        print(f"| {fmt} | {nbytes / 1e6:.1f} | {cells} | {tiles} |")
+        print(f"| {fmt} | {nbytes / 1e6:.1f} | {cells} | {gu.label()}; {dn.label()} |")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,9 @@ writes nothing); gate/up launches group the experts by their gate/up format and 
 their down format, so an expert's down may be stored finer or coarser than its gate/up.
 
 Formats: bf16 / f16 / f32, int8, fp8_e4m3, int3-int6 (one or two code planes), mxfp4, q2, q1 (each
-tile decoded in registers; the format's reference `decode` is what it must match). What the
+tile decoded in registers; the format's reference `decode` is what it must match). Grouped ints also
+have whole-word tilings (expert_words.py: the dense int4 matvec's chunk scheme, bf16 pairs for int4
+under bf16 activations), candidates the load-time timing may pick. What the
 kernels do not run (shared experts, other router scorings, experts kept in host memory) raises
 NotImplementedError at construction, which the engine turns into a clear refusal.
 """
@@ -35,10 +37,12 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
-from .common import ACTIVATION_CODES, compile_launches, median_ms_or_inf, next_power_of_2
-from .expert_rows import FORMAT_CODES, SUPPORTED, ExpertGroup, row_bias, rows_dot, weight_parts
-from .tiles import activate
+from . import common, interpreting
+from .common import ACTIVATION_CODES, CHUNK_ROWS, MAGIC_BITS, compile_launches, median_ms_or_inf, next_power_of_2
+from .expert_rows import FORMAT_CODES, GINT, SUPPORTED, ExpertGroup, row_bias, rows_dot, weight_parts
+from .expert_words import words_dot
+from .pairs import PAIR_MAGIC, zero_pair
+from .tiles import activate, glu_halves
 
 _CHOSEN: dict = {}  # launch tiles chosen by timing, by shape and format (MoEKernels.config)
 
@@ -92,15 +96,17 @@ def _route(logits_ptr, slot, E, EP: tl.constexpr, TOP_K: tl.constexpr, NORMALIZE
 @triton.jit
 def _gate_up_kernel(base, gate_table, up_table, member_ptr, logits_ptr, chosen_ptr, weights_ptr, x_ptr, h_ptr, E, K, n,
                     up_row0,
-                    alpha, limit, up_offset,
+                    alpha, limit, up_offset, magic,
                     FMT: tl.constexpr, SUB: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, BN: tl.constexpr,
                     ASYM: tl.constexpr, HAS_BIAS: tl.constexpr, EP: tl.constexpr, TOP_K: tl.constexpr,
                     NORMALIZE: tl.constexpr, ACT: tl.constexpr, CLAMP: tl.constexpr, GAIN: tl.constexpr,
-                    PREFETCH: tl.constexpr, FUSED: tl.constexpr):
+                    PREFETCH: tl.constexpr, FUSED: tl.constexpr, WORDS: tl.constexpr, PACKED: tl.constexpr,
+                    ZERO_BITS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
     """Program (slot, i): h[slot, i*BN..] = act(gate) * (up + up_offset) of the slot's expert, as the
     torch path rounds it (projection outputs, then the product, in h's dtype). FUSED: gate and up
     are row halves of one weight, read in one pass over x (gate row r and up row n + r interleaved in
-    a tile of 2 * BN rows)."""
+    a tile of 2 * BN rows). WORDS (grouped ints): the rows read as whole words, NG chunks of 32
+    columns a step (expert_words.words_dot; magic, PACKED, ZERO_BITS, EVEN_*, ASM are its)."""
     slot = tl.program_id(0)
     expert, weight = _route(logits_ptr, slot, E, EP, TOP_K, NORMALIZE)
     if tl.program_id(1) == 0:  # for the down kernel (every format's launch stores the same)
@@ -113,7 +119,17 @@ def _gate_up_kernel(base, gate_table, up_table, member_ptr, logits_ptr, chosen_p
         dtype: tl.constexpr = h_ptr.dtype.element_ty
         g_offs = gate_table + member * 6
         u_offs = up_table + member * 6
-        if FUSED:
+        if WORDS:
+            WL: tl.constexpr = 2 if SUB == 3 else 4
+            if FUSED:
+                gate, up = glu_halves(words_dot(base, g_offs, x_ptr, tl.program_id(1), n, K, magic, WL, SUB - WL, ASYM,
+                                                G, NG, BN, True, EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS), BN)
+            else:
+                gate = words_dot(base, g_offs, x_ptr, tl.program_id(1), n, K, magic, WL, SUB - WL, ASYM, G, NG, BN,
+                                 False, EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS)
+                up = words_dot(base, u_offs, x_ptr, tl.program_id(1), n, K, magic, WL, SUB - WL, ASYM, G, NG, BN,
+                               False, EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS)
+        elif FUSED:
             both = tl.reshape(tl.join(rows, rows + up_row0), [2 * BN])
             both_mask = tl.reshape(tl.join(rows, rows), [2 * BN]) < n
             total = rows_dot(base, g_offs, x_ptr, both, both_mask, K, FMT, SUB, G, NG, 2 * BN, ASYM, PREFETCH)
@@ -136,11 +152,13 @@ def _gate_up_kernel(base, gate_table, up_table, member_ptr, logits_ptr, chosen_p
 
 
 @triton.jit
-def _down_kernel(base, table, member_ptr, chosen_ptr, weights_ptr, h_ptr, out_ptr, K, n,
+def _down_kernel(base, table, member_ptr, chosen_ptr, weights_ptr, h_ptr, out_ptr, K, n, magic,
                  FMT: tl.constexpr, SUB: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, BN: tl.constexpr,
-                 ASYM: tl.constexpr, HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr):
+                 ASYM: tl.constexpr, HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr, WORDS: tl.constexpr,
+                 PACKED: tl.constexpr, ZERO_BITS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                 ASM: tl.constexpr):
     """Program (slot, i): out[slot, i*BN..] = w_slot * (down h[slot] + bias), float32, each factor
-    rounded to h's dtype as the torch path rounds it."""
+    rounded to h's dtype as the torch path rounds it. WORDS: as _gate_up_kernel's."""
     slot = tl.program_id(0)
     expert = tl.load(chosen_ptr + slot)
     weight = tl.load(weights_ptr + slot)
@@ -150,7 +168,12 @@ def _down_kernel(base, table, member_ptr, chosen_ptr, weights_ptr, h_ptr, out_pt
         row_mask = rows < n
         dtype: tl.constexpr = h_ptr.dtype.element_ty
         offs = table + member * 6
-        y = rows_dot(base, offs, h_ptr + slot * K, rows, row_mask, K, FMT, SUB, G, NG, BN, ASYM, PREFETCH)
+        if WORDS:  # K is a multiple of 32 (whole chunks): h's row keeps x's 16-byte alignment
+            WL: tl.constexpr = 2 if SUB == 3 else 4
+            y = words_dot(base, offs, h_ptr + tl.multiple_of(slot * K, 32), tl.program_id(1), n, K, magic, WL,
+                          SUB - WL, ASYM, G, NG, BN, False, EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS)
+        else:
+            y = rows_dot(base, offs, h_ptr + slot * K, rows, row_mask, K, FMT, SUB, G, NG, BN, ASYM, PREFETCH)
         y = (y + row_bias(base, offs, rows, row_mask, HAS_BIAS, dtype)).to(dtype).to(tl.float32)
         w = weight.to(dtype).to(tl.float32)
         tl.store(out_ptr + slot * n + rows, (y * w).to(dtype).to(tl.float32), mask=row_mask)
@@ -161,12 +184,19 @@ def _down_kernel(base, table, member_ptr, chosen_ptr, weights_ptr, h_ptr, out_pt
 @dataclass(frozen=True)
 class ExpertConfig:
     """Tiles of one expert kernel: `block_n` rows a program, `groups` format groups a loop step
-    (columns per step for one-byte and dense formats), `num_warps`."""
+    (columns per step for one-byte and dense formats; with `words`, chunks of 32 columns), `num_warps`."""
 
     block_n: int
     groups: int
     num_warps: int = 4
     prefetch: bool = False  # load the next step's weights before this step's math
+    words: bool = False  # grouped ints: rows read as whole words (expert_words.py), one chunk a lane
+    packed: bool = False  # with words: symmetric int4 under bf16 activations summed as bf16 pairs (pairs.py)
+
+    def label(self) -> str:
+        """The tiles in a benchmark table's words: rows x groups (or chunks) / warps, and the options."""
+        options = "+pf" * self.prefetch + "+words" * self.words + "+pairs" * self.packed
+        return f"{self.block_n}x{self.groups}/{self.num_warps}w{options}"
 
 
 class MoEKernels:
@@ -266,7 +296,8 @@ class MoEKernels:
         if interpreting():  # the whole row in one step, and with the prefetch's masked extra step
             cols = next_power_of_2(K)
             ng = cols // group.group if group.group else cols
-            return [ExpertConfig(min(next_power_of_2(n), 64), ng), ExpertConfig(16, max(1, ng // 2), 4, True)]
+            return [ExpertConfig(min(next_power_of_2(n), 64), ng), ExpertConfig(16, max(1, ng // 2), 4, True)] \
+                + self._word_candidates(group, kind)
         if group.group:  # groups a step: 256 or 512 columns, at most the row's
             steps = [min(max(1, c // group.group), next_power_of_2(K // group.group)) for c in (256, 512)]
             tiles = [(bn, step, w) for step in steps for bn, w in ((16, 4), (8, 4), (32, 8))]
@@ -278,6 +309,38 @@ class MoEKernels:
                 config = ExpertConfig(bn, step, w, prefetch)
                 if config not in out:
                     out.append(config)
+        return out + self._word_candidates(group, kind)
+
+    def _word_candidates(self, group: ExpertGroup, kind: str) -> list[ExpertConfig]:
+        """The whole-word tilings of a grouped-int group (none for other formats): a lane a chunk of 32
+        columns, 32 chunks a warp (for rows shorter than that, also 8 chunks a step), tiles
+        of 4-16 weight rows (half as many output rows for a fused gate/up), and each also with bf16 pairs
+        where those apply. After the byte-wise candidates: never the default untimed."""
+        K = self.hidden if kind == "gate_up" else self.inter
+        n = self.inter if kind == "gate_up" else self.hidden
+        if group.fmt != GINT or group.group % 32 or K % 32:
+            return []
+        total = K // 32
+        pairs = group.dt == 4 and not group.asym and self.dtype == torch.bfloat16
+        glu = kind == "gate_up" and self.fused
+        if interpreting():  # steps of 2 chunks (a loop, and a masked tail where the chunks are odd)
+            tiles = [(min(next_power_of_2(n), 64), min(2, total), 4)]
+        else:
+            tiles = []
+            for warps in (1, 2, 4):
+                if 32 * warps > total and warps > 1:
+                    continue
+                # A row shorter than a warp's 32 chunks (down's 768 columns are 24) leaves lanes idle:
+                # also one warp of 8 chunks a step, several steps.
+                chunks = [32 * warps] + ([8] if warps == 1 and total < 32 and total % 8 == 0 else [])
+                for c in chunks:
+                    for rows in CHUNK_ROWS[group.dt]:  # by words a lane loads per row: a b-bit chunk is b words
+                        tiles.append((rows // 2 if glu else rows, c, warps))
+        out = []
+        for bn, c, w in tiles:
+            out.append(ExpertConfig(bn, c, w, words=True))
+            if pairs:
+                out.append(ExpertConfig(bn, c, w, words=True, packed=True))
         return out
 
     def config(self, index: int, kind: str) -> ExpertConfig:
@@ -371,8 +434,16 @@ class MoEKernels:
                                             else self.logits, self.logits, E, H, BE=block_e, BH=block_h,
                                             HAS_BIAS=self.router_bias is not None, num_warps=4)
 
-    def _common(self, g: ExpertGroup) -> dict:
-        return dict(FMT=g.fmt, SUB=g.dt, ASYM=g.asym, HAS_BIAS=g.has_bias)
+    def _common(self, g: ExpertGroup, config: ExpertConfig, n: int, K: int, x: torch.Tensor) -> dict:
+        """The constexprs (and `magic`) every launch of group g's kernel with `config` passes."""
+        words = dict(WORDS=config.words, PACKED=config.packed, ZERO_BITS=zero_pair(8) if config.packed else 0,
+                     EVEN_N=n % config.block_n == 0, EVEN_K=(K // 32) % config.groups == 0,
+                     ASM=common.INLINE_ASM and not interpreting(), magic=PAIR_MAGIC if config.packed else MAGIC_BITS)
+        if config.words and (g.fmt != GINT or g.group % 32 or K % 32):
+            raise ValueError(f"whole-word expert tiles read grouped ints of 32-column groups, not {config}")
+        if config.packed and not (g.dt == 4 and not g.asym and x.dtype == torch.bfloat16 and x.data_ptr() % 4 == 0):
+            raise ValueError(f"{config}: bf16 pairs need symmetric int4, bfloat16 activations and x 4-byte aligned")
+        return dict(FMT=g.fmt, SUB=g.dt, ASYM=g.asym, HAS_BIAS=g.has_bias, **words)
 
     def _gate_up(self, index: int, x: torch.Tensor, config: ExpertConfig) -> None:
         g = self.gate_up_groups[index]
@@ -385,7 +456,8 @@ class MoEKernels:
             G=g.group or config.groups, NG=config.groups if g.group else 1, BN=config.block_n,
             ACT=ACTIVATION_CODES[self.act], CLAMP=self.limit is not None, GAIN=self.alpha != 1.0,
             EP=max(2, next_power_of_2(self.num_experts)), TOP_K=self.top_k, NORMALIZE=self.normalize,
-            FUSED=self.fused, PREFETCH=config.prefetch, num_warps=config.num_warps, **self._common(g))
+            FUSED=self.fused, PREFETCH=config.prefetch, num_warps=config.num_warps,
+            **self._common(g, config, n, self.hidden, x))
 
     def _down(self, index: int, out: torch.Tensor, config: ExpertConfig) -> None:
         g = self.down_groups[index]
@@ -394,7 +466,7 @@ class MoEKernels:
         _down_kernel[grid](
             self.base, g.down_table, g.member, self.chosen, self.weights, self.h, out, self.inter, n,
             G=g.group or config.groups, NG=config.groups if g.group else 1, BN=config.block_n,
-            PREFETCH=config.prefetch, num_warps=config.num_warps, **self._common(g))
+            PREFETCH=config.prefetch, num_warps=config.num_warps, **self._common(g, config, n, self.inter, self.h))
 
     def __call__(self, x: torch.Tensor, partials: torch.Tensor) -> torch.Tensor:
         """partials[:top_k] = the k chosen experts' weighted outputs for x [hidden]; returns that view."""
