@@ -223,8 +223,30 @@ def test_tiled_prefill_bfloat16(fmt):
     op, dense, _ = make_op(fmt, (96, 256), {"group_size": 128}, dtype=torch.bfloat16, seed=5)
     x = torch.randn(21, 256, generator=torch.Generator().manual_seed(6)).bfloat16().to(DEVICE)
     want = x.float().cpu() @ dense.bfloat16().float().T
-    for config in tiled_configs(128):
+    configs = tiled_configs(128)
+    if fmt == "int4":  # the bf16-pair twin: exact products, the scale after the step's sums
+        configs += [replace(c, kernel="pairs") for c in configs]
+    for config in configs:
         assert rel_err(op._matmul(x, config=config), want) < tolerance(torch.bfloat16), config
+    if fmt == "int4":  # ... which only takes symmetric int4 under bf16 activations
+        with pytest.raises(ValueError, match="bf16 pairs"):
+            op._matmul(x.float(), config=configs[-1])
+
+
+def test_tiled_prefill_pairs_column_order():
+    """The pairs tile's column order: float32 sums of x times the exact codes, scaled per group, match
+    to float32 rounding (a code in the wrong column would not)."""
+    from thin.runtime.kernels.common import MatmulConfig
+
+    op, dense, _ = make_op("int4", (48, 256), {"group_size": 64}, dtype=torch.bfloat16, seed=8)
+    x = torch.randn(9, 256, generator=torch.Generator().manual_seed(9)).bfloat16().to(DEVICE)
+    want = x.float().cpu() @ dense.T  # the weights unrounded: the pairs' product is exact before the scale
+    swapped = dense.clone()
+    swapped[:, [1, 4]] = swapped[:, [4, 1]]  # two codes of one int16 half
+    wrong = x.float().cpu() @ swapped.T
+    for bk in (32, 64):
+        got = op._launch_matmul(x, 48, 256, 48, 0, MatmulConfig(16, 32, bk, 4, 3, "pairs"))
+        assert rel_err(got, want) < 5e-3 and rel_err(got, wrong) > 2e-2, (bk, rel_err(got, want))
 
 
 def test_prefill_candidates_start_with_the_plain_kernel():

@@ -401,7 +401,8 @@ def choose_matmul(op: KernelLinear, T: int, N: int, K: int, candidates: list[Mat
     smaller than the weight): the first candidate under the interpreter, for an op not to be tuned
     or a small weight (as `choose`), else the cached choice for this device, shape and
     `token_bucket(T)`, else the fastest candidate timed on the real weight with `run(config, x)`
-    over random x of the bucket's rows (then cached). A candidate that does not compile is skipped."""
+    over random x of the bucket's rows (then cached), after compiling them all on host threads
+    (`compile_launches`). A candidate that does not compile is skipped."""
     if interpreting() or not op.tune or len(candidates) == 1 or op.device.type != "cuda" or _small(op):
         return candidates[0]
     bucket = token_bucket(T)
@@ -411,6 +412,7 @@ def choose_matmul(op: KernelLinear, T: int, N: int, K: int, candidates: list[Mat
     if hit is not None and hit in candidates:
         return hit
     x = torch.randn(bucket, K, device=op.device).to(op.dtype)
+    compile_launches([(op.device, lambda config=config: run(config, x)) for config in candidates], report=False)
     times = {config: median_ms_or_inf(lambda config=config: run(config, x), repeats=5, inner=3)
              for config in candidates}
     best = min(candidates, key=times.get)

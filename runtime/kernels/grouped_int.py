@@ -22,7 +22,7 @@ import triton.language as tl
 
 from thin.ir.formats.grouped_int import PLANES
 
-from . import interpreting
+from . import common, interpreting
 from .common import (
     MAGIC_BITS,
     KernelLinear,
@@ -38,6 +38,7 @@ from .common import (
     prefix_rows,
     token_bucket,
 )
+from .grouped_int_batch import _codes
 from .pairs import PAIR_MAGIC, pair_sum, word_dot, x_pairs, zero_pair
 from .tiles import (
     chunk_side,
@@ -235,13 +236,20 @@ def _plane_tile(words_ptr, row_words, row_mask, k0, BN: tl.constexpr, BK: tl.con
 def _tiled_kernel(x_ptr, low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, T, N, K, KS, n1, block,
                   WL: tl.constexpr, WH: tl.constexpr, MID: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
+                  HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, PAIRS: tl.constexpr = False, ASM: tl.constexpr = False):
     """Prefill, the pipelined tiling (MatmulConfig "tiled"): out[T, N] = x[T, K] @ W.T, as
     `_matmul_kernel` computes it (same rows, prefix and bias), with whole packed words loaded per step
     (`_plane_tile`), one group scale (and offset) per row and step (BK divides G), and the loop left
     to Triton's software pipeline (num_stages). Programs run GROUP_M token tiles per band of weight
     rows before the next band, so a band's codes are read from L2, not memory, by the token tiles
-    after the first."""
+    after the first.
+
+    PAIRS (MatmulConfig "pairs": symmetric int4, bfloat16 x, MID 8): the tile is the exact integers
+    u - 8 in bfloat16, two codes an instruction pair (grouped_int_batch._codes: each int16 half of
+    the words, bits 4j, OR-ed into 128.0's mantissa and 136 taken off by one bf16x2 fma; ASM, else
+    its float32 twin), and the group scale multiplies the step's [BM, BN] sums instead of the
+    weights (BK divides G). Not the reference's rounding (the weight rounded to bf16 before the
+    product): the products are exact, the scale applied in float32."""
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(T, BM)
     tiles_n = tl.cdiv(N, BN)
@@ -262,16 +270,25 @@ def _tiled_kernel(x_ptr, low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, out
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
         x = tl.load(x_rows + k0, mask=tok_mask[:, None], other=0.0)  # [BM, BK], 16 bytes a lane
-        codes = _plane_tile(low_ptr, low_words, row_mask, k0, BN, BK, WL)
-        if WH > 0:
-            codes |= _plane_tile(high_ptr, high_words, row_mask, k0, BN, BK, WH) << WL
-        scale = tl.load(scale_ptr + side_rows + k0 // G, mask=row_mask, other=0.0).to(tl.float32)[:, None]
-        if ASYM:
-            offset = tl.load(offset_ptr + side_rows + k0 // G, mask=row_mask, other=0.0).to(tl.float32)[:, None]
-            w = codes.to(tl.float32) * scale + offset
+        if PAIRS:
+            # int16 halves of the words, codes 4 c + j at bits 4 j of half c; joined in column order.
+            h = tl.load(low_ptr.to(tl.pointer_type(tl.int16), bitcast=True) + 2 * low_words[:, None]
+                        + (k0 // 4 + tl.arange(0, BK // 4))[None, :], mask=row_mask[:, None], other=0)
+            u = tl.join(tl.join(_codes(h, 0, MID, ASM), _codes(h, 8, MID, ASM)),
+                        tl.join(_codes(h, 4, MID, ASM), _codes(h, 12, MID, ASM)))
+            scale = tl.load(scale_ptr + side_rows + k0 // G, mask=row_mask, other=0.0).to(tl.float32)
+            acc += dot_tile(x, tl.reshape(u, [BN, BK]).to(x.dtype), IEEE) * scale[None, :]
         else:
-            w = (codes - MID).to(tl.float32) * scale
-        acc += dot_tile(x, w.to(x.dtype), IEEE)
+            codes = _plane_tile(low_ptr, low_words, row_mask, k0, BN, BK, WL)
+            if WH > 0:
+                codes |= _plane_tile(high_ptr, high_words, row_mask, k0, BN, BK, WH) << WL
+            scale = tl.load(scale_ptr + side_rows + k0 // G, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+            if ASYM:
+                offset = tl.load(offset_ptr + side_rows + k0 // G, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+                w = codes.to(tl.float32) * scale + offset
+            else:
+                w = (codes - MID).to(tl.float32) * scale
+            acc += dot_tile(x, w.to(x.dtype), IEEE)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
     tl.store(out_ptr + tok.to(tl.int64)[:, None] * N + out_rows[None, :], acc.to(out_ptr.dtype.element_ty),
@@ -329,27 +346,26 @@ class GroupedIntLinear(KernelLinear):
 
     def matmul_candidates(self, T: int, K: int) -> list[MatmulConfig]:
         """Prefill tilings worth timing for T rows over K columns: the plain kernel first (the
-        untuned default), then the pipelined one ("tiled") where BK divides the group and K."""
+        untuned default), then the pipelined one ("tiled") where BK divides the group and K, and
+        for symmetric int4 under bfloat16 its bf16-pair twin ("pairs")."""
         bm, bn, bk = matmul_blocks(T, self.out_features, K)
         plain = MatmulConfig(bm, bn, bk, 4, 1, "plain")
         if interpreting():
             return [plain, MatmulConfig(bm, bn, min(self.group, 64), 4, 1)]
         bucket = token_bucket(T)
-        tiles = [(64, 64, 4), (64, 128, 4), (128, 128, 8), (128, 64, 4), (128, 128, 4), (128, 256, 8)]
+        tiles = [(64, 128, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8), (128, 256, 8)]
         if bucket <= 64:
-            tiles = [(bucket, 64, 4), (bucket, 128, 4), (bucket, 128, 8), (bucket, 256, 8)]
-        out = [plain]
-        for block_m, block_n, warps in tiles:
-            for block_k in (64, 128):
-                if self.group % block_k or K % block_k:
-                    continue
-                for stages in (3, 4):
-                    if block_k == 128 and stages == 4:
-                        continue  # shared memory: 4 steps of 128 columns of x and codes is past 200 KB at BM 128
-                    out.append(MatmulConfig(block_m, block_n, block_k, warps, stages))
-        if len(out) == 1 and self.group % 32 == 0 and K % 32 == 0:  # groups of 32
-            out += [MatmulConfig(b[0], b[1], 32, b[2], 4) for b in tiles[:3]]
-        return out
+            tiles = [(bucket, 32, 4), (bucket, 64, 4), (bucket, 128, 4), (bucket, 128, 8)]
+        steps = [(64, 3), (64, 4), (128, 3)]  # (BK, stages): 4 steps of 128 columns overflow shared memory
+        if self.group % 64:
+            steps = [(32, 4)]
+        tiled = [MatmulConfig(m, n, k, warps, stages) for m, n, warps in tiles for k, stages in steps
+                 if self.group % k == 0 and K % k == 0]
+        # The pairs' step sums sit beside the accumulator: tiles of up to 64 sums a thread (past that
+        # ptxas spills at sm_90), 64 columns a step.
+        pairs = [replace(c, kernel="pairs") for c in tiled if self.pairs and c.block_k == 64
+                 and c.block_m * c.block_n <= 64 * 32 * c.num_warps]
+        return [plain, *tiled, *pairs]
 
     def _matmul(self, x, rows=None, cols=None, halves=1, config=None):
         T = x.shape[0]
@@ -377,10 +393,14 @@ class GroupedIntLinear(KernelLinear):
         if self.group % bk or K % bk or bk * self.wh % 32 or bk * self.wl % 32:
             raise ValueError(f"{self.format}: the tiled prefill takes {bk} columns a step, which must divide the "
                              f"group ({self.group}) and the {K} columns and hold whole words of each plane")
+        pairs = config.kernel == "pairs"
+        if pairs and not (self.pairs and x.dtype == torch.bfloat16):
+            raise ValueError(f"{self.format} {config}: bf16 pairs need symmetric int4 and bfloat16 activations")
         _tiled_kernel[(-(-T // bm) * -(-N // bn),)](
             x, self.low32, self.high32, self.scales, self.offsets, bias, out, T, N, K, self.in_features, n1, block,
             WL=self.wl, WH=self.wh, MID=self.mid, ASYM=self.asym, G=self.group, BM=bm, BN=bn, BK=bk, GROUP_M=8,
-            HAS_BIAS=self.bias is not None, IEEE=ieee, num_warps=config.num_warps, num_stages=config.stages)
+            HAS_BIAS=self.bias is not None, IEEE=ieee, PAIRS=pairs, ASM=pairs and common.INLINE_ASM and not ieee,
+            num_warps=config.num_warps, num_stages=config.stages)
         return out
 
 def _steps(K: int, config: MatvecConfig) -> int:
