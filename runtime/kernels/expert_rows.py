@@ -298,6 +298,8 @@ class ExpertGroup:
         member = torch.full((num_experts,), -1, dtype=torch.int32)
         member[torch.tensor(members, dtype=torch.long)] = torch.arange(len(members), dtype=torch.int32)
         self.member = member.to(device)
+        self.members = list(members)
+        self.every = len(members) == num_experts  # the kernels then skip the membership check
         self.ops = (gate_ops, up_ops, down_ops)
         self.tensors = []  # every tensor whose address a table holds (kept alive here too)
         self.addresses = {}
@@ -317,8 +319,13 @@ class ExpertGroup:
             self.addresses[role] = rows
 
     def tables(self, base: int, device) -> None:
+        """The offset tables (int64 [num_experts, 6], one row per expert of the layer, by expert index: a
+        program finds its rows with no look-up of the member index first; zeros for other groups' experts)."""
+        num_experts = self.member.numel()
         for role, rows in self.addresses.items():
-            table = torch.tensor([[a - base if a else 0 for a in row] for row in rows], dtype=torch.int64)
+            table = torch.zeros(num_experts, 6, dtype=torch.int64)
+            table[torch.tensor(self.members, dtype=torch.long)] = torch.tensor(
+                [[a - base if a else 0 for a in row] for row in rows], dtype=torch.int64)
             if (table < 0).any():
                 raise NotImplementedError("an expert part below the base address")
             if (table[:, :5] % 16).any():

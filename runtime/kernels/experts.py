@@ -15,10 +15,10 @@ Per MoE layer and token, three launches, none of which needs the host:
 
 So expert indices never leave the device and a captured decode step holds the whole layer. The
 weights stay as the executor loaded them; how a program finds and decodes its expert's rows (a
-table of byte offsets per group of experts sharing a format) is expert_rows.py. Experts of
-different formats in one layer (routing-aware bits) are served by one launch per format, each
-program checking that its slot's expert is one of the group's (`member` is -1 otherwise, and it
-writes nothing); gate/up launches group the experts by their gate/up format and down launches by
+table of byte offsets per group of experts sharing a format, a row per expert index) is
+expert_rows.py. Experts of different formats in one layer (routing-aware bits) are served by one
+launch per format, each program checking that its slot's expert is one of the group's (`member` is
+-1 otherwise, and it writes nothing; a group of every expert skips that load); gate/up launches group the experts by their gate/up format and down launches by
 their down format, so an expert's down may be stored finer or coarser than its gate/up.
 
 Formats: bf16 / f16 / f32, int8, fp8_e4m3, int3-int6 (one or two code planes), mxfp4, q2, q1 (each
@@ -101,7 +101,8 @@ def _gate_up_kernel(base, gate_table, up_table, member_ptr, logits_ptr, chosen_p
                     ASYM: tl.constexpr, HAS_BIAS: tl.constexpr, EP: tl.constexpr, TOP_K: tl.constexpr,
                     NORMALIZE: tl.constexpr, ACT: tl.constexpr, CLAMP: tl.constexpr, GAIN: tl.constexpr,
                     PREFETCH: tl.constexpr, FUSED: tl.constexpr, WORDS: tl.constexpr, PACKED: tl.constexpr,
-                    ZERO_BITS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
+                    ZERO_BITS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
+                    EVERY: tl.constexpr):
     """Program (slot, i): h[slot, i*BN..] = act(gate) * (up + up_offset) of the slot's expert, as the
     torch path rounds it (projection outputs, then the product, in h's dtype). FUSED: gate and up
     are row halves of one weight, read in one pass over x (gate row r and up row n + r interleaved in
@@ -112,13 +113,16 @@ def _gate_up_kernel(base, gate_table, up_table, member_ptr, logits_ptr, chosen_p
     if tl.program_id(1) == 0:  # for the down kernel (every format's launch stores the same)
         tl.store(chosen_ptr + slot, expert)
         tl.store(weights_ptr + slot, weight)
-    member = tl.load(member_ptr + expert)
+    g_offs = gate_table + expert * 6
+    u_offs = up_table + expert * 6
+    if EVERY:  # noqa: SIM108  (constexpr branches: only one is compiled). Every expert is the group's
+        member = 0
+    else:
+        member = tl.load(member_ptr + expert)
     if member >= 0:
         rows = tl.program_id(1) * BN + tl.arange(0, BN)
         row_mask = rows < n
         dtype: tl.constexpr = h_ptr.dtype.element_ty
-        g_offs = gate_table + member * 6
-        u_offs = up_table + member * 6
         if WORDS:
             WL: tl.constexpr = 2 if SUB == 3 else 4
             if FUSED:
@@ -156,18 +160,21 @@ def _down_kernel(base, table, member_ptr, chosen_ptr, weights_ptr, h_ptr, out_pt
                  FMT: tl.constexpr, SUB: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, BN: tl.constexpr,
                  ASYM: tl.constexpr, HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr, WORDS: tl.constexpr,
                  PACKED: tl.constexpr, ZERO_BITS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                 ASM: tl.constexpr):
+                 ASM: tl.constexpr, EVERY: tl.constexpr):
     """Program (slot, i): out[slot, i*BN..] = w_slot * (down h[slot] + bias), float32, each factor
     rounded to h's dtype as the torch path rounds it. WORDS: as _gate_up_kernel's."""
     slot = tl.program_id(0)
     expert = tl.load(chosen_ptr + slot)
     weight = tl.load(weights_ptr + slot)
-    member = tl.load(member_ptr + expert)
+    offs = table + expert * 6
+    if EVERY:  # noqa: SIM108  (constexpr branches: only one is compiled)
+        member = 0
+    else:
+        member = tl.load(member_ptr + expert)
     if member >= 0:
         rows = tl.program_id(1) * BN + tl.arange(0, BN)
         row_mask = rows < n
         dtype: tl.constexpr = h_ptr.dtype.element_ty
-        offs = table + member * 6
         if WORDS:  # K is a multiple of 32 (whole chunks): h's row keeps x's 16-byte alignment
             WL: tl.constexpr = 2 if SUB == 3 else 4
             y = words_dot(base, offs, h_ptr + tl.multiple_of(slot * K, 32), tl.program_id(1), n, K, magic, WL,
@@ -443,7 +450,7 @@ class MoEKernels:
             raise ValueError(f"whole-word expert tiles read grouped ints of 32-column groups, not {config}")
         if config.packed and not (g.dt == 4 and not g.asym and x.dtype == torch.bfloat16 and x.data_ptr() % 4 == 0):
             raise ValueError(f"{config}: bf16 pairs need symmetric int4, bfloat16 activations and x 4-byte aligned")
-        return dict(FMT=g.fmt, SUB=g.dt, ASYM=g.asym, HAS_BIAS=g.has_bias, **words)
+        return dict(FMT=g.fmt, SUB=g.dt, ASYM=g.asym, HAS_BIAS=g.has_bias, EVERY=g.every, **words)
 
     def _gate_up(self, index: int, x: torch.Tensor, config: ExpertConfig) -> None:
         g = self.gate_up_groups[index]
