@@ -51,6 +51,7 @@ def _check(plan, dtype=torch.float32, seed=1, tol=None):
     # one prefetched; on a GPU the default and the first prefetching one), each on its own tokens.
     tilings = {(i, kind): _tilings(kernels.candidates(g, kind)) for kind in ("gate_up", "down")
                for i, g in enumerate(kernels.groups(kind))}
+    tilings["router"] = kernels.router_candidates()
     for trial in range(max(3, *map(len, tilings.values()))):
         for key, options in tilings.items():
             kernels._configs[key] = options[trial % len(options)]

@@ -18,8 +18,10 @@ weights stay as the executor loaded them; how a program finds and decodes its ex
 table of byte offsets per group of experts sharing a format, a row per expert index) is
 expert_rows.py. Experts of different formats in one layer (routing-aware bits) are served by one
 launch per format, each program checking that its slot's expert is one of the group's (`member` is
--1 otherwise, and it writes nothing; a group of every expert skips that load); gate/up launches group the experts by their gate/up format and down launches by
-their down format, so an expert's down may be stored finer or coarser than its gate/up.
+-1 otherwise, and it writes nothing; a group of every expert skips that load); gate/up launches
+group the experts by their gate/up format and down launches by their down format, so an expert's
+down may be stored finer or coarser than its gate/up. The router's tiles are timed at load as the
+expert kernels' are (RouterConfig).
 
 Formats: bf16 / f16 / f32, int8, fp8_e4m3, int3-int6 (one or two code planes), mxfp4, q2, q1 (each
 tile decoded in registers; the format's reference `decode` is what it must match). Grouped ints also
@@ -204,6 +206,15 @@ class ExpertConfig:
         """The tiles in a benchmark table's words: rows x groups (or chunks) / warps, and the options."""
         options = "+pf" * self.prefetch + "+words" * self.words + "+pairs" * self.packed
         return f"{self.block_n}x{self.groups}/{self.num_warps}w{options}"
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Tiles of the router: `block_e` experts a program, `block_h` columns a loop step, `num_warps`."""
+
+    block_e: int
+    block_h: int
+    num_warps: int = 4
 
 
 class MoEKernels:
@@ -394,6 +405,38 @@ class MoEKernels:
 
         return median_ms_or_inf(launch, repeats=5, inner=10, device=self.device)
 
+    def router_candidates(self) -> list[RouterConfig]:
+        """Router tilings worth timing, the first the default: a few experts a program over steps of 512
+        columns, then whole rows a step (every program's loads in flight at once: one memory latency)."""
+        E, H = self.num_experts, self.hidden
+        if interpreting():
+            return [RouterConfig(next_power_of_2(E), min(next_power_of_2(H), 1024))]
+        out = [RouterConfig(max(1, min(16, E // 64)), min(next_power_of_2(H), 512), 4)]
+        for block_e, warps in ((1, 4), (2, 4), (1, 8), (2, 8), (4, 8)):
+            config = RouterConfig(block_e, next_power_of_2(H), warps)
+            if config not in out:
+                out.append(config)
+        return out
+
+    def router_config(self) -> RouterConfig:
+        """The router's tiles: the first candidate off a GPU, else the fastest (timed once per shape)."""
+        if "router" not in self._configs:
+            candidates = self.router_candidates()
+            shape = ("router", self.num_experts, self.hidden, self.router_bias is not None, str(self.device))
+            if len(candidates) == 1 or self.device.type != "cuda" or not self.tune:
+                self._configs["router"] = candidates[0]
+            else:
+                if shape not in _CHOSEN:
+                    x = torch.randn(self.hidden, device=self.device).to(self.dtype)
+                    times = {c: median_ms_or_inf(lambda c=c: self._route(x, c), repeats=5, inner=10,
+                                                 device=self.device) for c in candidates}
+                    best = min(times, key=times.get)
+                    if times[best] == float("inf"):
+                        raise RuntimeError("no launch tiling of the router kernel compiles here")
+                    _CHOSEN[shape] = best
+                self._configs["router"] = _CHOSEN[shape]
+        return self._configs["router"]
+
     def _prime(self, x: torch.Tensor) -> None:
         """Route x and run every gate/up group's default tiles: the chosen experts and every slot's h,
         whichever group holds it, that a down kernel reads."""
@@ -406,6 +449,7 @@ class MoEKernels:
         candidates still to be timed are compiled first, on several host threads."""
         if self.device.type == "cuda" and self.tune and not interpreting():
             self._precompile()
+        self.router_config()
         for kind in ("gate_up", "down"):
             for index in range(len(self.groups(kind))):
                 self.config(index, kind)
@@ -421,7 +465,7 @@ class MoEKernels:
         x = torch.randn(self.hidden, device=self.device).to(self.dtype)
         out = torch.empty(self.top_k, self.hidden, dtype=torch.float32, device=self.device)
         self._prime(x)
-        jobs = []
+        jobs = [(self.device, lambda c=c: self._route(x, c)) for c in self.router_candidates()]
         for index, kind in pending:
             for config in self.candidates(self.groups(kind)[index], kind):
                 if kind == "gate_up":
@@ -434,12 +478,14 @@ class MoEKernels:
 
     def route(self, x: torch.Tensor) -> None:
         """self.logits = router logits of x [hidden] (float32)."""
+        self._route(x, self.router_config())
+
+    def _route(self, x: torch.Tensor, config: RouterConfig) -> None:
         E, H = self.num_experts, self.hidden
-        block_e = max(1, min(16, E // 64)) if not interpreting() else next_power_of_2(E)
-        block_h = min(next_power_of_2(H), 1024 if interpreting() else 512)
-        _router_kernel[(-(-E // block_e),)](x, self.router_weight, self.router_bias if self.router_bias is not None
-                                            else self.logits, self.logits, E, H, BE=block_e, BH=block_h,
-                                            HAS_BIAS=self.router_bias is not None, num_warps=4)
+        _router_kernel[(-(-E // config.block_e),)](
+            x, self.router_weight, self.router_bias if self.router_bias is not None else self.logits, self.logits, E,
+            H, BE=config.block_e, BH=config.block_h, HAS_BIAS=self.router_bias is not None,
+            num_warps=config.num_warps)
 
     def _common(self, g: ExpertGroup, config: ExpertConfig, n: int, K: int, x: torch.Tensor) -> dict:
         """The constexprs (and `magic`) every launch of group g's kernel with `config` passes."""
