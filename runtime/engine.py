@@ -60,7 +60,8 @@ class DecodeEngine:
     point and joined at the step's end: a captured step holds them as a branch beside the kernels
     that follow, off their path."""
 
-    def __init__(self, executor, *, graphs: bool = True, prefetch: Collection[str] = (), prefetch_stream: bool = False):
+    def __init__(self, executor, *, graphs: bool = True, prefetch: Collection[str] = (), prefetch_stream: bool = False,
+                 finish_norm: bool | None = None):
         _check_supported(executor)
         from .kernels import attention, norm, rope, sampling  # noqa: F401  (imports triton)
 
@@ -108,6 +109,13 @@ class DecodeEngine:
         self._side = torch.cuda.Stream(self.device) if side else None
         # Names the sections of a step for the profiler (bench --profile); a no-op otherwise.
         self._mark = lambda name: contextlib.nullcontext()
+        # o and down ops whose matvec's last program also runs the residual norm (norm.Finish): chosen by
+        # timing in warm_up (finish_norm None, on a GPU), on every op that can (True) or none (False).
+        self.finish_norm = finish_norm
+        self.counter = new(1, dtype=torch.int32)
+        self._finishing: set[int] = set()
+        if finish_norm:
+            self._choose_finishing(timed=False)
 
     # ---- caches ----------------------------------------------------------------------------------
 
@@ -228,27 +236,21 @@ class DecodeEngine:
                 cache.attention(self.q, k_cache, v_cache, table, self.pos, self.attn, scale=a.scale,
                                 window=a.sliding_window, softcap=a.logit_softcap, sinks=getattr(a, "sinks", None),
                                 log=cache.attended if index == 0 else None, step=self.step)
-            with mark("o"):
-                parts, bias = self._partial_sums(a.o, self.attn)
-            with mark("residual + norm"):
-                add_rmsnorm(self.residual, self.normed, partials=parts, bias=bias,
-                            post=_norm(layer.attn_post_norm), norm=_norm(layer.ffn_norm))
+            self._add_norm(a.o, self.attn, "o", layer.attn_post_norm, layer.ffn_norm)
+            following = layers[index + 1].attn_norm if index + 1 < len(layers) else self.ex.final_norm
             if index in self.moe:
                 with mark("router + experts"):
-                    parts, bias = self.moe[index](self.normed, self.partials), None
+                    parts = self.moe[index](self.normed, self.partials)
+                self._prefetch(index, "qkv")
+                with mark("residual + norm"):
+                    add_rmsnorm(self.residual, self.normed, partials=parts, post=_norm(layer.ffn_post_norm),
+                                norm=_norm(following))
             else:
                 with mark("gate/up + act"):
                     width = self._mlp(layer.ffn, self.normed)
                 self._prefetch(index, "qkv-early")
-                with mark("down"):
-                    parts, bias = self._partial_sums(layer.ffn.down, self.mlp[:width], layer.ffn.width)
-                    if layer.ffn.shift is not None:  # an elastic FFN level: what its dropped channels add
-                        bias = layer.ffn.shift if bias is None else bias + layer.ffn.shift
-            self._prefetch(index, "qkv")
-            following = layers[index + 1].attn_norm if index + 1 < len(layers) else self.ex.final_norm
-            with mark("residual + norm"):
-                add_rmsnorm(self.residual, self.normed, partials=parts, bias=bias,
-                            post=_norm(layer.ffn_post_norm), norm=_norm(following))
+                self._add_norm(layer.ffn.down, self.mlp[:width], "down", layer.ffn_post_norm, following,
+                               layer.ffn.width, layer.ffn.shift, prefetch=index)
         with mark("lm head"):
             self._project([self.ex.lm_head], self.normed, self.logits)
         with mark("sample"):
@@ -347,6 +349,8 @@ class DecodeEngine:
         precompile(uses)  # the candidates not chosen yet, compiled on several threads
         for op, mode in uses:
             op.config(mode)
+        if self.finish_norm is None and self.device.type == "cuda":
+            self._choose_finishing(timed=True)
 
     # ---- pieces ----------------------------------------------------------------------------------
 
@@ -391,6 +395,55 @@ class DecodeEngine:
             return op.matvec(x, partials=self.partials, cols=cols), op.bias
         self.partials[0].copy_(op(x[None])[0] if cols is None else op.prefix(x[None], cols=cols)[0])
         return self.partials[:1], None
+
+    def _add_norm(self, op: LinearOp, x: torch.Tensor, name: str, post, norm, cols: int | None = None,
+                  shift: torch.Tensor | None = None, prefetch: int | None = None) -> None:
+        """residual += op(x) (over the first `cols` columns of W when given) + shift, normed by `post`;
+        normed = norm(residual): split-K partial sums then add_rmsnorm, or in one launch where `op`'s matvec
+        finishes the norm itself (chosen in warm_up). `prefetch`: the layer whose "qkv" prefetch point
+        comes between the two launches."""
+        from .kernels.norm import Finish, add_rmsnorm
+
+        finish = id(op) in self._finishing and cols is None
+        with self._mark(name):
+            if finish:
+                bias = op.bias if shift is None else shift if op.bias is None else op.bias + shift
+                op.matvec_finish(x, self.partials, Finish(self.counter, self.residual, self.normed, bias, _norm(post),
+                                                          _norm(norm)))
+            else:
+                parts, bias = self._partial_sums(op, x, cols)
+                if shift is not None:  # an elastic FFN level: what its dropped channels add
+                    bias = shift if bias is None else bias + shift
+        if prefetch is not None:
+            self._prefetch(prefetch, "qkv")
+        if not finish:
+            with self._mark("residual + norm"):
+                add_rmsnorm(self.residual, self.normed, partials=parts, bias=bias, post=_norm(post), norm=_norm(norm))
+
+    def _choose_finishing(self, timed: bool) -> None:
+        """Which o and down matvecs finish the residual norm themselves (`_add_norm`): timed (norm.choose_finish,
+        once per kind of weight: format, shape, dtype), else every one that can."""
+        from .kernels.norm import choose_finish
+
+        chosen: dict[tuple, object] = {}
+        self._finishing.clear()
+        for layer in self.ex.layers:
+            ops = [(layer.attention.o, layer.attn_post_norm, layer.ffn_norm)]
+            if isinstance(layer.ffn, MLPPlan):
+                ops.append((layer.ffn.down, layer.ffn_post_norm, True))
+            for op, post, norm in ops:
+                if not hasattr(op, "matvec_finish") or op.out_features != self.hidden:
+                    continue
+                key = (type(op), op.format, op.out_features, op.in_features, post is not None, norm is not None)
+                if key not in chosen:
+                    candidates = op.finish_candidates(self.partials.shape[0])
+                    if timed:
+                        chosen[key] = choose_finish(op, self.partials.shape[0], post is not None, norm is not None)
+                    else:
+                        chosen[key] = candidates[0] if candidates else None
+                op.finish_config = chosen[key]
+                if chosen[key] is not None:
+                    self._finishing.add(id(op))
 
     def _mlp(self, mlp: MLPPlan, x: torch.Tensor) -> int:
         """act(gate(x)) * up(x) (or act(up(x))) into self.mlp; returns its width. At an elastic FFN level

@@ -129,6 +129,29 @@ def test_prefetch_on_a_second_stream_changes_no_token(models):
     assert cache.graphs, "the step with its prefetch branch was captured"
 
 
+@pytest.mark.parametrize("quant", ["int8", "fp8_e4m3"])
+def test_matvecs_that_finish_the_residual_norm(models, quant):
+    """o and down finishing the residual norm in their last program (finish_norm=True, every such op)
+    instead of add_rmsnorm launches: the executor's tokens, graphed and eager alike (the arrival counter
+    is back to zero after every launch, so every replay counts from zero), and under the interpreter
+    the very logits of the separate launches."""
+    model = models("llama", quant)
+    prompt = _prompt(seed=9)
+    finishing = _engine(model, finish_norm=True)
+    layers = model.executor.layers
+    assert finishing._finishing == {id(op) for layer in layers for op in (layer.attention.o, layer.ffn.down)}
+    want = _executor_tokens(model, prompt, 6)
+    cache = finishing.new_cache(64)
+    assert _engine_tokens(finishing, prompt, 6, cache=cache) == want
+    assert int(finishing.counter) == 0
+    eager = _engine(model, graphs=False, finish_norm=True)
+    assert _engine_tokens(eager, prompt, 6) == want
+    plain = _engine(model, finish_norm=False)
+    assert _engine_tokens(plain, prompt, 6) == want and not plain._finishing
+    if not HAS_CUDA:
+        assert torch.equal(finishing.logits, plain.logits)
+
+
 def test_prefetch_points_are_checked(models):
     with pytest.raises(ValueError, match="unknown prefetch point"):
         _engine(models("llama"), prefetch=("down",))

@@ -130,3 +130,57 @@ def test_fp8_loads_ahead_real_shapes_on_gpu(inline_asm, monkeypatch):
     for kind in ("ahead", "stages"):
         op._configs["glu"] = next(c for c in op.candidates("glu") if getattr(c, kind))
         check_glu(op, dense, None, torch.bfloat16, "silu")
+
+
+def _finish_case(fmt, shape, config, *, bias, post, dtype=torch.bfloat16, seed=11):
+    """(finishing matvec's (residual, normed), separate partials + add_rmsnorm's, counter after) of one case."""
+    from thin.runtime.kernels.norm import Finish, add_rmsnorm
+
+    op, _, b = make_op(fmt, shape, dtype=dtype, bias=bias, seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(shape[1], generator=gen).to(dtype).to(DEVICE)
+    residual = torch.randn(shape[0], generator=gen).to(dtype).to(DEVICE)
+    weight = (1 + 0.2 * torch.randn(shape[0], generator=gen)).to(DEVICE)
+    post_norm = (weight.flip(0).contiguous(), 1e-5) if post else None
+    norm = (weight, 1e-6)
+    op._configs["partial"] = config
+    want_res, want_out = residual.clone(), poisoned(shape[0], dtype=dtype)
+    parts = op.matvec(x, partials=poisoned(4, shape[0], dtype=torch.float32))
+    add_rmsnorm(want_res, want_out, partials=parts, bias=b, post=post_norm, norm=norm)
+    op.finish_config = config
+    counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+    got_res, got_out = residual.clone(), poisoned(shape[0], dtype=dtype)
+    op.matvec_finish(x, poisoned(4, shape[0], dtype=torch.float32), Finish(counter, got_res, got_out, b, post_norm, norm))
+    return (got_res, got_out), (want_res, want_out), counter
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize(("bias", "post"), [(False, False), (True, True)])
+def test_finishing_matvec_is_add_rmsnorm(fmt, bias, post):
+    """A split-K matvec whose last program adds its partial sums into the residual and norms it
+    (matvec_finish) gives what its partial sums then add_rmsnorm give, bit for bit (the interpreter: the
+    same row function), for 1-3 splits and several programs a split, and leaves the counter zero."""
+    from thin.runtime.kernels.common import MatvecConfig
+
+    chunk = 64 if fmt == "fp8_e4m3" else 32
+    for split in (1, 2, 3):
+        config = MatvecConfig(32, chunk, split, 4)
+        got, want, counter = _finish_case(fmt, (96, 192), config, bias=bias, post=post)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), split
+        assert int(counter) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
+def test_finishing_matvec_real_shapes_on_gpu(fmt):
+    """At llama-8b's o and down shapes, every finishing candidate, twice in a row (the counter back to
+    zero): the residual as the separate launches leave it, the normed row up to the sum's order."""
+    for shape in [(4096, 4096), (4096, 14336)]:
+        op, _, _ = make_op(fmt, shape, dtype=torch.bfloat16)
+        candidates = op.finish_candidates(8)
+        assert candidates
+        for config in candidates:
+            for _ in range(2):
+                got, want, counter = _finish_case(fmt, shape, config, bias=True, post=False)
+                assert torch.equal(got[0], want[0]), config
+                assert rel_err(got[1], want[1]) < 1e-2 and int(counter) == 0, config

@@ -169,6 +169,44 @@ def bench_linear(fmt: str, name: str, sweep: bool, bandwidth: float, tune: bool 
     return row
 
 
+def bench_finish(fmt: str, name: str) -> dict | None:
+    """o or down (split-K partial sums) then the residual norm: the op's tuned partial sums and an
+    add_rmsnorm launch, against each configuration whose last program finishes the norm itself
+    (matvec_finish), timed alike (20 of each in a graph, weights cycled past L2)."""
+    from thin.runtime.kernels.norm import Finish, add_rmsnorm
+
+    n, k, _ = SHAPES[name]
+    ops, nbytes = build(fmt, n, k)
+    if not hasattr(ops[0], "matvec_finish"):
+        return None
+    copies = max(1, min(24, L2_BYTES // nbytes))
+    ops = [ops[0]] + build(fmt, n, k, copies - 1)[0] if copies > 1 else ops
+    x = torch.randn(k, device="cuda").bfloat16()
+    res, normed, w = torch.randn(n, device="cuda").bfloat16(), torch.empty(n, device="cuda").bfloat16(), torch.ones(
+        n, device="cuda")
+    parts = torch.empty(8, n, device="cuda")
+    config = ops[0].config("partial")
+    finish = Finish(torch.zeros(1, dtype=torch.int32, device="cuda"), res, normed, None, None, (w, 1e-5))
+
+    def separate(op):
+        view = op.matvec(x, partials=parts)
+        add_rmsnorm(res, normed, partials=view, norm=(w, 1e-5))
+
+    repeat = max(1, 20 // len(ops))
+    row = {"format": fmt, "shape": name, "separate": (str(config), time_graph([lambda o=o: separate(o)
+                                                                               for o in ops] * repeat) * 1e6)}
+    row["finishing"] = []
+    for c in ops[0].finish_candidates(parts.shape[0]):
+        for op in ops:
+            op.finish_config = c
+        try:
+            us = time_graph([lambda o=o: o.matvec_finish(x, parts, finish) for o in ops] * repeat) * 1e6
+        except Exception as e:  # noqa: BLE001
+            us = f"{type(e).__name__}"
+        row["finishing"].append((str(c), us))
+    return row
+
+
 def bench_cublas(name: str, bandwidth: float) -> dict:
     n, k, _ = SHAPES[name]
     copies = max(1, min(24, L2_BYTES // (2 * n * k)))
@@ -212,6 +250,8 @@ def bench_others() -> list[dict]:
     rows = []
     for name, fn in [
         ("residual + rmsnorm (4 partials)", lambda: add_rmsnorm(res, out, partials=parts, norm=(w, 1e-5))),
+        ("residual + rmsnorm (2 partials)", lambda: add_rmsnorm(res, out, partials=parts[:2], norm=(w, 1e-5))),
+        ("residual + rmsnorm (1 partial)", lambda: add_rmsnorm(res, out, partials=parts[:1], norm=(w, 1e-5))),
         ("rope + kv append", lambda: rope_append(qkv, q, k_cache, v_cache, cache.block_table, pos, 32, 8, 128,
                                                  rope=(cos, cos))),
         ("attention, 640 positions", lambda: attention(q, k_cache, v_cache, cache.block_table, pos, attn_out,
@@ -247,9 +287,11 @@ def main() -> None:
         for s in shapes:
             rows.append(bench_linear(f, s, args.sweep, bandwidth, args.tune))
     others = bench_others()
+    finishing = [r for r in (bench_finish(f, s) for f in formats for s in shapes if s in ("o", "down")) if r]
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"copy_bandwidth": bandwidth, "linear": rows, "others": others}, fh, indent=1)
+            json.dump({"copy_bandwidth": bandwidth, "linear": rows, "others": others, "finishing": finishing}, fh,
+                      indent=1)
     print(f"\ncopy bandwidth {bandwidth / 1e9:.0f} GB/s ({torch.cuda.get_device_name()})")
     print("| format | shape | best config | us | GB/s | % of copy bw | tuner's best us |")
     print("| --- | --- | --- | ---: | ---: | ---: | ---: |")
@@ -279,6 +321,13 @@ def main() -> None:
             print(f"| {r['format']} | {r['shape']} | failed | | | | |")
     for o in others:
         print(f"| {o['kernel']} | | | {o['us']:.1f} | | | |")
+    if finishing:
+        print("\n| format | shape | partial sums + add_rmsnorm launch | matvec finishing the norm: config, us |")
+        print("| --- | --- | --- | --- |")
+    for r in finishing:
+        config, us = r["separate"]
+        each = ", ".join(f"{c}: {u:.1f}" if isinstance(u, float) else f"{c}: {u}" for c, u in r["finishing"])
+        print(f"| {r['format']} | {r['shape']} | {config}: {us:.1f} | {each} |")
     print(f"total {time.perf_counter() - started:.0f} s")
 
 

@@ -13,6 +13,9 @@ most a few partial rows each.
 
 from __future__ import annotations
 
+import logging
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -32,14 +35,24 @@ def _rms(x, mask, w, H, eps):
 def _add_rmsnorm_kernel(res_ptr, delta_ptr, bias_ptr, post_ptr, norm_ptr, out_ptr, H, n_parts, part_stride,
                         post_eps, eps, DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, POST: tl.constexpr,
                         NORM: tl.constexpr, BLOCK: tl.constexpr, N_PARTS: tl.constexpr):
-    """Row r (program r). DELTA: 0 none, 1 float32 partials [n_parts, rows, H] (part_stride = rows * H;
-    the decode step's one row: [n_parts, H]), summed in split order, then the bias; 2 a dense [rows, H]
-    projection output. N_PARTS: n_parts when it is small (the loop unrolled), else 0.
+    """Row r (program r): `residual_norm_row`."""
+    residual_norm_row(res_ptr, delta_ptr, bias_ptr, post_ptr, norm_ptr, out_ptr, tl.program_id(0), H, n_parts,
+                      part_stride, post_eps, eps, DELTA, HAS_BIAS, POST, NORM, BLOCK, N_PARTS, False)
+
+
+@triton.jit
+def residual_norm_row(res_ptr, delta_ptr, bias_ptr, post_ptr, norm_ptr, out_ptr, row, H, n_parts, part_stride,
+                      post_eps, eps, DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, POST: tl.constexpr,
+                      NORM: tl.constexpr, BLOCK: tl.constexpr, N_PARTS: tl.constexpr, FRESH: tl.constexpr):
+    """Row `row` of add_rmsnorm. DELTA: 0 none, 1 float32 partials [n_parts, rows, H] (part_stride =
+    rows * H; the decode step's one row: [n_parts, H]), summed in split order, then the bias; 2 a dense
+    [rows, H] projection output. N_PARTS: n_parts when it is small (the loop unrolled), else 0. FRESH:
+    the partial sums were written by other programs of this same launch (a matvec's last program runs
+    this, `last_program`): loaded from L2, past this multiprocessor's L1.
 
     A chain of memory latencies, not a stream of bytes: the partial rows are loaded at once (not one a
     loop step, each waiting for the one before) and the norm weights before the row's sum of squares,
     so their latency overlaps it instead of following it."""
-    row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < H
     dtype = res_ptr.dtype.element_ty
@@ -53,10 +66,10 @@ def _add_rmsnorm_kernel(res_ptr, delta_ptr, bias_ptr, post_ptr, norm_ptr, out_pt
             h = tl.zeros([BLOCK], dtype=tl.float32)
             if N_PARTS > 0:
                 for s in tl.static_range(N_PARTS):
-                    h += tl.load(delta_ptr + s * part_stride + row * H + cols, mask=mask, other=0.0)
+                    h += _part(delta_ptr + s * part_stride + row * H + cols, mask, FRESH)
             else:
                 for s in range(0, n_parts):
-                    h += tl.load(delta_ptr + s * part_stride + row * H + cols, mask=mask, other=0.0)
+                    h += _part(delta_ptr + s * part_stride + row * H + cols, mask, FRESH)
             if HAS_BIAS:
                 h += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         else:
@@ -71,6 +84,34 @@ def _add_rmsnorm_kernel(res_ptr, delta_ptr, bias_ptr, post_ptr, norm_ptr, out_pt
     else:
         out = res
     tl.store(out_ptr + row * H + cols, out.to(dtype), mask=mask)
+
+
+@triton.jit
+def _part(ptrs, mask, FRESH: tl.constexpr):
+    """One partial row (float32)."""
+    if FRESH:  # noqa: SIM108  (constexpr branches: only one is compiled)
+        x = tl.load(ptrs, mask=mask, other=0.0, cache_modifier=".cg")
+    else:
+        x = tl.load(ptrs, mask=mask, other=0.0)
+    return x
+
+
+@triton.jit
+def last_program(counter_ptr):
+    """True in the one program of this launch that arrives here last (each program calls it once, after
+    its stores): that program then sees every other program's stores. The count goes back to zero, so
+    the next launch (or the next replay of a captured graph) starts from zero again.
+
+    Every thread's stores are ordered before the arrival by a barrier, then the arrival is an atomic
+    increment with acquire-release semantics at GPU scope (Triton's scalar atomic issues it from one
+    thread and hands the old count to the others through shared memory, behind another barrier)."""
+    tl.debug_barrier()
+    total = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
+    arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
+    last = arrived == total - 1
+    if last:
+        tl.atomic_xchg(counter_ptr, 0, sem="relaxed", scope="gpu")
+    return last
 
 
 def add_rmsnorm(residual: torch.Tensor, out: torch.Tensor, *, partials: torch.Tensor | None = None,
@@ -102,6 +143,67 @@ def add_rmsnorm(residual: torch.Tensor, out: torch.Tensor, *, partials: torch.Te
 # Partial rows summed by an unrolled loop (one compiled kernel per count): the split-K factors and a
 # mixture's top-k are at most this in practice.
 MAX_UNROLLED = 8
+
+
+@dataclass(frozen=True)
+class Finish:
+    """add_rmsnorm of one row, done by the last program of the split-K matvec that writes its partial
+    sums (a family's `matvec_finish`): residual [H] += their sum + `bias`, post-normed by `post`; normed
+    = norm(residual). `counter`: int32 [1], zero, which that program leaves zero again (`last_program`)."""
+
+    counter: torch.Tensor
+    residual: torch.Tensor
+    normed: torch.Tensor
+    bias: torch.Tensor | None = None
+    post: tuple | None = None
+    norm: tuple | None = None
+
+    def launch_args(self, parts: int, H: int) -> dict:
+        """The matvec kernel's finishing arguments for `parts` partial sums of H values."""
+        if self.residual.numel() != H or self.normed.numel() != H:
+            raise ValueError(f"a finishing matvec norms one row of {H} values, got a residual of "
+                             f"{self.residual.numel()} and an output of {self.normed.numel()}")
+        post_w, post_eps = self.post if self.post is not None else (None, 0.0)
+        norm_w, eps = self.norm if self.norm is not None else (None, 0.0)
+        return dict(counter_ptr=self.counter, res_ptr=self.residual, finish_bias_ptr=self.bias, post_ptr=post_w,
+                    norm_ptr=norm_w, normed_ptr=self.normed, post_eps=float(post_eps), eps=float(eps), FINISH=True,
+                    FINISH_BIAS=self.bias is not None, POST=self.post is not None, NORM=self.norm is not None,
+                    H_BLOCK=next_power_of_2(H), N_PARTS=parts if parts <= MAX_UNROLLED else 0)
+
+
+def choose_finish(op, max_split: int, post: bool, norm: bool, eps: float = 1e-5):
+    """The configuration among `op.finish_candidates(max_split)` with which its matvec plus the finishing
+    residual norm (`op.matvec_finish`) runs fastest on this device, if that beats its split-K partial
+    sums then an add_rmsnorm launch; else None. Timed on scratch rows (random x, norm weights of ones
+    when `post` / `norm`), as the decode step's CUDA graph runs them: back to back."""
+    from .common import median_ms, median_ms_or_inf
+
+    H, device = op.out_features, op.device
+    x = torch.randn(op.in_features, device=device).to(op.dtype)
+    residual, normed = torch.randn(H, device=device).to(op.dtype), torch.empty(H, dtype=op.dtype, device=device)
+    ones = torch.ones(H, device=device)
+    post_norm, final = (ones, eps) if post else None, (ones, eps) if norm else None
+    config = op.config("partial")
+    parts = torch.empty(max(max_split, config.split), H, dtype=torch.float32, device=device)
+
+    def separate():
+        view = parts[:config.split]
+        used = op._matvec(x, view, config, -1, True)
+        add_rmsnorm(residual, normed, partials=view if used is None else view[:used], bias=op.bias, post=post_norm,
+                    norm=final)
+
+    finish = Finish(torch.zeros(1, dtype=torch.int32, device=device), residual, normed, op.bias, post_norm, final)
+    best, best_ms = None, median_ms(separate)
+    separate_ms = best_ms
+    for candidate in op.finish_candidates(max_split):
+        ms = median_ms_or_inf(lambda c=candidate: op._matvec(x, parts[:c.split], c, -1, True, finish=finish))
+        if ms < best_ms:
+            best, best_ms = candidate, ms
+    how = f"in the matvec's last program ({best})" if best is not None else "a launch of its own"
+    logging.getLogger("thin.runtime").info(
+        f"{op.format} {op.out_features}x{op.in_features}: residual norm {how}: {1e3 * best_ms:.1f} us, partial sums "
+        f"then add_rmsnorm {1e3 * separate_ms:.1f} us")
+    return best
 
 
 def reference(residual, h, post, norm):

@@ -33,6 +33,7 @@ from .common import (
     prefix_split,
 )
 from .grouped_int import matmul_blocks
+from .norm import last_program, residual_norm_row
 from .tiles import (
     dot_tile,
     masked_load,
@@ -182,10 +183,15 @@ def _int8_dot(v_ptr, x_ptr, starts, row_mask, K, split_chunks, flip_lo, flip_hi,
 def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, split, flip_lo, flip_hi, FP8: tl.constexpr,
                    BN: tl.constexpr, STEP: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                    ASM: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr,
-                   AHEAD: tl.constexpr, STAGES: tl.constexpr):
+                   AHEAD: tl.constexpr, STAGES: tl.constexpr, counter_ptr=None, res_ptr=None, finish_bias_ptr=None,
+                   post_ptr=None, norm_ptr=None, normed_ptr=None, post_eps=0.0, eps=0.0,
+                   FINISH: tl.constexpr = False, FINISH_BIAS: tl.constexpr = False, POST: tl.constexpr = False,
+                   NORM: tl.constexpr = False, H_BLOCK: tl.constexpr = 1, N_PARTS: tl.constexpr = 0):
     """Program (i, s): output rows i*BN.., the columns of split s (`split` of them: columns for
     fp8, chunks for int8; STEP per loop step). ACT >= 0: the weight is [gate; up] and the tile
-    holds both rows of each output (gate row r, up row n + r), one pass over x."""
+    holds both rows of each output (gate row r, up row n + r), one pass over x. FINISH (with
+    PARTIAL): the launch's last program also adds the partial sums into the residual and norms it
+    (norm.Finish), so no residual-norm launch follows."""
     rows, row_mask = tile_rows(tl.program_id(0), n, BN, ACT >= 0)
     if FP8 and AHEAD:  # v_ptr: int32 words; split and STEP in chunks of 8 columns
         starts = tile_starts(tl.program_id(0), n, K // 8, BN, ACT >= 0, ASM)
@@ -197,6 +203,11 @@ def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, split, flip
         total = _int8_dot(v_ptr, x_ptr, starts, row_mask, K, split, flip_lo, flip_hi, STEP, EVEN_N, EVEN_K, ASM)
     total *= tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
     store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL)
+    if FINISH:  # noqa: SIM102  (a constexpr condition, then a run-time one)
+        if last_program(counter_ptr):
+            residual_norm_row(res_ptr, out_ptr, finish_bias_ptr, post_ptr, norm_ptr, normed_ptr, 0, n,
+                              tl.num_programs(1), n, post_eps, eps, 1, FINISH_BIAS, POST, NORM, H_BLOCK, N_PARTS,
+                              True)
 
 
 @triton.jit
@@ -257,7 +268,24 @@ class Rowwise8Linear(KernelLinear):
         return (out + [replace(c, ahead=2) for c in out if fp8_steps(K, c) > 1]
                 + [replace(c, stages=3) for c in out if c.num_warps <= 2 and fp8_steps(K, c) >= 3])
 
-    def _matvec(self, x, out, config, act, partial, rows=None, cols=None):
+    # The configuration of `matvec_finish` (norm.choose_finish), None until chosen.
+    finish_config: MatvecConfig | None = None
+
+    def matvec_finish(self, x: torch.Tensor, partials: torch.Tensor, finish) -> None:
+        """matvec(x, partials=partials) with `finish_config`, whose last program then adds the partial
+        sums into the residual and norms it (`finish`, a norm.Finish): add_rmsnorm without a launch."""
+        config = self.finish_config
+        if config is None or partials.shape[0] < config.split:
+            raise ValueError("matvec_finish runs with a chosen finish_config and room for its partial sums")
+        self._matvec(x.reshape(self.in_features), partials[:config.split], config, -1, True, finish=finish)
+
+    def finish_candidates(self, max_split: int) -> list[MatvecConfig]:
+        """Split-K configurations whose matvec can also finish the residual norm (`matvec(finish=...)`):
+        the partial-sum candidates of 4 warps or more (the last program holds the hidden_size-long row
+        in registers: 32 values a thread at 4096) of at most `max_split` splits."""
+        return [c for c in self.candidates("partial") if c.num_warps >= 4 and c.split <= max_split]
+
+    def _matvec(self, x, out, config, act, partial, rows=None, cols=None, finish=None):
         n, programs, config = prefix_rows(self, config, act, rows)
         K = self.in_features if cols is None else cols  # the kernels keep in_features for the row strides
         if self.fp8:
@@ -279,7 +307,8 @@ class Rowwise8Linear(KernelLinear):
             MAGIC_BITS | 0x8000,
             FP8=self.fp8, BN=config.block_n, STEP=step, EVEN_N=n % config.block_n == 0, EVEN_K=even, ASM=asm,
             ACT=act, HAS_BIAS=self.bias is not None, PARTIAL=partial, AHEAD=config.ahead if self.fp8 else 0,
-            STAGES=config.stages if self.fp8 else 0, num_warps=config.num_warps)
+            STAGES=config.stages if self.fp8 else 0, num_warps=config.num_warps,
+            **(finish.launch_args(config.split, n) if finish is not None else {}))
         return config.split
 
     def _matmul(self, x, rows=None, cols=None, halves=1):
