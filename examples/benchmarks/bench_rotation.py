@@ -12,15 +12,19 @@ expert projection W [out, in] the plan stores in a quantized format, with S its 
 second moment (the statistics GPTQ used for it) and R = diag(random signs) H (signs first, then the
 mixing, as QuIP# orders them so that any fixed W is made incoherent; H the normalized
 Hadamard matrix of size `in`, block-diagonal with the largest power-of-two block dividing `in` when
-`in` is not a power of two), W' = W R is quantized by the same GPTQ (passes/gptq.py) to the same
-format and parameters the plan chose, under S' = R^T S R, and the model runs with the effective
-weight decode(W') R^T in place of the plan's (a dense override in the evaluator's session, so
-nothing is stored differently: the bits per weight are the plan's). A runtime would keep decode(W')
-and rotate the activation instead, x -> R^T x: once per MoE layer for gate and up (every expert reads
-the same x, so one R per layer), and once per selected expert for down's input (each expert's own
-intermediate). Rows: `none`; `gate/up` (gate and up rotated); `all` (down too); `exact` (a bound,
-not a rotation: every routed expert at its source weights, the rest of the model as planned, so what
-no better expert format could go below at that plan).
+`in` is not a power of two; `--block group` makes the block each tensor's quantization group, so the
+rotation mixes columns only inside a group, `--block N` N columns), W' = W R is quantized by the
+same GPTQ (passes/gptq.py) to the same format and parameters the plan chose, under S' = R^T S R,
+and the model runs with the effective weight decode(W') R^T in place of the plan's (a dense
+override in the evaluator's session, so nothing is stored differently: the bits per weight are the
+plan's). A runtime would keep decode(W') and rotate the activation instead, x -> R^T x: once per
+MoE layer for gate and up (every expert reads the same x, so one R per layer), and once per
+selected expert for down's input (each expert's own intermediate). Rows: `none`; `gate/up` (gate
+and up rotated); `all` (down too); `exact` (a bound, not a rotation: every routed expert at its
+source weights, the rest of the model as planned, so what no better expert format could go below
+at that plan). `--error-scales A,B,...` adds, per budget, a row per scale a (not a rotation either):
+every routed expert at source + a (decode(W) - source), the plan's own expert error shrunk to a of
+its size (layer error a^2), which says how much smaller the expert error has to be for a target KLD.
 
 Columns: bits per weight of the stored program, mean KLD, top-1 and perplexity against the float32
 source, and `layer error`: the rotated experts' GPTQ objective, sum over them of trace((W - W_hat)
@@ -54,19 +58,33 @@ def hadamard(n: int):
     return h / n ** 0.5
 
 
-def rotation(n: int, seed: int):
+def rotation(n: int, seed: int, block: int | None = None):
     """R = diag(s) blockdiag(H_b, ...) [n, n], orthogonal: s random signs (from `seed`), H_b the
-    normalized Hadamard matrix of the largest power of two b dividing n. x -> R^T x = H (s * x) is
-    what a runtime would do: flip signs, then a fast Walsh-Hadamard transform per block of b."""
+    normalized Hadamard matrix of size `block` (default: the largest power of two dividing n). x -> R^T x
+    = H (s * x) is what a runtime would do: flip signs, then a fast Walsh-Hadamard transform per block."""
     import torch
 
-    block = n & -n
+    block = block or n & -n
+    if n % block:
+        raise ValueError(f"a rotation block of {block} does not divide {n} columns")
     h = torch.block_diag(*[hadamard(block)] * (n // block))
     signs = torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(seed), dtype=torch.float64) * 2 - 1
     return signs[:, None] * h
 
 
-def rotated_weights(program, ctx, quantized, roles, seed: int):
+def block_size(block: str, params) -> int | None:
+    """The rotation block `--block` asks for: None (the largest power of two dividing the input, up to
+    all of it), the quantization group size of the tensor's format (`group`), or a number of columns."""
+    if block == "full":
+        return None
+    if block == "group":
+        if "group_size" not in dict(params):
+            raise SystemExit(f"--block group: a format with no group size ({dict(params)})")
+        return dict(params)["group_size"]
+    return int(block)
+
+
+def rotated_weights(program, ctx, quantized, roles, seed: int, block: str = "full"):
     """({name: effective weight decode(W R) R^T, float32}, rotated error, unrotated error) for every
     quantized routed expert projection of `quantized` whose role is in `roles`."""
     import torch
@@ -86,7 +104,8 @@ def rotated_weights(program, ctx, quantized, roles, seed: int):
                                                     torch.float32).double()
         plain = fmt.decode(quantized.load(rec.name), rec.shape, rec.encoding.params, torch.float32).double()
         # One R per layer and input: gate and up share theirs (all experts read the same x).
-        r = rotation(rec.shape[1], seed + 2 * rec.layer + (rec.role == "moe.expert.down"))
+        r = rotation(rec.shape[1], seed + 2 * rec.layer + (rec.role == "moe.expert.down"),
+                     block_size(block, rec.encoding.params))
         stats = load_statistics(ctx, program, rec.name)
         if stats is None:  # no calibration statistics: round to nearest, as quantize_weights does
             blob = fmt.encode((w @ r).float(), rec.encoding.params)
@@ -115,11 +134,28 @@ def source_experts(program, quantized) -> dict:
             for s in (source[t.name],)}
 
 
-def by_group_size(program, ctx, fmt_name: str, seed: int) -> list[dict]:
+def scaled_errors(program, quantized, scale: float) -> dict:
+    """{name: source + scale * (decoded - source), float32} for every routed expert projection
+    `quantized` stores quantized: its quantization error scaled by `scale`."""
+    import torch
+
+    from thin.ir import formats
+
+    out = {}
+    for name, w in source_experts(program, quantized).items():
+        rec = quantized.model.tensor_map()[name]
+        plain = formats.get(rec.encoding.format).decode(quantized.load(name), rec.shape, rec.encoding.params,
+                                                        torch.float32)
+        out[name] = w + scale * (plain - w)
+    return out
+
+
+def by_group_size(program, ctx, fmt_name: str, seed: int, block: str = "full") -> list[dict]:
     """Per role of the routed experts and per group size of `fmt_name`: the GPTQ objective summed over
     every expert with calibration statistics, unrotated and rotated (the same R as `rotated_weights`),
     and the incoherence of the weights (max |W| sqrt(numel) / ||W||_F, mean over experts) and of the
-    inputs (max diag S / mean diag S, mean over experts) without and with R."""
+    inputs (max diag S / mean diag S, mean over experts) without and with R (with `--block group`,
+    the R of the smallest group size)."""
     import torch
 
     from thin.ir import formats
@@ -135,17 +171,19 @@ def by_group_size(program, ctx, fmt_name: str, seed: int) -> list[dict]:
             continue
         w = formats.get(rec.encoding.format).decode(program.load(rec.name), rec.shape, rec.encoding.params,
                                                     torch.float32).double()
-        r = rotation(rec.shape[1], seed + 2 * rec.layer + (rec.role == "moe.expert.down"))
         h = stats["hessian"].double()
         row = rows.setdefault(rec.role, {"experts": 0, "shape": rec.shape, "mu_w": [0.0, 0.0], "mu_s": [0.0, 0.0],
                                          **{g: [0.0, 0.0] for g in sizes}})
         row["experts"] += 1
-        for k, (wk, hk) in enumerate(((w, h), (w @ r, r.T @ h @ r))):
-            row["mu_w"][k] += float(wk.abs().max() * wk.numel() ** 0.5 / wk.norm())
-            d = torch.diagonal(hk)
-            row["mu_s"][k] += float(d.max() / d.mean())
-            for g in sizes:
-                params = fmt.normalize({} if g is None else {"group_size": g})
+        for g in sizes:
+            params = fmt.normalize({} if g is None else {"group_size": g})
+            r = rotation(rec.shape[1], seed + 2 * rec.layer + (rec.role == "moe.expert.down"),
+                         block_size(block, params))
+            for k, (wk, hk) in enumerate(((w, h), (w @ r, r.T @ h @ r))):
+                if g == sizes[0]:
+                    row["mu_w"][k] += float(wk.abs().max() * wk.numel() ** 0.5 / wk.norm())
+                    d = torch.diagonal(hk)
+                    row["mu_s"][k] += float(d.max() / d.mean())
                 _, w_hat = gptq(wk.float(), hk.float(), fmt, params)
                 row[g][k] += output_error(wk, w_hat.double(), hk)
     def bits(shape, g) -> float:
@@ -164,18 +202,33 @@ def main() -> None:
     parser.add_argument("--expert-formats", default="q2", help="formats the routed experts may take (default q2)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     parser.add_argument("--seed", type=int, default=0, help="seed of the rotations' random signs")
+    parser.add_argument("--block", default="full",
+                        help="rotation block: 'full' (default: the largest power of two dividing the input), "
+                             "'group' (each tensor's quantization group size: the rotation mixes only inside "
+                             "a group), or a number of columns")
     parser.add_argument("--tokens", type=int, default=4224)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--stride", type=int, default=128)
     parser.add_argument("--group-sizes", action="store_true",
                         help="also: every expert at each group size of the first --expert-formats format, "
                              "layer error and incoherence without and with the rotation")
+    parser.add_argument("--error-scales", default="",
+                        help="comma-separated scales a: also rows with every routed expert at source + a x its "
+                             "plan's quantization error")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    try:
+        scales = [float(a) for a in args.error_scales.split(",") if a]
+    except ValueError:
+        raise SystemExit(f"--error-scales takes comma-separated numbers, got {args.error_scales!r}") from None
     variants = args.variants.split(",")
     unknown = [v for v in variants if v not in VARIANTS]
     if unknown:
         raise SystemExit(f"unknown variant {unknown[0]!r}; variants are {', '.join(VARIANTS)}")
+    variants += [f"x{a}" for a in scales]
+    if args.block not in ("full", "group") and not (args.block.isdigit() and int(args.block) > 0
+                                                    and int(args.block) & (int(args.block) - 1) == 0):
+        raise SystemExit(f"--block takes full, group or a power of two, got {args.block!r}")
 
     import torch
 
@@ -221,8 +274,12 @@ def main() -> None:
             t1 = time.perf_counter()
             if variant == "exact":
                 weights, err_rot, err_plain = source_experts(scored, quantized), 0.0, 1.0
+            elif variant not in VARIANTS:  # "x<scale>", from --error-scales
+                scale = float(variant[1:])
+                weights, err_rot, err_plain = scaled_errors(scored, quantized, scale), scale ** 2, 1.0
             else:
-                weights, err_rot, err_plain = rotated_weights(scored, each, quantized, VARIANTS[variant], args.seed)
+                weights, err_rot, err_plain = rotated_weights(scored, each, quantized, VARIANTS[variant], args.seed,
+                                                             args.block)
             with session.overriding(weights):
                 result = compare(reference, session, ids, context=args.context, stride=args.stride)
             rows.append({"bpw_budget": budget, "variant": variant, "bits_per_weight": 8 * stored / parameters,
@@ -238,7 +295,8 @@ def main() -> None:
         print(f"| {r['bpw_budget']} | {r['variant']} ({r['rotated']}) | {r['bits_per_weight']:.3f} | "
               f"{r['mean_kld']:.5f} | {100 * r['top1_agreement']:.1f}% | {r['perplexity_candidate']:.3f} "
               f"({r['perplexity_reference']:.3f}) | {r['layer_error']:.3f} |")
-    groups = by_group_size(scored, ctx, args.expert_formats.split(",")[0], args.seed) if args.group_sizes else []
+    groups = (by_group_size(scored, ctx, args.expert_formats.split(",")[0], args.seed, args.block)
+              if args.group_sizes else [])
     if groups:
         print()
         print("| role | group size | bits per weight | layer error | rotated | ratio | max/rms W (rotated) "
