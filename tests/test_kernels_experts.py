@@ -171,6 +171,32 @@ def test_grouped_ints_read_as_whole_words():
     _check(_plan([("int4", {"group_size": 32, "asymmetric": 1})] * 3, hidden=96, inter=160, seed=15))
 
 
+def test_the_timings_routings_pick_each_groups_experts_in_turn():
+    """The launch tuner times each kernel over routings that read other experts launch after launch
+    (MoEKernels._routings): the gate/up kernel, given routing r's logits, chooses routing r's experts."""
+    from thin.runtime.kernels.experts import MoEKernels
+
+    fmts = [("int4", {"group_size": 32})] * 6 + [("q2", {"group_size": 16})] * 3
+    kernels = MoEKernels(_plan(fmts, top_k=2, seed=17), DEVICE, torch.float32, tune=False)
+    x = torch.randn(HIDDEN).to(DEVICE)
+    for index, group in enumerate(kernels.groups("gate_up")):
+        logits, chosen, weights = kernels._routings(group)
+        assert logits.shape[0] == -(-len(group.members) // 2)
+        seen = set()
+        for r in range(logits.shape[0]):
+            kernels._gate_up(index, x, kernels.candidates(group, "gate_up")[0], logits=logits[r])
+            assert kernels.chosen.tolist() == chosen[r].tolist()
+            assert torch.allclose(kernels.weights, weights[r])
+            seen |= set(chosen[r].tolist())
+        assert seen >= set(group.members)
+    for index, group in enumerate(kernels.groups("down")):  # and the down kernel reads the routing it is given
+        logits, chosen, weights = kernels._routings(group)
+        out = poisoned(kernels.top_k, HIDDEN, dtype=torch.float32)
+        kernels._down(index, out, kernels.candidates(group, "down")[0], chosen=chosen[-1], weights=weights[-1])
+        written = [slot for slot, e in enumerate(chosen[-1].tolist()) if e in group.members]
+        assert written and not out[written].isnan().any()
+
+
 def test_what_the_kernels_do_not_run_is_refused():
     import dataclasses
 
