@@ -197,7 +197,7 @@ def _matmul_kernel(x_ptr, low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, ou
 
 @triton.jit
 def _unpack8(words, S: tl.constexpr, STEP: tl.constexpr, W: tl.constexpr):
-    """The W-bit codes at bits S + STEP * i (i = 0..7) of each int32 word, as a [..., 2, 2, 2] tensor
+    """The W-bit codes at bits S + STEP * i (i = 0..7) of each uint32 word, as a [..., 2, 2, 2] tensor
     whose last three dimensions flatten (row-major) to i: tl.join puts its new dimension last, so the
     outermost join picks i's lowest bit (codes 0, 2, 4, 6 against 1, 3, 5, 7) and the innermost its
     highest. Each join keeps the new dimension within a thread: no data moves between lanes."""
@@ -215,13 +215,13 @@ def _unpack8(words, S: tl.constexpr, STEP: tl.constexpr, W: tl.constexpr):
 
 @triton.jit
 def _plane_tile(words_ptr, row_words, row_mask, k0, BN: tl.constexpr, BK: tl.constexpr, W: tl.constexpr):
-    """Codes [BN, BK] (int32, columns k0 .. k0 + BK in order) of a W-bit plane: each row's BK * W / 32
+    """Codes [BN, BK] (uint32, columns k0 .. k0 + BK in order) of a W-bit plane: each row's BK * W / 32
     packed words loaded whole (one contiguous load a row, no byte gathers), the 32 / W codes of a
     word spread by shifts (`_unpack8`: column 8 c + i is code i of word c for 4-bit planes, 16 c + i
     and 32 c + i for 2- and 1-bit ones)."""
     P: tl.constexpr = 32 // W  # codes a word
     words = tl.load(words_ptr + row_words[:, None] + (k0 // P + tl.arange(0, BK // P))[None, :],
-                    mask=row_mask[:, None], other=0)
+                    mask=row_mask[:, None], other=0).to(tl.uint32, bitcast=True)  # logical shifts
     if P == 8:
         codes = _unpack8(words, 0, W, W)
     elif P == 16:
@@ -233,10 +233,42 @@ def _plane_tile(words_ptr, row_words, row_mask, k0, BN: tl.constexpr, BK: tl.con
 
 
 @triton.jit
-def _tiled_kernel(x_ptr, low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, T, N, K, KS, n1, block,
+def _nibble(src, S: tl.constexpr, scale, bias, magic, dtype: tl.constexpr):
+    """The weights of the 4-bit codes u at bits S..S+3 of each int32 in `src` (S <= 12), in `dtype`:
+    the code masked in place and OR-ed into the mantissa of 2^23 by one logic op, 2^23 taken off
+    (u * 2^S, exact), then u * 2^S * (scale * 2^-S) + bias by one fused multiply-add (exact products:
+    the same float32 weight as (u - MID) * scale, or u * scale + offset)."""
+    f = ((src & (0xF << S)) | magic).to(tl.float32, bitcast=True) - 8388608.0
+    return (f * (scale * (1.0 / (1 << S))) + bias).to(dtype)
+
+
+@triton.jit
+def _int4_weights(words, scale, bias, magic, dtype: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+    """Weights [BN, BK] (columns in order) of a one-plane 4-bit tile given as int32 words [BN, BK / 8]
+    (code i of word c is column 8 c + i at bits 4 i), their rows' scale and bias [BN, 1] (symmetric:
+    -MID * scale; asymmetric: the offset). Codes 0-3 are read in place and 4-7 from the word shifted
+    by 16 (`_nibble`: S <= 12 keeps u * 2^S inside the float's mantissa), then joined as `_unpack8`.
+    `magic` is 2^23's bits (common.MAGIC_BITS) as an argument: a register, where the masks are the
+    logic op's immediates (one immediate an instruction; as constants, ptxas re-materialised them)."""
+    high = words >> 16
+    w0 = _nibble(words, 0, scale, bias, magic, dtype)
+    w1 = _nibble(words, 4, scale, bias, magic, dtype)
+    w2 = _nibble(words, 8, scale, bias, magic, dtype)
+    w3 = _nibble(words, 12, scale, bias, magic, dtype)
+    w4 = _nibble(high, 0, scale, bias, magic, dtype)
+    w5 = _nibble(high, 4, scale, bias, magic, dtype)
+    w6 = _nibble(high, 8, scale, bias, magic, dtype)
+    w7 = _nibble(high, 12, scale, bias, magic, dtype)
+    w = tl.join(tl.join(tl.join(w0, w4), tl.join(w2, w6)), tl.join(tl.join(w1, w5), tl.join(w3, w7)))
+    return tl.reshape(w, [BN, BK])
+
+
+@triton.jit
+def _tiled_kernel(x_ptr, low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, T, N, K, KS, n1, block, magic,
                   WL: tl.constexpr, WH: tl.constexpr, MID: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
-                  HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, PAIRS: tl.constexpr = False, ASM: tl.constexpr = False):
+                  HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, PAIRS: tl.constexpr = False, ASM: tl.constexpr = False,
+                  MAGIC: tl.constexpr = 0x4B000000):
     """Prefill, the pipelined tiling (MatmulConfig "tiled"): out[T, N] = x[T, K] @ W.T, as
     `_matmul_kernel` computes it (same rows, prefix and bias), with whole packed words loaded per step
     (`_plane_tile`), one group scale (and offset) per row and step (BK divides G), and the loop left
@@ -278,16 +310,27 @@ def _tiled_kernel(x_ptr, low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, out
                         tl.join(_codes(h, 4, MID, ASM), _codes(h, 12, MID, ASM)))
             scale = tl.load(scale_ptr + side_rows + k0 // G, mask=row_mask, other=0.0).to(tl.float32)
             acc += dot_tile(x, tl.reshape(u, [BN, BK]).to(x.dtype), IEEE) * scale[None, :]
+        elif WL == 4 and WH == 0:  # int4: codes straight to weights, three instructions a weight
+            words = tl.load(low_ptr + low_words[:, None] + (k0 // 8 + tl.arange(0, BK // 8))[None, :],
+                            mask=row_mask[:, None], other=0)
+            scale = tl.load(scale_ptr + side_rows + k0 // G, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+            if ASYM:  # noqa: SIM108  (constexpr branches: only one is compiled)
+                bias = tl.load(offset_ptr + side_rows + k0 // G, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+            else:
+                bias = -MID * scale
+            acc += dot_tile(x, _int4_weights(words, scale, bias, magic, x.dtype, BN, BK), IEEE)
         else:
             codes = _plane_tile(low_ptr, low_words, row_mask, k0, BN, BK, WL)
             if WH > 0:
                 codes |= _plane_tile(high_ptr, high_words, row_mask, k0, BN, BK, WH) << WL
             scale = tl.load(scale_ptr + side_rows + k0 // G, mask=row_mask, other=0.0).to(tl.float32)[:, None]
+            # u as a float without a conversion instruction: OR-ed into the mantissa of 2^23, 2^23 taken off.
+            u = (codes | MAGIC).to(tl.float32, bitcast=True) - 8388608.0
             if ASYM:
                 offset = tl.load(offset_ptr + side_rows + k0 // G, mask=row_mask, other=0.0).to(tl.float32)[:, None]
-                w = codes.to(tl.float32) * scale + offset
-            else:
-                w = (codes - MID).to(tl.float32) * scale
+                w = u * scale + offset
+            else:  # u * s - MID * s: both exact in float32 (a 6-bit u times an 11-bit f16 scale), as (u - MID) * s
+                w = u * scale - MID * scale
             acc += dot_tile(x, w.to(x.dtype), IEEE)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
@@ -398,6 +441,7 @@ class GroupedIntLinear(KernelLinear):
             raise ValueError(f"{self.format} {config}: bf16 pairs need symmetric int4 and bfloat16 activations")
         _tiled_kernel[(-(-T // bm) * -(-N // bn),)](
             x, self.low32, self.high32, self.scales, self.offsets, bias, out, T, N, K, self.in_features, n1, block,
+            MAGIC_BITS,
             WL=self.wl, WH=self.wh, MID=self.mid, ASYM=self.asym, G=self.group, BM=bm, BN=bn, BK=bk, GROUP_M=8,
             HAS_BIAS=self.bias is not None, IEEE=ieee, PAIRS=pairs, ASM=pairs and common.INLINE_ASM and not ieee,
             num_warps=config.num_warps, num_stages=config.stages)
