@@ -173,14 +173,15 @@ def test_grouped_ints_read_as_whole_words():
 
 def test_the_timings_routings_pick_each_groups_experts_in_turn():
     """The launch tuner times each kernel over routings that read other experts launch after launch
-    (MoEKernels._routings): the gate/up kernel, given routing r's logits, chooses routing r's experts."""
+    (expert_tiles.routings): the gate/up kernel, given routing r's logits, chooses routing r's experts."""
+    from thin.runtime.kernels.expert_tiles import routings
     from thin.runtime.kernels.experts import MoEKernels
 
     fmts = [("int4", {"group_size": 32})] * 6 + [("q2", {"group_size": 16})] * 3
     kernels = MoEKernels(_plan(fmts, top_k=2, seed=17), DEVICE, torch.float32, tune=False)
     x = torch.randn(HIDDEN).to(DEVICE)
     for index, group in enumerate(kernels.groups("gate_up")):
-        logits, chosen, weights = kernels._routings(group)
+        logits, chosen, weights = routings(group, len(fmts), 2, True, DEVICE)
         assert logits.shape[0] == -(-len(group.members) // 2)
         seen = set()
         for r in range(logits.shape[0]):
@@ -190,7 +191,7 @@ def test_the_timings_routings_pick_each_groups_experts_in_turn():
             seen |= set(chosen[r].tolist())
         assert seen >= set(group.members)
     for index, group in enumerate(kernels.groups("down")):  # and the down kernel reads the routing it is given
-        logits, chosen, weights = kernels._routings(group)
+        logits, chosen, weights = routings(group, len(fmts), 2, True, DEVICE)
         out = poisoned(kernels.top_k, HIDDEN, dtype=torch.float32)
         kernels._down(index, out, kernels.candidates(group, "down")[0], chosen=chosen[-1], weights=weights[-1])
         written = [slot for slot, e in enumerate(chosen[-1].tolist()) if e in group.members]

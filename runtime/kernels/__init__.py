@@ -16,6 +16,7 @@ Everything else a decode step runs:
                     weighted down, reading each expert's packed bytes (indices stay on the device)
     expert_rows.py  one expert's rows in any weight format, found through per-format offset tables
     expert_words.py grouped-int experts' rows read as whole words (the dense int4 matvec's chunk scheme)
+    expert_tiles.py the expert kernels' launch tiles: candidates the load-time timing picks from
     grouped_int_batch.py  int4 weights times a few rows of activations (the batched decode step)
     sampling.py     greedy argmax and temperature / top-k / top-p / min-p draws on the device
     prefetch.py     L2 prefetch of the weights a decode step reads next (DecodeEngine(prefetch=...))

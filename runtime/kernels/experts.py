@@ -33,15 +33,14 @@ NotImplementedError at construction, which the engine turns into a clear refusal
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
 
 from . import common, interpreting
-from .common import ACTIVATION_CODES, CHUNK_ROWS, MAGIC_BITS, compile_launches, median_ms_or_inf, next_power_of_2
+from .common import ACTIVATION_CODES, MAGIC_BITS, compile_launches, median_ms_or_inf, next_power_of_2
 from .expert_rows import FORMAT_CODES, GINT, SUPPORTED, ExpertGroup, row_bias, rows_dot, weight_parts
+from .expert_tiles import ExpertConfig, RouterConfig, expert_candidates, router_candidates, routings
 from .expert_words import words_dot
 from .pairs import PAIR_MAGIC, zero_pair
 from .tiles import activate, glu_halves
@@ -190,33 +189,6 @@ def _down_kernel(base, table, member_ptr, chosen_ptr, weights_ptr, h_ptr, out_pt
 
 # ---- launchers --------------------------------------------------------------------------------------------
 
-@dataclass(frozen=True)
-class ExpertConfig:
-    """Tiles of one expert kernel: `block_n` rows a program, `groups` format groups a loop step
-    (columns per step for one-byte and dense formats; with `words`, chunks of 32 columns), `num_warps`."""
-
-    block_n: int
-    groups: int
-    num_warps: int = 4
-    prefetch: bool = False  # load the next step's weights before this step's math
-    words: bool = False  # grouped ints: rows read as whole words (expert_words.py), one chunk a lane
-    packed: bool = False  # with words: symmetric int4 under bf16 activations summed as bf16 pairs (pairs.py)
-
-    def label(self) -> str:
-        """The tiles in a benchmark table's words: rows x groups (or chunks) / warps, and the options."""
-        options = "+pf" * self.prefetch + "+words" * self.words + "+pairs" * self.packed
-        return f"{self.block_n}x{self.groups}/{self.num_warps}w{options}"
-
-
-@dataclass(frozen=True)
-class RouterConfig:
-    """Tiles of the router: `block_e` experts a program, `block_h` columns a loop step, `num_warps`."""
-
-    block_e: int
-    block_h: int
-    num_warps: int = 4
-
-
 class MoEKernels:
     """The decode path of one MoE layer (executor's MoEPlan) on the kernels above (`tune`: time the
     launch tiles on a GPU, else take the first candidate).
@@ -309,57 +281,12 @@ class MoEKernels:
 
     def candidates(self, group: ExpertGroup, kind: str) -> list[ExpertConfig]:
         """Tiles worth timing for `group`'s gate/up ("gate_up") or down ("down") kernel; first is the default."""
-        K = self.hidden if kind == "gate_up" else self.inter
-        n = self.inter if kind == "gate_up" else self.hidden
-        if interpreting():  # the whole row in one step, and with the prefetch's masked extra step
-            cols = next_power_of_2(K)
-            ng = cols // group.group if group.group else cols
-            return [ExpertConfig(min(next_power_of_2(n), 64), ng), ExpertConfig(16, max(1, ng // 2), 4, True)] \
-                + self._word_candidates(group, kind)
-        if group.group:  # groups a step: 256 or 512 columns, at most the row's
-            steps = [min(max(1, c // group.group), next_power_of_2(K // group.group)) for c in (256, 512)]
-            tiles = [(bn, step, w) for step in steps for bn, w in ((16, 4), (8, 4), (32, 8))]
-        else:
-            tiles = [(bn, min(bk, next_power_of_2(K)), w) for bk in (256, 512) for bn, w in ((8, 4), (16, 4), (4, 2))]
-        out = []
-        for prefetch in (False, True):
-            for bn, step, w in tiles[:4] if prefetch else tiles:
-                config = ExpertConfig(bn, step, w, prefetch)
-                if config not in out:
-                    out.append(config)
-        return out + self._word_candidates(group, kind)
+        K, n = (self.hidden, self.inter) if kind == "gate_up" else (self.inter, self.hidden)
+        return expert_candidates(group, K, n, self.dtype, kind == "gate_up" and self.fused)
 
-    def _word_candidates(self, group: ExpertGroup, kind: str) -> list[ExpertConfig]:
-        """The whole-word tilings of a grouped-int group (none for other formats): a lane a chunk of 32
-        columns, 32 chunks a warp (for rows shorter than that, also 8 chunks a step), tiles
-        of 4-16 weight rows (half as many output rows for a fused gate/up), and each also with bf16 pairs
-        where those apply. After the byte-wise candidates: never the default untimed."""
-        K = self.hidden if kind == "gate_up" else self.inter
-        n = self.inter if kind == "gate_up" else self.hidden
-        if group.fmt != GINT or group.group % 32 or K % 32:
-            return []
-        total = K // 32
-        pairs = group.dt == 4 and not group.asym and self.dtype == torch.bfloat16
-        glu = kind == "gate_up" and self.fused
-        if interpreting():  # steps of 2 chunks (a loop, and a masked tail where the chunks are odd)
-            tiles = [(min(next_power_of_2(n), 64), min(2, total), 4)]
-        else:
-            tiles = []
-            for warps in (1, 2, 4):
-                if 32 * warps > total and warps > 1:
-                    continue
-                # A row shorter than a warp's 32 chunks (down's 768 columns are 24) leaves lanes idle:
-                # also one warp of 8 chunks a step, several steps.
-                chunks = [32 * warps] + ([8] if warps == 1 and total < 32 and total % 8 == 0 else [])
-                for c in chunks:
-                    for rows in CHUNK_ROWS[group.dt]:  # by words a lane loads per row: a b-bit chunk is b words
-                        tiles.append((rows // 2 if glu else rows, c, warps))
-        out = []
-        for bn, c, w in tiles:
-            out.append(ExpertConfig(bn, c, w, words=True))
-            if pairs:
-                out.append(ExpertConfig(bn, c, w, words=True, packed=True))
-        return out
+    def router_candidates(self) -> list[RouterConfig]:
+        """The router's tilings worth timing; first is the default."""
+        return router_candidates(self.num_experts, self.hidden)
 
     def config(self, index: int, kind: str) -> ExpertConfig:
         """The tiles of group `index`'s `kind` kernel: the first candidate off a GPU, else the fastest,
@@ -390,11 +317,12 @@ class MoEKernels:
     def _time(self, index: int, kind: str, config: ExpertConfig) -> float:
         """Median milliseconds of one launch with `config`; infinite when it does not compile here (a
         tiling past the registers or shared memory this GPU has). Successive launches route to different
-        experts of the group (_routings), so, as in a model's step, their weights come from memory, not
+        experts of the group (expert_tiles.routings), so, as in a model's step, their weights come from memory, not
         from the L2 the launch before filled."""
         x = torch.randn(self.hidden, device=self.device).to(self.dtype)
         out = torch.empty(self.top_k, self.hidden, dtype=torch.float32, device=self.device)
-        logits, chosen, weights = self._routings(self.groups(kind)[index])
+        logits, chosen, weights = routings(self.groups(kind)[index], self.num_experts, self.top_k, self.normalize,
+                                           self.device)
         calls = []
 
         def launch():
@@ -408,36 +336,6 @@ class MoEKernels:
                 self._down(index, out, config, chosen=chosen[r], weights=weights[r])
 
         return median_ms_or_inf(launch, repeats=5, inner=10, device=self.device)
-
-    def _routings(self, group: ExpertGroup) -> tuple:
-        """(logits [R, E], chosen [R, top_k], weights [R, top_k]) of R routings that pick the group's
-        experts in turn, routing r the k members from r * k on: R = members / k (at most 64), so launch
-        after launch reads other experts (moe-a3b: 16 routings, 200 MB of int4 gate/up, past the L2)."""
-        members = group.members
-        k = min(self.top_k, len(members))
-        rounds = min(64, -(-len(members) // k))
-        logits = torch.zeros(rounds, self.num_experts)
-        for r in range(rounds):
-            for j in range(k):
-                logits[r, members[(r * k + j) % len(members)]] = 30.0 + k - j
-        probs = torch.softmax(logits, -1)
-        top = torch.topk(probs, self.top_k, dim=-1)
-        weights = top.values / top.values.sum(-1, keepdim=True) if self.normalize else top.values
-        return (logits.to(self.device), top.indices.to(torch.int32).to(self.device),
-                weights.float().to(self.device))
-
-    def router_candidates(self) -> list[RouterConfig]:
-        """Router tilings worth timing, the first the default: a few experts a program over steps of 512
-        columns, then whole rows a step (every program's loads in flight at once: one memory latency)."""
-        E, H = self.num_experts, self.hidden
-        if interpreting():
-            return [RouterConfig(next_power_of_2(E), min(next_power_of_2(H), 1024))]
-        out = [RouterConfig(max(1, min(16, E // 64)), min(next_power_of_2(H), 512), 4)]
-        for block_e, warps in ((1, 4), (2, 4), (1, 8), (2, 8), (4, 8)):
-            config = RouterConfig(block_e, next_power_of_2(H), warps)
-            if config not in out:
-                out.append(config)
-        return out
 
     def router_config(self) -> RouterConfig:
         """The router's tiles: the first candidate off a GPU, else the fastest (timed once per shape)."""
