@@ -175,9 +175,12 @@ def choose_finish(op, max_split: int, post: bool, norm: bool, eps: float = 1e-5)
     """The configuration among `op.finish_candidates(max_split)` with which its matvec plus the finishing
     residual norm (`op.matvec_finish`) runs fastest on this device, if that beats its split-K partial
     sums then an add_rmsnorm launch; else None. Timed on scratch rows (random x, norm weights of ones
-    when `post` / `norm`), as the decode step's CUDA graph runs them: back to back."""
-    from .common import median_ms, median_ms_or_inf
+    when `post` / `norm`), as the decode step's CUDA graph runs them: back to back. Weights the tuner does not
+    time (too small, common._small, or not to be tuned, LinearOp.tune) keep the separate launches."""
+    from .common import _small, compile_launches, median_ms, median_ms_or_inf
 
+    if _small(op) or not op.tune:
+        return None
     H, device = op.out_features, op.device
     x = torch.randn(op.in_features, device=device).to(op.dtype)
     residual, normed = torch.randn(H, device=device).to(op.dtype), torch.empty(H, dtype=op.dtype, device=device)
@@ -193,10 +196,13 @@ def choose_finish(op, max_split: int, post: bool, norm: bool, eps: float = 1e-5)
                     norm=final)
 
     finish = Finish(torch.zeros(1, dtype=torch.int32, device=device), residual, normed, op.bias, post_norm, final)
+    launches = [(candidate, lambda c=candidate: op._matvec(x, parts[:c.split], c, -1, True, finish=finish))
+                for candidate in op.finish_candidates(max_split)]
+    compile_launches([(device, launch) for _, launch in launches], report=False)  # on host threads
     best, best_ms = None, median_ms(separate)
     separate_ms = best_ms
-    for candidate in op.finish_candidates(max_split):
-        ms = median_ms_or_inf(lambda c=candidate: op._matvec(x, parts[:c.split], c, -1, True, finish=finish))
+    for candidate, launch in launches:
+        ms = median_ms_or_inf(launch)
         if ms < best_ms:
             best, best_ms = candidate, ms
     how = f"in the matvec's last program ({best})" if best is not None else "a launch of its own"
