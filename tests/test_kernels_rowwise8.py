@@ -145,12 +145,12 @@ def _finish_case(fmt, shape, config, *, bias, post, dtype=torch.bfloat16, seed=1
     norm = (weight, 1e-6)
     op._configs["partial"] = config
     want_res, want_out = residual.clone(), poisoned(shape[0], dtype=dtype)
-    parts = op.matvec(x, partials=poisoned(4, shape[0], dtype=torch.float32))
+    parts = op.matvec(x, partials=poisoned(8, shape[0], dtype=torch.float32))
     add_rmsnorm(want_res, want_out, partials=parts, bias=b, post=post_norm, norm=norm)
     op.finish_config = config
     counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     got_res, got_out = residual.clone(), poisoned(shape[0], dtype=dtype)
-    op.matvec_finish(x, poisoned(4, shape[0], dtype=torch.float32), Finish(counter, got_res, got_out, b, post_norm, norm))
+    op.matvec_finish(x, poisoned(8, shape[0], dtype=torch.float32), Finish(counter, got_res, got_out, b, post_norm, norm))
     return (got_res, got_out), (want_res, want_out), counter
 
 
@@ -178,7 +178,7 @@ def test_finishing_matvec_real_shapes_on_gpu(fmt):
     for shape in [(4096, 4096), (4096, 14336)]:
         op, _, _ = make_op(fmt, shape, dtype=torch.bfloat16)
         candidates = op.finish_candidates(8)
-        assert candidates
+        assert candidates and all(c.num_warps >= 4 for c in candidates)
         for config in candidates:
             for _ in range(2):
                 got, want, counter = _finish_case(fmt, shape, config, bias=True, post=False)

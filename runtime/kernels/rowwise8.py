@@ -280,10 +280,12 @@ class Rowwise8Linear(KernelLinear):
         self._matvec(x.reshape(self.in_features), partials[:config.split], config, -1, True, finish=finish)
 
     def finish_candidates(self, max_split: int) -> list[MatvecConfig]:
-        """Split-K configurations whose matvec can also finish the residual norm (`matvec(finish=...)`):
-        the partial-sum candidates of 4 warps or more (the last program holds the hidden_size-long row
-        in registers: 32 values a thread at 4096) of at most `max_split` splits."""
-        return [c for c in self.candidates("partial") if c.num_warps >= 4 and c.split <= max_split]
+        """Split-K configurations whose matvec can also finish the residual norm (`matvec_finish`): the
+        partial-sum candidates of at most `max_split` splits with threads enough to hold the row (the
+        last program keeps the out_features-long row in registers: at most 32 values a thread, so 4 warps
+        or more at 4096)."""
+        return [c for c in self.candidates("partial")
+                if c.num_warps * 32 * 32 >= self.out_features and c.split <= max_split]
 
     def _matvec(self, x, out, config, act, partial, rows=None, cols=None, finish=None):
         n, programs, config = prefix_rows(self, config, act, rows)
