@@ -82,10 +82,16 @@ class DecodeEngine:
         qkv_width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         # Split-K partial sums come from the projections back into the residual (o and down), and
         # a mixture of experts leaves one row per chosen expert there.
-        summed = [layer.attention.o for layer in executor.layers]
-        summed += [layer.ffn.down for layer in executor.layers if isinstance(layer.ffn, MLPPlan)]
-        splits = max([op.split for op in summed if hasattr(op, "split")] + [m.top_k for m in self.moe.values()]
-                     + [1])
+        # Each elastic FFN level's down prefix has a configuration of its own (KernelLinear.config).
+        summed = [(layer.attention.o, "partial") for layer in executor.layers]
+        summed += [(layer.ffn.down, "partial") for layer in executor.layers if isinstance(layer.ffn, MLPPlan)]
+        summed = self._kernel_uses(summed + [use for use in self._level_uses() if use[1] == "partial"])
+        if self.device.type == "cuda":
+            from .kernels.common import precompile
+
+            precompile(summed)  # their candidates, compiled on host threads before choosing
+        splits = max([op.config(mode, *prefix).split for op, mode, *prefix in summed if mode == "partial"]
+                     + [m.top_k for m in self.moe.values()] + [1])
 
         def new(*shape, dtype=self.dtype):
             return torch.zeros(*shape, dtype=dtype, device=self.device)
@@ -344,11 +350,30 @@ class DecodeEngine:
                 fused = mlp.gated and len(mlp.up) == 1
                 uses += [(op, "glu" if fused else "direct") for op in mlp.up] + [(mlp.down, "partial")]
         uses.append((self.ex.lm_head, "direct"))
-        uses = [(op, mode if mode != "partial" or op.out_features == self.hidden else "direct")
-                for op, mode in uses if hasattr(op, "config")]
+        uses = self._kernel_uses(uses + self._level_uses())
         precompile(uses)  # the candidates not chosen yet, compiled on several threads
-        for op, mode in uses:
-            op.config(mode)
+        for op, mode, *prefix in uses:
+            op.config(mode, *prefix)
+
+    def _level_uses(self) -> list[tuple]:
+        """(op, mode, rows, cols) of the matvecs over a prefix that the decode step runs at the
+        executor's certified elastic FFN levels: gate/up's first rows, down's first columns."""
+        uses = []
+        for level in self.ex.ffn_levels:
+            for layer, (width, _, _) in zip(self.ex.layers, level):
+                mlp = layer.ffn
+                if not isinstance(mlp, MLPPlan) or width is None or width == mlp.down.in_features:
+                    continue
+                mode = "glu" if mlp.gated and len(mlp.up) == 1 else "direct"
+                uses += [(op, mode, width, None) for op in mlp.up] + [(mlp.down, "partial", None, width)]
+        return uses
+
+    def _kernel_uses(self, uses: list[tuple]) -> list[tuple]:
+        """The (op, mode, ...) uses of ops with launch configurations, each once, "partial" as the decode
+        step runs it: only where the output is the residual (else "direct")."""
+        uses = [(op, mode if mode != "partial" or op.out_features == self.hidden else "direct", *prefix)
+                for op, mode, *prefix in uses if hasattr(op, "config")]
+        return list(dict.fromkeys(uses))
         if self.finish_norm is None and self.device.type == "cuda":
             self._choose_finishing(timed=True)
 
@@ -451,8 +476,10 @@ class DecodeEngine:
         width = mlp.down.in_features if mlp.width is None else mlp.width
         out = self.mlp[:width]
         if mlp.gated and len(mlp.up) == 1 and hasattr(mlp.up[0], "matvec"):
-            mlp.up[0].matvec(x, out=out, activation=mlp.activation, rows=mlp.width)
-        elif mlp.gated:
+            # The level's scale in the kernel's epilogue where it takes one, else a launch of its own.
+            mlp.up[0].matvec(x, out=out, activation=mlp.activation, rows=mlp.width, scale=mlp.scale)
+            return width
+        if mlp.gated:
             halves = 2 if len(mlp.up) == 1 else 1
             gate_up = [_rows(op, x[None], mlp.width, halves)[0] for op in mlp.up]
             gate, up = gate_up[0].chunk(2) if len(gate_up) == 1 else gate_up

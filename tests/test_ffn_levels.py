@@ -236,6 +236,14 @@ def test_the_kernels_and_the_decode_engine_run_each_level_like_the_executor(comp
         model = load(out, device=DEVICE.type)
         assert {op.implementation for op in model.executor.linear_ops()} == {"triton"}
         engine = DecodeEngine(model.executor)
+        engine.warm_up()  # each level's prefixes have launch configurations of their own
+        for level in model.executor.ffn_levels[1:]:
+            for layer, (width, _, _) in zip(model.executor.layers, level):
+                mlp = layer.ffn
+                if width != mlp.down.in_features:
+                    assert {("partial", None, width), ("glu", width, None)} <= set(mlp.down._configs) | set(
+                        mlp.up[0]._configs)
+                    assert engine.partials.shape[0] >= mlp.down.config("partial", None, width).split
         prompt = model.encode(TEXT)[:12]
         opts = GenerationOptions(max_new_tokens=6, stop_token_ids=())
         shared = engine.new_cache(len(prompt) + opts.max_new_tokens)  # its captured steps are per level

@@ -43,12 +43,12 @@ def test_untuned_op_takes_the_default_configuration(monkeypatch):
 
     timed = []
     monkeypatch.setattr(common, "interpreting", lambda: False)
-    monkeypatch.setattr(common, "_time", lambda op, config, mode: timed.append(config) or 1.0)
+    monkeypatch.setattr(common, "_time", lambda op, config, mode, rows=None, cols=None: timed.append(config) or 1.0)
 
     class Op:
         device, in_features, out_features, tune = torch.device("cuda"), 4096, 4096, False
 
-        def candidates(self, mode):
+        def candidates(self, mode, rows=None, cols=None):
             return ["default", "other"]
 
     assert common.choose(Op(), "direct") == "default" and timed == []
@@ -79,7 +79,7 @@ def test_precompile_launches_each_untuned_candidate_once(monkeypatch):
 
     launched = []
 
-    def launcher(op, config, mode):
+    def launcher(op, config, mode, rows=None, cols=None):
         def launch():
             if config == "broken":
                 raise RuntimeError("does not compile")
@@ -101,7 +101,7 @@ def test_precompile_launches_each_untuned_candidate_once(monkeypatch):
         def __init__(self, name, shape, configs=("a", "b", "broken"), tune=True):
             self.name, self.shape, self.configs, self.tune, self._configs = name, shape, list(configs), tune, {}
 
-        def candidates(self, mode):
+        def candidates(self, mode, rows=None, cols=None):
             return self.configs
 
     uses = [(Op("q0", "qkv"), "direct"), (Op("q1", "qkv"), "direct"), (Op("g0", "gate_up"), "glu"),

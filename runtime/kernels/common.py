@@ -72,15 +72,27 @@ class KernelLinear(LinearOp):
         self.p = dict(self.fmt.normalize(self.params))
         self.raw, self.bias, self.dtype = raw, bias, dtype
         self.parts = self.fmt.split(raw, self.shape, self.params) if not self.fmt.dense else {}
-        self._configs: dict[str, MatvecConfig] = {}
+        # Chosen configurations: by mode for the whole weight, by (mode, rows, cols) for a prefix.
+        self._configs: dict[str | tuple, MatvecConfig] = {}
+
+    # Whether `_matvec` takes `scale` (an elastic FFN level's per-channel scale, applied in the gate/up
+    # epilogue); otherwise `matvec` multiplies the product by it in a launch of its own.
+    glu_scale = False
 
     # ---- what families define ------------------------------------------------------------------
 
-    def candidates(self, mode: str) -> list[MatvecConfig]:
+    def candidates(self, mode: str, rows: int | None = None, cols: int | None = None) -> list[MatvecConfig]:
         """Configurations worth timing for this weight in `mode` (first = the untimed default):
         "direct" (the output itself), "partial" (split-K partial sums, for a consumer that adds
-        them) or "glu" (act(gate) * up of a [gate; up] weight)."""
+        them) or "glu" (act(gate) * up of a [gate; up] weight); for an elastic prefix (`rows`,
+        `cols`, see `matvec`) those of a weight of the prefix's shape (`matvec_shape`)."""
         raise NotImplementedError
+
+    def matvec_shape(self, mode: str, rows: int | None = None, cols: int | None = None) -> tuple[int, int]:
+        """(output rows, columns) a matvec in `mode` computes: gate/up's output is half its rows; a
+        prefix's are its `rows` and `cols`."""
+        n = self.out_features // 2 if mode == "glu" else self.out_features
+        return (n if rows is None else rows), (self.in_features if cols is None else cols)
 
     def _matvec(self, x: torch.Tensor, out: torch.Tensor, config: MatvecConfig, act: int, partial: bool,
                 rows: int | None = None, cols: int | None = None) -> int | None:
@@ -106,11 +118,15 @@ class KernelLinear(LinearOp):
         y = self.matvec(x2[0]).unsqueeze(0) if x2.shape[0] == 1 else self._matmul(x2.contiguous())
         return y.reshape(*x.shape[:-1], self.out_features)
 
-    def config(self, mode: str = "direct") -> MatvecConfig:
-        """The matvec configuration of one mode (see `candidates`), chosen on first use (`choose`)."""
-        if mode not in self._configs:
-            self._configs[mode] = choose(self, mode)
-        return self._configs[mode]
+    def config(self, mode: str = "direct", rows: int | None = None, cols: int | None = None) -> MatvecConfig:
+        """The matvec configuration of one mode (see `candidates`), chosen on first use (`choose`); an
+        elastic prefix (`rows`, `cols`, see `matvec`) has its own, chosen for its shape, as a weight
+        of that shape would be (the whole weight's tiles, splits and steps can fit a prefix badly)."""
+        rows, cols = proper_prefix(self, mode, rows, cols)
+        key = config_key(mode, rows, cols)
+        if key not in self._configs:
+            self._configs[key] = choose(self, mode, rows, cols)
+        return self._configs[key]
 
     @property
     def split(self) -> int:
@@ -118,29 +134,38 @@ class KernelLinear(LinearOp):
         return self.config("partial").split
 
     def matvec(self, x: torch.Tensor, *, out: torch.Tensor | None = None, partials: torch.Tensor | None = None,
-               activation: str | None = None, rows: int | None = None, cols: int | None = None) -> torch.Tensor:
+               activation: str | None = None, rows: int | None = None, cols: int | None = None,
+               scale: torch.Tensor | None = None) -> torch.Tensor:
         """x [K] -> [N] (compute dtype, bias added), written into `out` when given.
 
         With `partials` ([>= split, N] float32), write the split-K partial sums there instead (no
         bias) and return the rows written: whoever consumes them adds them up (the fused residual
-        norm does). With `activation`, return act(gate) * up [N / 2] for a fused [gate; up] weight.
-        `rows` / `cols` run a prefix of the weight in place (an elastic FFN level, see `prefix`):
-        the first `rows` outputs (of each half with `activation`), the first `cols` columns (x is
-        [cols])."""
+        norm does). With `activation`, return act(gate) * up [N / 2] for a fused [gate; up] weight,
+        times `scale` (one per output, in the compute dtype) when given. `rows` / `cols` run a prefix
+        of the weight in place (an elastic FFN level, see `prefix`) with its own configuration
+        (`config`): the first `rows` outputs (of each half with `activation`), the first `cols`
+        columns (x is [cols]). A prefix whose split-K exceeds the rows of `partials` runs with
+        fewer splits (a buffer sized before that prefix's configuration was chosen)."""
         x = x.reshape(self.in_features if cols is None else cols)
         if activation is not None:
             width = self.out_features // 2 if rows is None else rows
             out = out if out is not None else torch.empty(width, dtype=self.dtype, device=x.device)
-            self._matvec(x, out, self.config("glu"), ACTIVATION_CODES[activation], False, rows, cols)
-            return out
+            code, config = ACTIVATION_CODES[activation], self.config("glu", rows, cols)
+            if scale is not None and self.glu_scale:
+                self._matvec(x, out, config, code, False, rows, cols, scale=scale)
+                return out
+            self._matvec(x, out, config, code, False, rows, cols)
+            return out if scale is None else out.mul_(scale)
         if partials is not None:
-            config = self.config("partial")
+            config = self.config("partial", rows, cols)
+            if config.split > partials.shape[0]:
+                config = replace(config, split=partials.shape[0])
             view = partials[:config.split]
             used = self._matvec(x, view, config, -1, True, rows, cols)
             return view if used is None else view[:used]
         out = out if out is not None else torch.empty(self.out_features if rows is None else rows, dtype=self.dtype,
                                                       device=x.device)
-        self._matvec(x, out, self.config("direct"), -1, False, rows, cols)
+        self._matvec(x, out, self.config("direct", rows, cols), -1, False, rows, cols)
         return out
 
     def prefix(self, x, *, rows=None, cols=None, halves=1):
@@ -163,19 +188,36 @@ class KernelLinear(LinearOp):
 
 # ---- choosing configurations ------------------------------------------------------------------------
 
-def choose(op: KernelLinear, mode: str) -> MatvecConfig:
-    """The configuration `op` runs with in `mode`: the first candidate under the interpreter
-    (nothing to time) or for an op not to be tuned (`LinearOp.tune`), else the cached choice for
-    this device and shape, else the fastest candidate timed on the real weight (then cached)."""
-    candidates = op.candidates(mode)
+def proper_prefix(op: KernelLinear, mode: str, rows: int | None, cols: int | None) -> tuple[int | None, int | None]:
+    """(rows, cols) of a matvec prefix in `mode` with a whole dimension as None (the weight itself)."""
+    n = op.out_features // 2 if mode == "glu" else op.out_features
+    return (None if rows == n else rows), (None if cols == op.in_features else cols)
+
+
+def config_key(mode: str, rows: int | None, cols: int | None) -> str | tuple:
+    """Where KernelLinear.config keeps a choice: the mode for the whole weight, else (mode, rows, cols)."""
+    return mode if rows is None and cols is None else (mode, rows, cols)
+
+
+def _tuned_mode(mode: str, rows: int | None, cols: int | None) -> str:
+    """The mode as the cache of choices names it: a prefix's rows and columns added."""
+    return mode + (f" rows {rows}" if rows is not None else "") + (f" cols {cols}" if cols is not None else "")
+
+
+def choose(op: KernelLinear, mode: str, rows: int | None = None, cols: int | None = None) -> MatvecConfig:
+    """The configuration `op` runs with in `mode` (over the prefix `rows`, `cols` when given, see
+    KernelLinear.matvec): the first candidate under the interpreter (nothing to time) or for an op
+    not to be tuned (`LinearOp.tune`), else the cached choice for this device, shape and prefix,
+    else the fastest candidate timed on the real weight (then cached)."""
+    candidates = op.candidates(mode, rows, cols)
     if interpreting() or not op.tune or len(candidates) == 1 or op.device.type != "cuda" or _small(op):
         return candidates[0]
-    key = _cache_key(op, mode)
+    key = _cache_key(op, _tuned_mode(mode, rows, cols))
     cache = _TuneCache.get()
     hit = cache.lookup(key)
     if hit is not None and hit in candidates:
         return hit
-    best = min(candidates, key=lambda c: _time(op, c, mode))
+    best = min(candidates, key=lambda c: _time(op, c, mode, rows, cols))
     cache.store(key, best)
     return best
 
@@ -185,26 +227,28 @@ def _small(op: KernelLinear) -> bool:
     return op.in_features * op.out_features < 4 * 2**20 // 2
 
 
-def _launcher(op: KernelLinear, config: MatvecConfig, mode: str):
-    """One matvec of `op` with `config` in `mode`, on random input, as a callable."""
-    x = torch.randn(op.in_features, device=op.device).to(op.dtype)
-    if mode == "glu":
-        out = torch.empty(op.out_features // 2, dtype=op.dtype, device=x.device)
-    elif mode == "partial":
-        out = torch.empty(config.split, op.out_features, dtype=torch.float32, device=x.device)
+def _launcher(op: KernelLinear, config: MatvecConfig, mode: str, rows: int | None = None, cols: int | None = None):
+    """One matvec of `op` with `config` in `mode` (over the prefix `rows`, `cols`), on random input,
+    as a callable."""
+    n, k = op.matvec_shape(mode, rows, cols)
+    x = torch.randn(k, device=op.device).to(op.dtype)
+    if mode == "partial":
+        out = torch.empty(config.split, op.out_features if rows is None else rows, dtype=torch.float32,
+                          device=x.device)
     else:
-        out = torch.empty(op.out_features, dtype=op.dtype, device=x.device)
+        out = torch.empty(n, dtype=op.dtype, device=x.device)
     act = ACTIVATION_CODES["silu"] if mode == "glu" else -1
 
     def launch():
-        op._matvec(x, out, config, act, mode == "partial")
+        op._matvec(x, out, config, act, mode == "partial", rows, cols)
 
     return launch
 
 
-def _time(op: KernelLinear, config: MatvecConfig, mode: str) -> float:
+def _time(op: KernelLinear, config: MatvecConfig, mode: str, rows: int | None = None,
+          cols: int | None = None) -> float:
     """Median milliseconds of one launch with `config` (compile excluded)."""
-    return median_ms(_launcher(op, config, mode))
+    return median_ms(_launcher(op, config, mode, rows, cols))
 
 
 def compile_threads() -> int:
@@ -221,9 +265,10 @@ def compile_threads() -> int:
 
 def precompile(uses, workers: int | None = None) -> int:
     """Compile, on `workers` host threads (default `compile_threads()`), every launch candidate
-    `choose` would time for these (op, mode) uses, so that choosing then only times them. One op
-    per distinct weight shape, format and mode (the kernels they compile are the same), and none
-    whose choice is cached or that `choose` would not time. Returns the candidates launched.
+    `choose` would time for these (op, mode) or (op, mode, rows, cols) uses (the last two: an elastic
+    prefix, see KernelLinear.matvec), so that choosing then only times them. One op per distinct
+    weight shape, format, mode and prefix (the kernels they compile are the same), and none whose
+    choice is cached or that `choose` would not time. Returns the candidates launched.
 
     Compiling dominates the first load of a model on a GPU: about a second a candidate (the 9 of
     int6 g64 at 4096x4096 took 10.2 s compiled for sm_90 on this project's 2-core CPU machine),
@@ -235,15 +280,16 @@ def precompile(uses, workers: int | None = None) -> int:
     if interpreting():
         return 0
     cache, jobs, seen = _TuneCache.get(), [], set()
-    for op, mode in uses:
-        if not op.tune or op.device.type != "cuda" or _small(op) or mode in op._configs:
+    for op, mode, *prefix in uses:
+        rows, cols = proper_prefix(op, mode, *(prefix or (None, None)))
+        if not op.tune or op.device.type != "cuda" or _small(op) or config_key(mode, rows, cols) in op._configs:
             continue
-        candidates = op.candidates(mode)
-        key = _cache_key(op, mode)
+        candidates = op.candidates(mode, rows, cols)
+        key = _cache_key(op, _tuned_mode(mode, rows, cols))
         if len(candidates) == 1 or key in seen or cache.lookup(key) in candidates:
             continue
         seen.add(key)
-        jobs += [(op.device, _launcher(op, config, mode)) for config in candidates]
+        jobs += [(op.device, _launcher(op, config, mode, rows, cols)) for config in candidates]
     compile_launches(jobs, workers)
     return len(jobs)
 

@@ -76,9 +76,8 @@ class DenseKernelLinear(KernelLinear):
         self.weight = load_weight(record, raw, device, dtype).contiguous()
         self.raw = None  # the decoded weight is the only copy kept
 
-    def candidates(self, mode: str) -> list[MatvecConfig]:
-        n = self.out_features // 2 if mode == "glu" else self.out_features
-        K = self.in_features
+    def candidates(self, mode: str, rows: int | None = None, cols: int | None = None) -> list[MatvecConfig]:
+        n, K = self.matvec_shape(mode, rows, cols)
         if interpreting():
             return [MatvecConfig(interpreter_block(n, 256), min(next_power_of_2(K), 512), 1, 4)]
         out = []

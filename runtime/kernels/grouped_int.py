@@ -149,17 +149,21 @@ def _sides(scale_ptr, offset_ptr, pid, n, groups, c0, end, G: tl.constexpr, C: t
 
 
 @triton.jit
-def _matvec_kernel(low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, x_ptr, out_ptr, n, K: tl.constexpr,
+def _matvec_kernel(low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, level_ptr, x_ptr, out_ptr, n, K: tl.constexpr,
                    split_chunks, magic,
                    WL: tl.constexpr, WH: tl.constexpr, MID: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr,
                    C: tl.constexpr, BN: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
                    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, PACKED: tl.constexpr,
-                   ZERO_BITS: tl.constexpr, AHEAD: tl.constexpr):
+                   ZERO_BITS: tl.constexpr, AHEAD: tl.constexpr, LEVEL: tl.constexpr):
     """Program (i, s): output rows i*BN.., chunks of split s. With ACT >= 0 the weight is [gate; up]
-    and the tile holds both rows of each output (gate row r, up row n + r), one pass over x."""
+    and the tile holds both rows of each output (gate row r, up row n + r), one pass over x; LEVEL:
+    the product times level_ptr[r] (an elastic FFN level's scale, instead of a launch of its own)."""
     total = _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K, split_chunks, magic, WL, WH, MID, ASYM,
                       G, C, BN, ACT >= 0, EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS, AHEAD)
-    store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL)
+    if LEVEL:
+        store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL, level_ptr)
+    else:
+        store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL)
 
 
 @triton.jit
@@ -358,33 +362,40 @@ class GroupedIntLinear(KernelLinear):
         self.pairs = (self.wl, self.wh, self.asym, dtype) == (4, 0, False, torch.bfloat16)
         self._matmul_configs: dict[tuple[int, int, int], MatmulConfig] = {}
 
-    def candidates(self, mode: str) -> list[MatvecConfig]:
-        n = self.out_features // 2 if mode == "glu" else self.out_features
-        base = chunk_candidates(n, self.in_features, 32, mode, self.wl + self.wh)
+    glu_scale = True  # an elastic FFN level's scale in the gate/up epilogue (_matvec's `scale`)
+
+    def candidates(self, mode, rows=None, cols=None):
+        n, k = self.matvec_shape(mode, rows, cols)
+        base = chunk_candidates(n, k, 32, mode, self.wl + self.wh)
         if not self.pairs:
             return base
         packed = [replace(c, packed=True) for c in base]
         # Loads ahead where a program takes more than one step; words two steps ahead hold three
         # steps' words in registers: tiles of up to 8 weight rows.
         rows = 2 if mode == "glu" else 1
-        steps = [c for c in packed if _steps(self.in_features, c) > 1]
+        steps = [c for c in packed if _steps(k, c) > 1]
         return (base + packed + [replace(c, ahead=1) for c in steps]
                 + [replace(c, ahead=2) for c in steps if c.block_n * rows <= 8])
 
-    def _matvec(self, x, out, config, act, partial, rows=None, cols=None):
+    def _matvec(self, x, out, config, act, partial, rows=None, cols=None, scale=None):
         n, programs, config = prefix_rows(self, config, act, rows)
         config, launch = chunk_prefix(config, self.in_features, cols)
         bias = self.bias if self.bias is not None else x
         if config.packed and not (self.pairs and x.dtype == torch.bfloat16 and x.data_ptr() % 4 == 0):
             raise ValueError(f"{self.format} {config}: bf16 pairs need symmetric int4, bfloat16 activations "
                              f"(got {x.dtype}) and x 4-byte aligned")
+        if scale is not None and (act < 0 or scale.shape != out.shape or scale.dtype != out.dtype):
+            raise ValueError(f"a gate/up scale must match the output ({tuple(out.shape)} {out.dtype}), got "
+                             f"{tuple(scale.shape)} {scale.dtype} (act {act})")
         _matvec_kernel[(programs, config.split)](
-            self.low32, self.high32, self.scales, self.offsets, bias, x, out, n, self.in_features, launch.split_chunks,
+            self.low32, self.high32, self.scales, self.offsets, bias, x if scale is None else scale, x, out, n,
+            self.in_features, launch.split_chunks,
             PAIR_MAGIC if config.packed else MAGIC_BITS,
             WL=self.wl, WH=self.wh, MID=self.mid, ASYM=self.asym, G=self.group, C=launch.chunks,
             BN=config.block_n, EVEN_N=n % config.block_n == 0, EVEN_K=launch.even, ASM=launch.asm, ACT=act,
             HAS_BIAS=self.bias is not None, PARTIAL=partial, PACKED=config.packed,
-            ZERO_BITS=zero_pair(self.mid) if config.packed else 0, AHEAD=config.ahead, num_warps=config.num_warps)
+            ZERO_BITS=zero_pair(self.mid) if config.packed else 0, AHEAD=config.ahead, LEVEL=scale is not None,
+            num_warps=config.num_warps)
         return config.split
 
     def matmul_candidates(self, T: int, K: int) -> list[MatmulConfig]:

@@ -121,9 +121,9 @@ class MxFp4Linear(KernelLinear):
         self.words = self.values.view(torch.int32)
         self.scales = self.parts["scales"]
 
-    def candidates(self, mode: str) -> list[MatvecConfig]:
-        n = self.out_features // 2 if mode == "glu" else self.out_features
-        return chunk_candidates(n, self.in_features, BLOCK, mode, 4)
+    def candidates(self, mode: str, rows: int | None = None, cols: int | None = None) -> list[MatvecConfig]:
+        n, k = self.matvec_shape(mode, rows, cols)
+        return chunk_candidates(n, k, BLOCK, mode, 4)
 
     def _matvec(self, x, out, config, act, partial, rows=None, cols=None):
         n, programs, config = prefix_rows(self, config, act, rows)

@@ -105,9 +105,9 @@ class Q1Linear(KernelLinear):
         self.scales = self.parts["scales"].view(torch.uint8)
         self.row_scale = self.parts["row_scale"]
 
-    def candidates(self, mode: str) -> list[MatvecConfig]:
-        n = self.out_features // 2 if mode == "glu" else self.out_features
-        return chunk_candidates(n, self.in_features, 32, mode, 1)
+    def candidates(self, mode: str, rows: int | None = None, cols: int | None = None) -> list[MatvecConfig]:
+        n, k = self.matvec_shape(mode, rows, cols)
+        return chunk_candidates(n, k, 32, mode, 1)
 
     def _matvec(self, x, out, config, act, partial, rows=None, cols=None):
         n, programs, config = prefix_rows(self, config, act, rows)

@@ -131,9 +131,9 @@ class Q2Linear(KernelLinear):
         self.offsets = self.parts["offsets"].view(torch.uint8)
         self.row_scale, self.row_offset = self.parts["row_scale"], self.parts["row_offset"]
 
-    def candidates(self, mode: str) -> list[MatvecConfig]:
-        n = self.out_features // 2 if mode == "glu" else self.out_features
-        return chunk_candidates(n, self.in_features, self.columns, mode, self.columns // 16)
+    def candidates(self, mode: str, rows: int | None = None, cols: int | None = None) -> list[MatvecConfig]:
+        n, k = self.matvec_shape(mode, rows, cols)
+        return chunk_candidates(n, k, self.columns, mode, self.columns // 16)
 
     def _args(self):
         return self.scales, self.offsets, self.row_scale, self.row_offset

@@ -247,16 +247,15 @@ class Rowwise8Linear(KernelLinear):
         self.words = self.values.view(torch.int32)
         self.scales = self.parts["scales"]
 
-    def candidates(self, mode: str) -> list[MatvecConfig]:
-        n = self.out_features // 2 if mode == "glu" else self.out_features
-        K = self.in_features
+    def candidates(self, mode: str, rows: int | None = None, cols: int | None = None) -> list[MatvecConfig]:
+        n, K = self.matvec_shape(mode, rows, cols)
         if not self.fp8:  # the chunk scheme over 16-column chunks, four words a lane
             return chunk_candidates(n, K, 16, mode, 4)
         if interpreting():
             return [MatvecConfig(interpreter_block(n, 128), min(next_power_of_2(K), 512), 1, 4)]
         out = []
-        for rows, warps in ((4, 4), (8, 4), (4, 2), (8, 2), (16, 2), (8, 1), (16, 1)):
-            block_n = rows // 2 if mode == "glu" else rows
+        for height, warps in ((4, 4), (8, 4), (4, 2), (8, 2), (16, 2), (8, 1), (16, 1)):
+            block_n = height // 2 if mode == "glu" else height
             bk = 256 * warps
             units = -(-K // bk)
             splits = split_candidates(n, block_n, units, _sms()) if mode == "partial" else [1]

@@ -319,9 +319,11 @@ def store_rows(out_ptr, bias_ptr, rows, row_mask, acc, split_index, n,
 
 
 @triton.jit
-def store_glu(out_ptr, bias_ptr, rows, row_mask, gate, up, n, HAS_BIAS: tl.constexpr, ACT: tl.constexpr):
+def store_glu(out_ptr, bias_ptr, rows, row_mask, gate, up, n, HAS_BIAS: tl.constexpr, ACT: tl.constexpr,
+              scale_ptr=None):
     """Gate/up epilogue: act(gate) * up, each step rounded to the output dtype as the torch path
-    rounds it (the projection's output, the activation, the product)."""
+    rounds it (the projection's output, the activation, the product); with `scale_ptr` (an elastic
+    FFN level's per-channel scale, in the output dtype) times scale[rows], rounded again."""
     if HAS_BIAS:
         gate += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)
         up += tl.load(bias_ptr + n + rows, mask=row_mask, other=0.0).to(tl.float32)
@@ -329,19 +331,24 @@ def store_glu(out_ptr, bias_ptr, rows, row_mask, gate, up, n, HAS_BIAS: tl.const
     gate = gate.to(dtype).to(tl.float32)
     up = up.to(dtype).to(tl.float32)
     act = activate(gate, ACT).to(dtype).to(tl.float32)
-    tl.store(out_ptr + rows, (act * up).to(dtype), mask=row_mask)
+    product = (act * up).to(dtype)
+    if scale_ptr is not None:
+        product = (product.to(tl.float32) * tl.load(scale_ptr + rows, mask=row_mask, other=0.0).to(tl.float32))
+        product = product.to(dtype)
+    tl.store(out_ptr + rows, product, mask=row_mask)
 
 
 @triton.jit
 def store_tile(out_ptr, bias_ptr, total, n, BN: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
-               PARTIAL: tl.constexpr):
+               PARTIAL: tl.constexpr, scale_ptr=None):
     """The epilogue of a tile program (tile_rows): `total` [rows] are its row sums; with ACT >= 0
-    the gate and up rows interleaved (store_glu), else plain rows (store_rows)."""
+    the gate and up rows interleaved (store_glu, times scale_ptr's entries when given), else plain
+    rows (store_rows)."""
     out_rows = tl.program_id(0) * BN + tl.arange(0, BN)
     out_mask = out_rows < n
     if ACT >= 0:
         gate, up = glu_halves(total, BN)
-        store_glu(out_ptr, bias_ptr, out_rows, out_mask, gate, up, n, HAS_BIAS, ACT)
+        store_glu(out_ptr, bias_ptr, out_rows, out_mask, gate, up, n, HAS_BIAS, ACT, scale_ptr)
     else:
         store_rows(out_ptr, bias_ptr, out_rows, out_mask, total, tl.program_id(1), n, HAS_BIAS, PARTIAL)
 
