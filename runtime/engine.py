@@ -354,6 +354,8 @@ class DecodeEngine:
         precompile(uses)  # the candidates not chosen yet, compiled on several threads
         for op, mode, *prefix in uses:
             op.config(mode, *prefix)
+        if self.finish_norm is None and self.device.type == "cuda":
+            self._choose_finishing(timed=True)
 
     def _level_uses(self) -> list[tuple]:
         """(op, mode, rows, cols) of the matvecs over a prefix that the decode step runs at the
@@ -374,8 +376,6 @@ class DecodeEngine:
         uses = [(op, mode if mode != "partial" or op.out_features == self.hidden else "direct", *prefix)
                 for op, mode, *prefix in uses if hasattr(op, "config")]
         return list(dict.fromkeys(uses))
-        if self.finish_norm is None and self.device.type == "cuda":
-            self._choose_finishing(timed=True)
 
     # ---- pieces ----------------------------------------------------------------------------------
 
