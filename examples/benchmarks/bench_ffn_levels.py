@@ -2,7 +2,7 @@
 
     python examples/benchmarks/bench_ffn_levels.py --workdir /tmp/thinbench --out DIR \\
         [--shape llama-8b] [--format int4] [--levels 0.875,0.75,0.5] [--calib-tokens 2048] \\
-        [--per-layer] [--baseline] [--prompt-len 512 --gen 128 --runs 5] [--compile-only]
+        [--per-layer] [--baseline] [--prompt-len 512 --gen 128 --runs 5] [--compile-only] [--profile]
 
 1. writes the random-weight checkpoint (examples/synth_checkpoint.py) unless it is there;
 2. compiles it once with `--quant FORMAT --ffn-levels ...` on the GPU (calibration, the channel order,
@@ -13,8 +13,11 @@
    greedy, checks) at each level in turn, switching levels in place (no weight copy, one captured
    graph per level);
 4. prints one markdown table: per level the weight bytes a token reads, decode tok/s, the speed-up
-   over keep 1.0 of the same artifact and the share of the bandwidth roofline. JSON and logs go to --out
-   (compile-*.log ends with the seconds each compile stage started at).
+   over keep 1.0 of the same artifact and the share of the bandwidth roofline; with --profile a second
+   one: per level the GPU time of an eager step's gate/up and down launches (torch.profiler, summed over
+   the layers) and the launch configuration the first layer's gate/up and down run with at that level
+   (each level's prefix has its own, KernelLinear.config). JSON and logs go to --out (compile-*.log ends
+   with the seconds each compile stage started at).
 Steps whose outputs exist are skipped, so `--compile-only` and then the same command without it split
 the work into two shorter runs on one machine. The certificate's numbers on random weights say nothing
 about quality (tiny-coder's table does).
@@ -82,7 +85,7 @@ def compile_one(src: str, dst: str, quant: str, levels: str | None, calib_tokens
                       "gpu": torch.cuda.get_device_name()}))
 
 
-def bench_levels(path: str, keeps: list[float], prompt_len: int, gen: int, runs: int) -> None:
+def bench_levels(path: str, keeps: list[float], prompt_len: int, gen: int, runs: int, profile: bool) -> None:
     """(in a child process) load `path` once and measure decode at each level; one JSON line per level."""
     from thin.runtime import bench, load
 
@@ -92,11 +95,24 @@ def bench_levels(path: str, keeps: list[float], prompt_len: int, gen: int, runs:
     for keep in keeps:
         if keep != 1.0 or levels:
             model.set_ffn_keep(keep)
-        result = bench.run(model, prompt_len=prompt_len, new_tokens=gen, runs=runs).to_dict()
+        result = bench.run(model, prompt_len=prompt_len, new_tokens=gen, runs=runs, profile=profile).to_dict()
         level = levels.get(keep)
         result.update(ffn_keep=keep, channels=level["channels"] if level else None,
-                      certificate_kld=level["measured"]["mean_kld"] if level else None)
+                      certificate_kld=level["measured"]["mean_kld"] if level else None, configs=ffn_configs(model))
         print(json.dumps(result), flush=True)
+
+
+def ffn_configs(model) -> dict:
+    """The launch configurations the first layer's gate/up and down matvecs run with at the current level."""
+    from dataclasses import asdict
+
+    mlp = model.executor.layers[0].ffn
+    configs = {}
+    for name, op, mode, rows, cols in (("gate_up", mlp.up[0], "glu" if len(mlp.up) == 1 else "direct", mlp.width, None),
+                                       ("down", mlp.down, "partial", None, mlp.width)):
+        if hasattr(op, "config"):
+            configs[name] = asdict(op.config(mode, rows, cols))
+    return configs
 
 
 def log_run(cmd: list[str], log: Path, env=None) -> subprocess.CompletedProcess:
@@ -123,6 +139,7 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--compile-only", action="store_true", help="stop after the checkpoint and the compiles")
+    ap.add_argument("--profile", action="store_true", help="also time each level's FFN launches (eager step)")
     ap.add_argument("--compile-one", nargs=4, metavar=("SRC", "DST", "QUANT", "LEVELS"), help=argparse.SUPPRESS)
     ap.add_argument("--bench-levels", nargs=2, metavar=("PATH", "KEEPS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -132,7 +149,7 @@ def main() -> None:
         return
     if args.bench_levels:
         path, keeps = args.bench_levels
-        bench_levels(path, [float(k) for k in keeps.split(",")], args.prompt_len, args.gen, args.runs)
+        bench_levels(path, [float(k) for k in keeps.split(",")], args.prompt_len, args.gen, args.runs, args.profile)
         return
 
     started = time.perf_counter()
@@ -173,6 +190,7 @@ def main() -> None:
         measure = keeps if label == "levels" else [1.0]
         cmd = [sys.executable, __file__, "--bench-levels", str(dst), ",".join(map(str, measure)), "--prompt-len",
                str(args.prompt_len), "--gen", str(args.gen), "--runs", str(args.runs)]
+        cmd += ["--profile"] if args.profile else []
         run = log_run(cmd, args.out / f"bench-{label}.log", env)
         results[label] = [json.loads(ln) for ln in run.stdout.splitlines() if ln.startswith("{")]
         if run.returncode != 0:
@@ -201,6 +219,24 @@ def print_table(name: str, args, results: dict) -> None:
             print(f"| {label} | {r['ffn_keep']:g} | {shown} | {r['bytes_per_token'] / 1e9:.2f} | {rate:.1f} "
                   f"({r['decode_min']:.1f}-{r['decode_max']:.1f}) | {rate / full if full else float('nan'):.2f}x | "
                   f"{100 * r['roofline_fraction']:.1f}% |")
+    if not args.profile:
+        return
+    print("\n| artifact | FFN keep | gate/up + act, us/step | down, us/step | gate/up config | down config |")
+    print("| --- | ---: | ---: | ---: | --- | --- |")
+    for label, runs in results.items():
+        for r in runs:
+            us = {k["kernel"]: k["us"] for k in r.get("kernels", [])}
+            configs = r.get("configs", {})
+            print(f"| {label} | {r['ffn_keep']:g} | {us.get('gate/up + act', float('nan')):.1f} | "
+                  f"{us.get('down', float('nan')):.1f} | {_config(configs.get('gate_up'))} | "
+                  f"{_config(configs.get('down'))} |")
+
+
+def _config(c: dict | None) -> str:
+    if not c:
+        return "-"
+    extra = "".join(f" {k}={c[k]}" for k in ("packed", "ahead", "stages") if c.get(k))
+    return f"{c['block_n']} rows, {c['chunk']} cols/step, split {c['split']}, {c['num_warps']} warps{extra}"
 
 
 if __name__ == "__main__":
