@@ -283,8 +283,13 @@ class Rowwise8Linear(KernelLinear):
         partial-sum candidates of at most `max_split` splits with threads enough to hold the row (the
         last program keeps the out_features-long row in registers: at most 32 values a thread, so 4 warps
         or more at 4096)."""
-        return [c for c in self.candidates("partial")
-                if c.num_warps * 32 * 32 >= self.out_features and c.split <= max_split]
+        out = [c for c in self.candidates("partial")
+               if c.num_warps * 32 * 32 >= self.out_features and c.split <= max_split]
+        # fp8: the plain tilings again pipelined through shared memory where a program takes 3 steps or more
+        # (the partial candidates pipeline only 1- and 2-warp tilings, which cannot hold a 4096 row).
+        staged = [replace(c, stages=3) for c in out if self.fp8 and not c.ahead and not c.stages
+                  and not interpreting() and fp8_steps(self.in_features, c) >= 3]
+        return out + [c for c in staged if c not in out]
 
     def _matvec(self, x, out, config, act, partial, rows=None, cols=None, finish=None):
         n, programs, config = prefix_rows(self, config, act, rows)
