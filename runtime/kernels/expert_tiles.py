@@ -10,7 +10,7 @@ import torch
 
 from . import interpreting
 from .common import CHUNK_ROWS, next_power_of_2
-from .expert_rows import GINT, ExpertGroup
+from .expert_rows import GINT, MXFP4, ExpertGroup
 
 
 @dataclass(frozen=True)
@@ -22,7 +22,7 @@ class ExpertConfig:
     groups: int
     num_warps: int = 4
     prefetch: bool = False  # load the next step's weights before this step's math
-    words: bool = False  # grouped ints: rows read as whole words (expert_words.py), one chunk a lane
+    words: bool = False  # grouped ints, mxfp4: rows read as whole words (expert_words.py), one chunk a lane
     packed: bool = False  # with words: symmetric int4 under bf16 activations summed as bf16 pairs (pairs.py)
 
     def label(self) -> str:
@@ -63,14 +63,15 @@ def expert_candidates(group: ExpertGroup, K: int, n: int, dtype: torch.dtype, gl
 
 
 def word_candidates(group: ExpertGroup, K: int, n: int, dtype: torch.dtype, glu: bool) -> list[ExpertConfig]:
-    """The whole-word tilings of a grouped-int group (none for other formats): a lane a chunk of 32
+    """The whole-word tilings of a grouped-int or mxfp4 group (none for other formats): a lane a chunk of 32
     columns, 32 chunks a warp (for rows shorter than that, also 8 chunks a step), tiles of 4-16 weight
     rows (half as many output rows with glu), and each also with bf16 pairs where those apply. They
     follow the byte-wise candidates: never the default untimed."""
-    if group.fmt != GINT or group.group % 32 or K % 32:
+    if group.fmt not in (GINT, MXFP4) or group.group % 32 or K % 32:
         return []
     total = K // 32
-    pairs = group.dt == 4 and not group.asym and dtype == torch.bfloat16
+    words = group.dt if group.fmt == GINT else 4  # a lane's words per row and chunk: b for b-bit codes
+    pairs = group.fmt == GINT and group.dt == 4 and not group.asym and dtype == torch.bfloat16
     if interpreting():  # steps of 2 chunks (a loop, and a masked tail where the chunks are odd)
         tiles = [(min(next_power_of_2(n), 64), min(2, total), 4)]
     else:
@@ -82,7 +83,7 @@ def word_candidates(group: ExpertGroup, K: int, n: int, dtype: torch.dtype, glu:
             # one warp of 8 chunks a step, several steps.
             chunks = [32 * warps] + ([8] if warps == 1 and total < 32 and total % 8 == 0 else [])
             for c in chunks:
-                for rows in CHUNK_ROWS[group.dt]:  # by words a lane loads per row: a b-bit chunk is b words
+                for rows in CHUNK_ROWS[words]:
                     tiles.append((rows // 2 if glu else rows, c, warps))
     out = []
     for bn, c, w in tiles:

@@ -25,8 +25,8 @@ expert kernels' are (RouterConfig).
 
 Formats: bf16 / f16 / f32, int8, fp8_e4m3, int3-int6 (one or two code planes), mxfp4, q2, q1 (each
 tile decoded in registers; the format's reference `decode` is what it must match). Grouped ints also
-have whole-word tilings (expert_words.py: the dense int4 matvec's chunk scheme, bf16 pairs for int4
-under bf16 activations), candidates the load-time timing may pick. What the
+and mxfp4 have whole-word tilings (expert_words.py: the dense int4 matvec's chunk scheme, bf16 pairs
+for int4 under bf16 activations), candidates the load-time timing may pick. What the
 kernels do not run (shared experts, other router scorings, experts kept in host memory) raises
 NotImplementedError at construction, which the engine turns into a clear refusal.
 """
@@ -39,7 +39,7 @@ import triton.language as tl
 
 from . import common, interpreting
 from .common import ACTIVATION_CODES, MAGIC_BITS, compile_launches, median_ms_or_inf, next_power_of_2
-from .expert_rows import FORMAT_CODES, GINT, SUPPORTED, ExpertGroup, row_bias, rows_dot, weight_parts
+from .expert_rows import FORMAT_CODES, GINT, MXFP4, SUPPORTED, ExpertGroup, row_bias, rows_dot, weight_parts
 from .expert_tiles import ExpertConfig, RouterConfig, expert_candidates, router_candidates, routings
 from .expert_words import words_dot
 from .pairs import PAIR_MAGIC, zero_pair
@@ -107,7 +107,7 @@ def _gate_up_kernel(base, gate_table, up_table, member_ptr, logits_ptr, chosen_p
     """Program (slot, i): h[slot, i*BN..] = act(gate) * (up + up_offset) of the slot's expert, as the
     torch path rounds it (projection outputs, then the product, in h's dtype). FUSED: gate and up
     are row halves of one weight, read in one pass over x (gate row r and up row n + r interleaved in
-    a tile of 2 * BN rows). WORDS (grouped ints): the rows read as whole words, NG chunks of 32
+    a tile of 2 * BN rows). WORDS (grouped ints, mxfp4): the rows read as whole words, NG chunks of 32
     columns a step (expert_words.words_dot; magic, PACKED, ZERO_BITS, EVEN_*, ASM are its)."""
     slot = tl.program_id(0)
     expert, weight = _route(logits_ptr, slot, E, EP, TOP_K, NORMALIZE)
@@ -125,15 +125,14 @@ def _gate_up_kernel(base, gate_table, up_table, member_ptr, logits_ptr, chosen_p
         row_mask = rows < n
         dtype: tl.constexpr = h_ptr.dtype.element_ty
         if WORDS:
-            WL: tl.constexpr = 2 if SUB == 3 else 4
             if FUSED:
-                gate, up = glu_halves(words_dot(base, g_offs, x_ptr, tl.program_id(1), n, K, magic, WL, SUB - WL, ASYM,
-                                                G, NG, BN, True, EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS), BN)
+                gate, up = glu_halves(words_dot(base, g_offs, x_ptr, tl.program_id(1), n, K, magic, FMT, SUB, ASYM, G,
+                                                NG, BN, True, EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS), BN)
             else:
-                gate = words_dot(base, g_offs, x_ptr, tl.program_id(1), n, K, magic, WL, SUB - WL, ASYM, G, NG, BN,
-                                 False, EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS)
-                up = words_dot(base, u_offs, x_ptr, tl.program_id(1), n, K, magic, WL, SUB - WL, ASYM, G, NG, BN,
-                               False, EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS)
+                gate = words_dot(base, g_offs, x_ptr, tl.program_id(1), n, K, magic, FMT, SUB, ASYM, G, NG, BN, False,
+                                 EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS)
+                up = words_dot(base, u_offs, x_ptr, tl.program_id(1), n, K, magic, FMT, SUB, ASYM, G, NG, BN, False,
+                               EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS)
         elif FUSED:
             both = tl.reshape(tl.join(rows, rows + up_row0), [2 * BN])
             both_mask = tl.reshape(tl.join(rows, rows), [2 * BN]) < n
@@ -177,9 +176,8 @@ def _down_kernel(base, table, member_ptr, chosen_ptr, weights_ptr, h_ptr, out_pt
         row_mask = rows < n
         dtype: tl.constexpr = h_ptr.dtype.element_ty
         if WORDS:  # K is a multiple of 32 (whole chunks): h's row keeps x's 16-byte alignment
-            WL: tl.constexpr = 2 if SUB == 3 else 4
-            y = words_dot(base, offs, h_ptr + tl.multiple_of(slot * K, 32), tl.program_id(1), n, K, magic, WL,
-                          SUB - WL, ASYM, G, NG, BN, False, EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS)
+            y = words_dot(base, offs, h_ptr + tl.multiple_of(slot * K, 32), tl.program_id(1), n, K, magic, FMT,
+                          SUB, ASYM, G, NG, BN, False, EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS)
         else:
             y = rows_dot(base, offs, h_ptr + slot * K, rows, row_mask, K, FMT, SUB, G, NG, BN, ASYM, PREFETCH)
         y = (y + row_bias(base, offs, rows, row_mask, HAS_BIAS, dtype)).to(dtype).to(tl.float32)
@@ -411,8 +409,8 @@ class MoEKernels:
         words = dict(WORDS=config.words, PACKED=config.packed, ZERO_BITS=zero_pair(8) if config.packed else 0,
                      EVEN_N=n % config.block_n == 0, EVEN_K=(K // 32) % config.groups == 0,
                      ASM=common.INLINE_ASM and not interpreting(), magic=PAIR_MAGIC if config.packed else MAGIC_BITS)
-        if config.words and (g.fmt != GINT or g.group % 32 or K % 32):
-            raise ValueError(f"whole-word expert tiles read grouped ints of 32-column groups, not {config}")
+        if config.words and (g.fmt not in (GINT, MXFP4) or g.group % 32 or K % 32):
+            raise ValueError(f"whole-word expert tiles read grouped ints of 32-column groups and mxfp4, not {config}")
         if config.packed and not (g.dt == 4 and not g.asym and x.dtype == torch.bfloat16 and x.data_ptr() % 4 == 0):
             raise ValueError(f"{config}: bf16 pairs need symmetric int4, bfloat16 activations and x 4-byte aligned")
         return dict(FMT=g.fmt, SUB=g.dt, ASYM=g.asym, HAS_BIAS=g.has_bias, EVERY=g.every, **words)
