@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from .common import next_power_of_2
+from .prefetch import BULK, issue_kind
 
 
 @triton.jit
@@ -97,6 +98,21 @@ def _part(ptrs, mask, FRESH: tl.constexpr):
 
 
 @triton.jit
+def l2_prefetch(ptr, nbytes):
+    """Ask L2 for the nbytes at ptr (16-byte aligned, a multiple of 16) and return at once: one bulk
+    prefetch (sm_90 on), issued by the program's first thread."""
+    tl.inline_asm_elementwise(
+        """{
+        .reg .pred p;
+        .reg .u32 t;
+        mov.u32 t, %tid.x;
+        setp.eq.u32 p, t, 0;
+        @p cp.async.bulk.prefetch.L2.global [$1], $2;
+        mov.u32 $0, 0;
+        }""", "=r,l,r", [ptr.to(tl.int64), nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def last_program(counter_ptr):
     """True in the one program of this launch that arrives here last (each program calls it once, after
     its stores): that program then sees every other program's stores. The count goes back to zero, so
@@ -165,7 +181,13 @@ class Finish:
                              f"{self.residual.numel()} and an output of {self.normed.numel()}")
         post_w, post_eps = self.post if self.post is not None else (None, 0.0)
         norm_w, eps = self.norm if self.norm is not None else (None, 0.0)
-        return dict(counter_ptr=self.counter, res_ptr=self.residual, finish_bias_ptr=self.bias, post_ptr=post_w,
+        weights = [w for w in (post_w, norm_w) if w is not None]
+        # The kernel prefetches each weight's 4 H bytes in one bulk request: float32, 16-byte aligned.
+        prefetch = weights and issue_kind(self.residual.device) == BULK and H % 4 == 0 and all(
+            w.dtype == torch.float32 and w.is_contiguous() and w.numel() == H and w.data_ptr() % 16 == 0
+            for w in weights)
+        return dict(PREFETCH=bool(prefetch),
+                    counter_ptr=self.counter, res_ptr=self.residual, finish_bias_ptr=self.bias, post_ptr=post_w,
                     norm_ptr=norm_w, normed_ptr=self.normed, post_eps=float(post_eps), eps=float(eps), FINISH=True,
                     FINISH_BIAS=self.bias is not None, POST=self.post is not None, NORM=self.norm is not None,
                     H_BLOCK=next_power_of_2(H), N_PARTS=parts if parts <= MAX_UNROLLED else 0)

@@ -33,7 +33,7 @@ from .common import (
     prefix_split,
 )
 from .grouped_int import matmul_blocks
-from .norm import last_program, residual_norm_row
+from .norm import l2_prefetch, last_program, residual_norm_row
 from .tiles import (
     dot_tile,
     masked_load,
@@ -186,12 +186,20 @@ def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, split, flip
                    AHEAD: tl.constexpr, STAGES: tl.constexpr, counter_ptr=None, res_ptr=None, finish_bias_ptr=None,
                    post_ptr=None, norm_ptr=None, normed_ptr=None, post_eps=0.0, eps=0.0,
                    FINISH: tl.constexpr = False, FINISH_BIAS: tl.constexpr = False, POST: tl.constexpr = False,
-                   NORM: tl.constexpr = False, H_BLOCK: tl.constexpr = 1, N_PARTS: tl.constexpr = 0):
+                   NORM: tl.constexpr = False, H_BLOCK: tl.constexpr = 1, N_PARTS: tl.constexpr = 0,
+                   PREFETCH: tl.constexpr = False):
     """Program (i, s): output rows i*BN.., the columns of split s (`split` of them: columns for
     fp8, chunks for int8; STEP per loop step). ACT >= 0: the weight is [gate; up] and the tile
     holds both rows of each output (gate row r, up row n + r), one pass over x. FINISH (with
     PARTIAL): the launch's last program also adds the partial sums into the residual and norms it
-    (norm.Finish), so no residual-norm launch follows."""
+    (norm.Finish), so no residual-norm launch follows; PREFETCH: program (0, 0) first asks L2 for the
+    norm weights that program reads (bulk prefetches, sm_90), so they are not a DRAM latency at the end."""
+    if PREFETCH:  # noqa: SIM102  (a constexpr condition, then a run-time one)
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            if NORM:
+                l2_prefetch(norm_ptr, 4 * n)
+            if POST:
+                l2_prefetch(post_ptr, 4 * n)
     rows, row_mask = tile_rows(tl.program_id(0), n, BN, ACT >= 0)
     if FP8 and AHEAD:  # v_ptr: int32 words; split and STEP in chunks of 8 columns
         starts = tile_starts(tl.program_id(0), n, K // 8, BN, ACT >= 0, ASM)
