@@ -171,6 +171,20 @@ def test_grouped_ints_read_as_whole_words():
     _check(_plan([("int4", {"group_size": 32, "asymmetric": 1})] * 3, hidden=96, inter=160, seed=15))
 
 
+def test_mxfp4_read_as_whole_words():
+    """mxfp4's whole-word tilings, its codes as 2^-126 times their values (subnormal where the exponent
+    is 0) in float32 and, under bf16 activations, in bf16 pairs: GPT-OSS's clamped SwiGLU with biases, odd
+    chunks and rows the tiles do not divide."""
+    from thin.runtime.kernels.experts import MoEKernels
+
+    plan = _plan([("mxfp4", {})] * 4, dtype=torch.bfloat16, hidden=96, inter=96, bias=True, clamp=True,
+                 router_bias=True, seed=18)
+    kernels = MoEKernels(plan, DEVICE, torch.bfloat16, tune=False)
+    labels = [c.label() for c in kernels.candidates(kernels.groups("down")[0], "down")]
+    assert any(label.endswith("+words") for label in labels) and any("+pairs" in label for label in labels)
+    _check(plan, dtype=torch.bfloat16)
+
+
 def test_the_timings_routings_pick_each_groups_experts_in_turn():
     """The launch tuner times each kernel over routings that read other experts launch after launch
     (expert_tiles.routings): the gate/up kernel, given routing r's logits, chooses routing r's experts."""

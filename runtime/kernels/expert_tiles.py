@@ -23,7 +23,7 @@ class ExpertConfig:
     num_warps: int = 4
     prefetch: bool = False  # load the next step's weights before this step's math
     words: bool = False  # grouped ints, mxfp4: rows read as whole words (expert_words.py), one chunk a lane
-    packed: bool = False  # with words: symmetric int4 under bf16 activations summed as bf16 pairs (pairs.py)
+    packed: bool = False  # with words: symmetric int4 or mxfp4 under bf16 activations, summed as bf16 pairs
 
     def label(self) -> str:
         """The tiles in a benchmark table's words: rows x groups (or chunks) / warps, and the options."""
@@ -71,7 +71,7 @@ def word_candidates(group: ExpertGroup, K: int, n: int, dtype: torch.dtype, glu:
         return []
     total = K // 32
     words = group.dt if group.fmt == GINT else 4  # a lane's words per row and chunk: b for b-bit codes
-    pairs = group.fmt == GINT and group.dt == 4 and not group.asym and dtype == torch.bfloat16
+    pairs = dtype == torch.bfloat16 and (group.fmt == MXFP4 or (group.dt == 4 and not group.asym))
     if interpreting():  # steps of 2 chunks (a loop, and a masked tail where the chunks are odd)
         tiles = [(min(next_power_of_2(n), 64), min(2, total), 4)]
     else:

@@ -15,7 +15,10 @@ float32 by moving its bits into place, e1 e0 into the exponent's low bits and m 
 top bit, s into the sign: 2^(e - 127) (1 + m / 2) for e >= 1, and for e = 0 the subnormal m * 2^-127,
 so every code is exactly 2^-126 times its E2M1 value (2 shifts and 2 logic ops a code, no select).
 x is taken times 2^100 (products stay normal floats: exact as the byte path's) and the chunk's
-sum times 2^26 before its block scale.
+sum times 2^26 before its block scale. PACKED (bf16 x): the same bits moved into bf16 pairs (codes
+k and k + 4 of a word, as pairs.py pairs int4 codes; bf16 has float32's exponent range, so 2^-126
+times a value is again exact, subnormal for e = 0), x times 2^100 as bf16 pairs, two products an
+instruction, summed in bf16 within a chunk (pairs.py says what that costs).
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .expert_rows import _e8m0, _part
-from .pairs import pair_sum, word_dot, x_pairs
+from .pairs import pair_fma, pair_sum, word_dot, x_pairs
 from .tiles import chunk_side, octet_dot, plane_words, tile_rows, tile_starts, upper_halves, x_octet, x_sum8
 
 
@@ -40,6 +43,20 @@ def _e2m1_term(acc, w, x, P: tl.constexpr):
     return acc + (magnitude | sign).to(tl.float32, bitcast=True) * x
 
 
+@triton.jit
+def _e2m1_pair(w, k: tl.constexpr):
+    """2^-126 * E2M1 of codes k and k + 4 of words w as bf16 pairs (low half code k): each code's
+    magnitude bits to bits 6..8 of its half, its sign to bit 15."""
+    MS: tl.constexpr = 6 - 4 * k
+    if MS >= 0:  # noqa: SIM108  (constexpr branches: only one is compiled)
+        magnitude = (w << MS) & 0x01C001C0
+    else:
+        magnitude = (w >> -MS) & 0x01C001C0
+    return magnitude | ((w << (12 - 4 * k)) & PAIR_SIGNS)
+
+
+PAIR_SIGNS = tl.constexpr(-2147450880)  # 0x80008000 as an int32
+X_UP_PAIR = tl.constexpr(0x71807180)  # the bf16 pair (2^100, 2^100)
 SIGN_BIT = tl.constexpr(-2147483648)  # 0x80000000 as an int32
 X_UP = tl.constexpr(1.2676506002282294e30)  # 2^100: mxfp4's products x * 2^-126 * value stay normal
 SUM_UP = tl.constexpr(67108864.0)  # 2^26 = 2^126 / 2^100
@@ -56,7 +73,8 @@ def words_dot(base, offs, x_ptr, pid, n, K, magic, FMT: tl.constexpr, SUB: tl.co
     Each step covers C chunks of 32 columns of every row: the low plane's WL words (and the high
     plane's WH) of each row and chunk in one load per lane, x loaded once per chunk and shared by
     the rows. PACKED (symmetric int4, bf16 x 4-byte aligned; magic = pairs.PAIR_MAGIC, ZERO_BITS =
-    pairs.zero_pair(8)): products summed as bf16 pairs within a chunk; else magic = 2^23's bits."""
+    pairs.zero_pair(8)), or mxfp4 under bf16 x: products summed as bf16 pairs within a chunk; else magic =
+    2^23's bits."""
     MX: tl.constexpr = FMT == 4
     WL: tl.constexpr = 2 if SUB == 3 else 4  # the low (or mxfp4's only) plane's bits
     WH: tl.constexpr = 0 if MX else SUB - WL
@@ -76,7 +94,16 @@ def words_dot(base, offs, x_ptr, pid, n, K, magic, FMT: tl.constexpr, SUB: tl.co
         cmask = chunk < total
         low = plane_words(low_ptr, starts, row_mask, c0, total, C, WL, EVEN_N, EVEN_K, ASM)
         xsum = tl.zeros([C], dtype=tl.float32)
-        if PACKED:
+        if PACKED and MX:
+            pairs = tl.zeros([rows.shape[0], C], dtype=tl.int32)  # bf16 pairs (0, 0)
+            up = tl.full([1], X_UP_PAIR, tl.int32)
+            for o in tl.static_range(4):
+                xp = x_pairs(x_ptr, 32 * chunk + 8 * o, cmask, EVEN_K, ASM)
+                for k in tl.static_range(4):
+                    xk = pair_fma(xp[k], up, tl.zeros([1], dtype=tl.int32), ASM)  # exact: a power of 2
+                    pairs = pair_fma(_e2m1_pair(low[o], k), xk[None, :], pairs, ASM)
+            dot = pair_sum(pairs)
+        elif PACKED:
             pairs = tl.zeros([rows.shape[0], C], dtype=tl.int32)  # bf16 pairs (0, 0)
             for o in tl.static_range(4):
                 pairs = word_dot(pairs, low[o], x_pairs(x_ptr, 32 * chunk + 8 * o, cmask, EVEN_K, ASM), magic,

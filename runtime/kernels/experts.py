@@ -26,7 +26,7 @@ expert kernels' are (RouterConfig).
 Formats: bf16 / f16 / f32, int8, fp8_e4m3, int3-int6 (one or two code planes), mxfp4, q2, q1 (each
 tile decoded in registers; the format's reference `decode` is what it must match). Grouped ints also
 and mxfp4 have whole-word tilings (expert_words.py: the dense int4 matvec's chunk scheme, bf16 pairs
-for int4 under bf16 activations), candidates the load-time timing may pick. What the
+for int4 and mxfp4 under bf16 activations), candidates the load-time timing may pick. What the
 kernels do not run (shared experts, other router scorings, experts kept in host memory) raises
 NotImplementedError at construction, which the engine turns into a clear refusal.
 """
@@ -411,8 +411,10 @@ class MoEKernels:
                      ASM=common.INLINE_ASM and not interpreting(), magic=PAIR_MAGIC if config.packed else MAGIC_BITS)
         if config.words and (g.fmt not in (GINT, MXFP4) or g.group % 32 or K % 32):
             raise ValueError(f"whole-word expert tiles read grouped ints of 32-column groups and mxfp4, not {config}")
-        if config.packed and not (g.dt == 4 and not g.asym and x.dtype == torch.bfloat16 and x.data_ptr() % 4 == 0):
-            raise ValueError(f"{config}: bf16 pairs need symmetric int4, bfloat16 activations and x 4-byte aligned")
+        if config.packed and not ((g.fmt == MXFP4 or (g.dt == 4 and not g.asym)) and x.dtype == torch.bfloat16
+                                  and x.data_ptr() % 4 == 0):
+            raise ValueError(f"{config}: bf16 pairs need symmetric int4 or mxfp4, bfloat16 activations and x 4-byte "
+                             "aligned")
         return dict(FMT=g.fmt, SUB=g.dt, ASYM=g.asym, HAS_BIAS=g.has_bias, EVERY=g.every, **words)
 
     def _gate_up(self, index: int, x: torch.Tensor, config: ExpertConfig, logits=None) -> None:
