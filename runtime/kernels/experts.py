@@ -315,8 +315,8 @@ class MoEKernels:
     def _time(self, index: int, kind: str, config: ExpertConfig) -> float:
         """Median milliseconds of one launch with `config`; infinite when it does not compile here (a
         tiling past the registers or shared memory this GPU has). Successive launches route to different
-        experts of the group (expert_tiles.routings), so, as in a model's step, their weights come from memory, not
-        from the L2 the launch before filled."""
+        experts of the group (expert_tiles.routings), so, as in a model's step, their weights come from
+        memory, not from the L2 the launch before filled."""
         x = torch.randn(self.hidden, device=self.device).to(self.dtype)
         out = torch.empty(self.top_k, self.hidden, dtype=torch.float32, device=self.device)
         logits, chosen, weights = routings(self.groups(kind)[index], self.num_experts, self.top_k, self.normalize,
@@ -355,9 +355,9 @@ class MoEKernels:
         return self._configs["router"]
 
     def _prime(self, x: torch.Tensor) -> None:
-        """Route x and run every gate/up group's default tiles: the chosen experts and every slot's h,
-        whichever group holds it, that a down kernel reads."""
-        self.route(x)
+        """Route x and run every gate/up group's default tiles (the router's too: its own are timed apart):
+        the chosen experts and every slot's h, whichever group holds it, that a down kernel reads."""
+        self._route(x, self.router_candidates()[0])
         for i, g in enumerate(self.gate_up_groups):
             self._gate_up(i, x, self.candidates(g, "gate_up")[0])
 
