@@ -8,7 +8,9 @@ l's router is biased towards experts l*k .. l*k+k-1, so a step over the layers r
 (more bytes than the 50 MB L2, as a model's step does). Each of router / gate_up / down / the whole
 layer is captured in a CUDA graph over all the layers and replayed; the table gives microseconds per
 layer and the bandwidth of the bytes read (the k experts' packed weights, the float32 router). Launch
-tiles are the ones the engine's load would pick (timed). `--device cpu` runs it once through Triton's
+tiles are the ones the engine's load would pick (timed), named by ExpertConfig.label / RouterConfig.label:
+rows x groups (whole-word tilings: chunks of 32 columns) / warps, +pf prefetching, +words whole-word
+reads, +pairs bf16 pairs. `--device cpu` runs it once through Triton's
 interpreter at any shape given by --hidden/--inter/--experts/--top-k/--layers (a smoke test).
 """
 
@@ -110,18 +112,18 @@ def main() -> None:
         read = {"router": router_bytes, "gate_up": up_bytes, "down": down_bytes,
                 "all": up_bytes + down_bytes + router_bytes}
         rows.append((fmt, per, {p: read[p] / (per[p] * 1e-6) / 1e9 for p in per}, up_bytes + down_bytes, setup,
-                     kernels[0].config(0, "gate_up"), kernels[0].config(0, "down")))
+                     kernels[0].router_config(), kernels[0].config(0, "gate_up"), kernels[0].config(0, "down")))
         kernels.clear()
         torch.cuda.empty_cache()
     if not rows:
         return
     print(f"\n{args.shape} experts: hidden {hidden}, FFN {inter}, {experts} experts top-{top_k}, {layers} layers "
           f"sharing them ({torch.cuda.get_device_name()}); us per layer (GB/s of the bytes read)")
-    print("| format | routed expert MB/layer | router | gate_up | down | layer | tiles (gate_up; down) |")
+    print("| format | routed expert MB/layer | router | gate_up | down | layer | tiles (router; gate_up; down) |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | --- |")
-    for fmt, per, bw, nbytes, _, gu, dn in rows:
+    for fmt, per, bw, nbytes, _, rt, gu, dn in rows:
         cells = " | ".join(f"{per[p]:.1f} ({bw[p]:.0f})" for p in ("router", "gate_up", "down", "all"))
-        print(f"| {fmt} | {nbytes / 1e6:.1f} | {cells} | {gu.label()}; {dn.label()} |")
+        print(f"| {fmt} | {nbytes / 1e6:.1f} | {cells} | {rt.label()}; {gu.label()}; {dn.label()} |")
 
 
 if __name__ == "__main__":

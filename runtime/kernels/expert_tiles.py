@@ -39,6 +39,10 @@ class RouterConfig:
     block_h: int
     num_warps: int = 4
 
+    def label(self) -> str:
+        """experts x columns / warps."""
+        return f"{self.block_e}x{self.block_h}/{self.num_warps}w"
+
 
 def expert_candidates(group: ExpertGroup, K: int, n: int, dtype: torch.dtype, glu: bool) -> list[ExpertConfig]:
     """Tiles worth timing for a kernel reading `group`'s rows of K columns into n outputs (glu: a fused
