@@ -191,7 +191,8 @@ def tiled_configs(group):
     from thin.runtime.kernels.common import MatmulConfig
 
     steps = [bk for bk in (32, 64, 128) if group % bk == 0]
-    return [MatmulConfig(16, 32, bk, 4, 3) for bk in steps] + [MatmulConfig(64, 128, steps[-1], 4, 3)]
+    return ([MatmulConfig(16, 32, bk, 4, 3) for bk in steps] + [MatmulConfig(64, 128, steps[-1], 4, 3)]
+            + [MatmulConfig(16, 32, 32, 4, 3, split=2), MatmulConfig(16, 64, 32, 4, 3, split=4)])  # split-K
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -208,14 +209,14 @@ def test_tiled_prefill_matches_decode(fmt, asymmetric, group):
             got = op._matmul(x, config=config)
             assert got.shape == (T, 80)
             assert rel_err(got, want) < 2e-5, (T, config, rel_err(got, want))
-    # Prefixes: the first 32 rows of each half side by side; the first 128 columns.
-    config = tiled_configs(group)[0]
+    # Prefixes: the first 32 rows of each half side by side; the first 128 columns (whole, split-K).
     x = torch.randn(7, 256, generator=gen).to(DEVICE)
     halves = torch.cat([dense[:32], dense[40:72]])
     bias = torch.cat([b[:32], b[40:72]]).cpu()
-    assert rel_err(op._matmul(x, rows=32, halves=2, config=config), x.cpu() @ halves.T + bias) < 2e-5
     h = x[:, :128].contiguous()
-    assert rel_err(op._matmul(h, cols=128, config=config), h.cpu() @ dense[:, :128].T + b.cpu()) < 2e-5
+    for config in (tiled_configs(group)[0], tiled_configs(group)[-1]):
+        assert rel_err(op._matmul(x, rows=32, halves=2, config=config), x.cpu() @ halves.T + bias) < 2e-5
+        assert rel_err(op._matmul(h, cols=128, config=config), h.cpu() @ dense[:, :128].T + b.cpu()) < 2e-5
 
 
 @pytest.mark.parametrize("fmt", ["int4", "int6"])
@@ -244,9 +245,9 @@ def test_tiled_prefill_pairs_column_order():
     swapped = dense.clone()
     swapped[:, [1, 4]] = swapped[:, [4, 1]]  # two codes of one int16 half
     wrong = x.float().cpu() @ swapped.T
-    for bk in (32, 64):
-        got = op._launch_matmul(x, 48, 256, 48, 0, MatmulConfig(16, 32, bk, 4, 3, "pairs"))
-        assert rel_err(got, want) < 5e-3 and rel_err(got, wrong) > 2e-2, (bk, rel_err(got, want))
+    for bk, split in ((32, 1), (64, 1), (32, 2)):
+        got = op._launch_matmul(x, 48, 256, 48, 0, MatmulConfig(16, 32, bk, 4, 3, "pairs", split))
+        assert rel_err(got, want) < 5e-3 and rel_err(got, wrong) > 2e-2, (bk, split, rel_err(got, want))
 
 
 def test_prefill_candidates_start_with_the_plain_kernel():

@@ -427,7 +427,8 @@ class MatmulConfig:
     """How a prefill matmul (many rows of activations) is tiled: `block_m` tokens x `block_n` output
     rows per program, `block_k` columns per loop step, `num_warps`, `stages` (Triton's software
     pipeline: loads of that many - 1 steps in flight); `kernel` names the family's kernel ("tiled":
-    the pipelined one, "plain": the first, untuned one)."""
+    the pipelined one, "plain": the first, untuned one); `split`: programs along K (split-K, their
+    float32 partial sums added by a second launch)."""
 
     block_m: int
     block_n: int
@@ -435,6 +436,7 @@ class MatmulConfig:
     num_warps: int = 4
     stages: int = 1
     kernel: str = "tiled"
+    split: int = 1
 
 
 def token_bucket(T: int) -> int:

@@ -36,6 +36,7 @@ from .common import (
     matmul_prefix,
     next_power_of_2,
     prefix_rows,
+    sm_count,
     token_bucket,
 )
 from .grouped_int_batch import _codes
@@ -47,6 +48,7 @@ from .tiles import (
     plane_codes,
     plane_load,
     plane_words,
+    split_sum,
     split_words,
     store_tile,
     tile_rows,
@@ -269,16 +271,18 @@ def _int4_weights(words, scale, bias, magic, dtype: tl.constexpr, BN: tl.constex
 
 @triton.jit
 def _tiled_kernel(x_ptr, low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, out_ptr, T, N, K, KS, n1, block, magic,
+                  k_len,
                   WL: tl.constexpr, WH: tl.constexpr, MID: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr,
                   BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
                   HAS_BIAS: tl.constexpr, IEEE: tl.constexpr, PAIRS: tl.constexpr = False, ASM: tl.constexpr = False,
-                  MAGIC: tl.constexpr = 0x4B000000):
+                  MAGIC: tl.constexpr = 0x4B000000, PARTIAL: tl.constexpr = False):
     """Prefill, the pipelined tiling (MatmulConfig "tiled"): out[T, N] = x[T, K] @ W.T, as
     `_matmul_kernel` computes it (same rows, prefix and bias), with whole packed words loaded per step
     (`_plane_tile`), one group scale (and offset) per row and step (BK divides G), and the loop left
     to Triton's software pipeline (num_stages). Programs run GROUP_M token tiles per band of weight
     rows before the next band, so a band's codes are read from L2, not memory, by the token tiles
-    after the first.
+    after the first. Program (i, s) takes columns s * k_len .. (s + 1) * k_len (k_len = K without split-K);
+    PARTIAL: its float32 sums go to out[s] (a [splits, T, N] buffer), the bias left to `_sum_splits`.
 
     PAIRS (MatmulConfig "pairs": symmetric int4, bfloat16 x, MID 8): the tile is the exact integers
     u - 8 in bfloat16, two codes an instruction pair (grouped_int_batch._codes: each int16 half of
@@ -304,7 +308,8 @@ def _tiled_kernel(x_ptr, low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, out
     side_rows = rows.to(tl.int64) * (KS // G)
     x_rows = x_ptr + tok.to(tl.int64)[:, None] * K + tl.arange(0, BK)[None, :]
     acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, K, BK):
+    k_first = tl.program_id(1) * k_len
+    for k0 in range(k_first, k_first + k_len, BK):
         x = tl.load(x_rows + k0, mask=tok_mask[:, None], other=0.0)  # [BM, BK], 16 bytes a lane
         if PAIRS:
             # int16 halves of the words, codes 4 c + j at bits 4 j of half c; joined in column order.
@@ -336,10 +341,26 @@ def _tiled_kernel(x_ptr, low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, out
             else:  # u * s - MID * s: both exact in float32 (a 6-bit u times an 11-bit f16 scale), as (u - MID) * s
                 w = u * scale - MID * scale
             acc += dot_tile(x, w.to(x.dtype), IEEE)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + tok.to(tl.int64)[:, None] * N + out_rows[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=tok_mask[:, None] & row_mask[None, :])
+    dest = out_ptr + tok.to(tl.int64)[:, None] * N + out_rows[None, :]
+    if PARTIAL:
+        tl.store(dest + tl.program_id(1).to(tl.int64) * T * N, acc, mask=tok_mask[:, None] & row_mask[None, :])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
+        tl.store(dest, acc.to(out_ptr.dtype.element_ty), mask=tok_mask[:, None] & row_mask[None, :])
+
+
+@triton.jit
+def _sum_splits(part_ptr, bias_ptr, out_ptr, total, N, n1, block, SPLITS: tl.constexpr, HAS_BIAS: tl.constexpr,
+                BLOCK: tl.constexpr):
+    """out[t, n] = the SPLITS float32 partial sums part[:, t, n] in split order, plus the bias of n's
+    weight row (tiles.split_sum), in out's dtype; `total` = T * N elements, BLOCK a program."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < total
+    n = offs % N
+    rows = (n // n1) * block + n % n1
+    sums = split_sum(part_ptr, offs, mask, total, bias_ptr, rows, SPLITS, HAS_BIAS)
+    tl.store(out_ptr + offs, sums.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 class GroupedIntLinear(KernelLinear):
@@ -407,7 +428,7 @@ class GroupedIntLinear(KernelLinear):
         if interpreting():
             return [plain, MatmulConfig(bm, bn, min(self.group, 64), 4, 1)]
         bucket = token_bucket(T)
-        tiles = [(64, 128, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8), (128, 256, 8)]
+        tiles = [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8), (128, 256, 8)]
         if bucket <= 64:
             tiles = [(bucket, 32, 4), (bucket, 64, 4), (bucket, 128, 4), (bucket, 128, 8)]
         steps = [(64, 3), (64, 4), (128, 3)]  # (BK, stages): 4 steps of 128 columns overflow shared memory
@@ -419,7 +440,16 @@ class GroupedIntLinear(KernelLinear):
         # ptxas spills at sm_90), 64 columns a step.
         pairs = [replace(c, kernel="pairs") for c in tiled if self.pairs and c.block_k == 64
                  and c.block_m * c.block_n <= 64 * 32 * c.num_warps]
-        return [plain, *tiled, *pairs]
+        # Split-K where the tiles alone leave multiprocessors idle (few tokens, few rows): the K range
+        # over 2 or 4 programs, their float32 sums added in split order by _sum_splits.
+        sms = sm_count()
+
+        def programs(c):
+            return -(-bucket // c.block_m) * -(-self.out_features // c.block_n)
+
+        splits = [replace(c, split=split) for c in tiled + pairs if c.stages == 3 and programs(c) < sms
+                  for split in (2, 4) if programs(c) * split <= 4 * sms and (K // c.block_k) % split == 0]
+        return [plain, *tiled, *pairs, *splits]
 
     def _matmul(self, x, rows=None, cols=None, halves=1, config=None):
         T = x.shape[0]
@@ -450,12 +480,19 @@ class GroupedIntLinear(KernelLinear):
         pairs = config.kernel == "pairs"
         if pairs and not (self.pairs and x.dtype == torch.bfloat16):
             raise ValueError(f"{self.format} {config}: bf16 pairs need symmetric int4 and bfloat16 activations")
-        _tiled_kernel[(-(-T // bm) * -(-N // bn),)](
-            x, self.low32, self.high32, self.scales, self.offsets, bias, out, T, N, K, self.in_features, n1, block,
-            MAGIC_BITS,
+        split = config.split
+        if (K // bk) % split:
+            raise ValueError(f"{self.format} {config}: split-K {split} does not divide {K // bk} steps")
+        dest = out if split == 1 else torch.empty(split, T, N, dtype=torch.float32, device=x.device)
+        _tiled_kernel[(-(-T // bm) * -(-N // bn), split)](
+            x, self.low32, self.high32, self.scales, self.offsets, bias, dest, T, N, K, self.in_features, n1, block,
+            MAGIC_BITS, K // split,
             WL=self.wl, WH=self.wh, MID=self.mid, ASYM=self.asym, G=self.group, BM=bm, BN=bn, BK=bk, GROUP_M=8,
             HAS_BIAS=self.bias is not None, IEEE=ieee, PAIRS=pairs, ASM=pairs and common.INLINE_ASM and not ieee,
-            num_warps=config.num_warps, num_stages=config.stages)
+            PARTIAL=split > 1, num_warps=config.num_warps, num_stages=config.stages)
+        if split > 1:
+            _sum_splits[(-(-(T * N) // 1024),)](dest, bias, out, T * N, N, n1, block, SPLITS=split,
+                                               HAS_BIAS=self.bias is not None, BLOCK=1024)
         return out
 
 def _steps(K: int, config: MatvecConfig) -> int:
