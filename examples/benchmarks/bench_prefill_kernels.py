@@ -34,8 +34,9 @@ def make_op(fmt: str, shape, params):
 
 
 def label(config) -> str:
+    split = f" split {config.split}" if config.split > 1 else ""
     return (f"{config.kernel} {config.block_m}x{config.block_n}x{config.block_k} w{config.num_warps} "
-            f"s{config.stages}")
+            f"s{config.stages}{split}")
 
 
 def bench_shape(name: str, shape, tokens: list[int], fmt: str, params, show_all: bool) -> None:
