@@ -106,6 +106,10 @@ def _merge_kernel(o_ptr, m_ptr, l_ptr, n_ptr, sink_ptr, out_ptr, log_ptr, step_p
     out_ptr += r * HQ * D
     s = tl.arange(0, SP)
     d = tl.arange(0, BLOCK_D)
+    # The partial outputs first: their loads then go out with the maxima's and sums' (compiled for sm_90:
+    # all before the reductions' barrier), not after the weights are known, one L2 latency later.
+    o = tl.load(o_ptr + (s[:, None] * HQ + i) * D + d[None, :], mask=(s < SPLITS)[:, None] & (d < D)[None, :],
+                other=0.0)
     ms = tl.load(m_ptr + s * HQ + i, mask=s < SPLITS, other=float("-inf"))
     ls = tl.load(l_ptr + s * HQ + i, mask=s < SPLITS, other=0.0)
     top = tl.max(ms, axis=0)
@@ -114,8 +118,6 @@ def _merge_kernel(o_ptr, m_ptr, l_ptr, n_ptr, sink_ptr, out_ptr, log_ptr, step_p
     total = tl.sum(w * ls, axis=0)
     if SINKS:
         total += tl.exp(tl.load(sink_ptr + i) - top)
-    o = tl.load(o_ptr + (s[:, None] * HQ + i) * D + d[None, :], mask=(s < SPLITS)[:, None] & (d < D)[None, :],
-                other=0.0)
     out = tl.sum(o * w[:, None], axis=0) / total
     tl.store(out_ptr + i * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
     if LOG:  # noqa: SIM102  (a constexpr condition, then a run-time one)
