@@ -185,13 +185,15 @@ def test_partial_candidates_include_one_step_programs(monkeypatch):
 
 # ---- the prefill matmul's pipelined tiling (MatmulConfig "tiled") ---------------------------------------
 
-def tiled_configs(group):
+def tiled_configs(group, wide=False):
     """Tilings of the pipelined prefill kernel for the interpreter: several programs along the tokens
-    and the rows (the GROUP_M order, partial tiles of both), one or several steps a group."""
+    and the rows (the GROUP_M order, partial tiles of both), one or several steps a group, split-K;
+    `wide`: a 64 x 128 tile too (16-bit activations only: on a GPU float32's exact dot is unrolled
+    multiply-adds, which at that size ptxas spills for minutes)."""
     from thin.runtime.kernels.common import MatmulConfig
 
     steps = [bk for bk in (32, 64, 128) if group % bk == 0]
-    return ([MatmulConfig(16, 32, bk, 4, 3) for bk in steps] + [MatmulConfig(64, 128, steps[-1], 4, 3)]
+    return ([MatmulConfig(16, 32, bk, 4, 3) for bk in steps] + [MatmulConfig(64, 128, steps[-1], 4, 3)] * wide
             + [MatmulConfig(16, 32, 32, 4, 3, split=2), MatmulConfig(16, 64, 32, 4, 3, split=4)])  # split-K
 
 
@@ -224,7 +226,7 @@ def test_tiled_prefill_bfloat16(fmt):
     op, dense, _ = make_op(fmt, (96, 256), {"group_size": 128}, dtype=torch.bfloat16, seed=5)
     x = torch.randn(21, 256, generator=torch.Generator().manual_seed(6)).bfloat16().to(DEVICE)
     want = x.float().cpu() @ dense.bfloat16().float().T
-    configs = tiled_configs(128)
+    configs = tiled_configs(128, wide=True)
     if fmt == "int4":  # the bf16-pair twin: exact products, the scale after the step's sums
         configs += [replace(c, kernel="pairs") for c in configs]
     for config in configs:
@@ -252,12 +254,15 @@ def test_tiled_prefill_pairs_column_order():
 
 def test_prefill_candidates_start_with_the_plain_kernel():
     """The untuned default stays the first kernel; the tiled ones are only ever picked by timing, and
-    each takes whole steps of a group (groups of 32: 32-column steps)."""
+    each takes whole steps of a group (groups of 32: 32-column steps). Float32 activations keep the
+    plain kernel alone (their exact dot has no tensor cores to feed)."""
     for group in (32, 128):
-        op, _, _ = make_op("int4", (64, 256), {"group_size": group})
+        op, _, _ = make_op("int4", (64, 256), {"group_size": group}, dtype=torch.bfloat16)
         candidates = op.matmul_candidates(100, 256)
         assert candidates[0].kernel == "plain" and len(candidates) > 1
         assert all(group % c.block_k == 0 for c in candidates[1:])
+    op, _, _ = make_op("int4", (64, 256), {"group_size": 128})
+    assert [c.kernel for c in op.matmul_candidates(100, 256)] == ["plain"]
 
 
 @pytest.mark.gpu

@@ -421,10 +421,12 @@ class GroupedIntLinear(KernelLinear):
 
     def matmul_candidates(self, T: int, K: int) -> list[MatmulConfig]:
         """Prefill tilings worth timing for T rows over K columns: the plain kernel first (the
-        untuned default), then the pipelined one ("tiled") where BK divides the group and K, and
-        for symmetric int4 under bfloat16 its bf16-pair twin ("pairs")."""
+        untuned default), then, under 16-bit activations, the pipelined one ("tiled") where BK divides
+        the group and K, and for symmetric int4 under bfloat16 its bf16-pair twin ("pairs")."""
         bm, bn, bk = matmul_blocks(T, self.out_features, K)
         plain = MatmulConfig(bm, bn, bk, 4, 1, "plain")
+        if self.dtype == torch.float32:  # the exact float32 dot is multiply-adds either way
+            return [plain]
         if interpreting():
             return [plain, MatmulConfig(bm, bn, min(self.group, 64), 4, 1)]
         bucket = token_bucket(T)
