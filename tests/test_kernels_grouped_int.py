@@ -1,6 +1,7 @@
 """int3-int6 kernels (one family, bits constexpr) against the format's decode."""
 
 from dataclasses import replace
+from functools import partial
 
 import pytest
 import torch
@@ -271,12 +272,16 @@ def test_prefill_candidates_start_with_the_plain_kernel():
 @pytest.mark.parametrize("T", [16, 100, 512])
 def test_tiled_prefill_real_shapes_on_gpu(fmt, asymmetric, group, T, monkeypatch):
     """Every prefill candidate at a real shape (whatever timing would pick) against the decode."""
+    from thin.runtime.kernels.common import compile_launches
+
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     op, dense, _ = make_op(fmt, (4096, 4096), {"group_size": group, "asymmetric": asymmetric},
                            dtype=torch.bfloat16)
     x = torch.randn(T, 4096, generator=torch.Generator().manual_seed(9)).bfloat16().to(DEVICE)
     want = x.float() @ dense.to(DEVICE).bfloat16().float().T
-    for config in op.matmul_candidates(T, 4096):
+    candidates = op.matmul_candidates(T, 4096)
+    compile_launches([(DEVICE, partial(op._matmul, x, config=c)) for c in candidates], report=False)  # threads
+    for config in candidates:
         got = op._matmul(x, config=config)
         assert rel_err(got, want) < tolerance(torch.bfloat16), (config, rel_err(got, want))
     assert rel_err(op(x), want) < tolerance(torch.bfloat16)  # the timed choice
