@@ -76,17 +76,21 @@ def _route(logits_ptr, slot, E, EP: tl.constexpr, TOP_K: tl.constexpr, NORMALIZE
     logits = tl.load(logits_ptr + ei, mask=ei < E, other=float("-inf"))
     p = tl.exp(logits - tl.max(logits, axis=0))
     p = p / tl.sum(p, axis=0)
-    work = tl.where(ei < E, p, -1.0)
+    # One reduction a pick, not two (the largest p, then its lowest index): p >= 0, so its float32 bits
+    # order as integers; below them the index's complement, so of equal p the lower index is the larger key.
+    keys = (p.to(tl.int32, bitcast=True).to(tl.int64) << 32) | (EP - 1 - ei).to(tl.int64)
+    keys = tl.where(ei < E, keys, -1)
     expert = slot * 0
     weight = 0.0
     total = 0.0
     for j in tl.static_range(TOP_K):
-        best = tl.max(work, axis=0)
-        index = tl.min(tl.where(work == best, ei, EP), axis=0)
+        key = tl.max(keys, axis=0)
+        index = EP - 1 - (key & 0xFFFFFFFF).to(tl.int32)
+        best = (key >> 32).to(tl.int32).to(tl.float32, bitcast=True)
         total += best
         expert = tl.where(slot == j, index, expert)
         weight = tl.where(slot == j, best, weight)
-        work = tl.where(ei == index, -1.0, work)
+        keys = tl.where(keys == key, -1, keys)
     if NORMALIZE:
         weight = weight / total
     return expert, weight
