@@ -447,27 +447,29 @@ class DecodeEngine:
 
     def _choose_finishing(self, timed: bool) -> None:
         """Which o and down matvecs finish the residual norm themselves (`_add_norm`): timed (norm.choose_finish,
-        once per kind of weight: format, shape, dtype), else every one that can."""
+        once per kind of weight: format, shape, norms, over all the weights of that kind), else every one
+        that can."""
         from .kernels.norm import choose_finish
 
-        chosen: dict[tuple, object] = {}
-        self._finishing.clear()
+        kinds: dict[tuple, list] = {}
         for layer in self.ex.layers:
             ops = [(layer.attention.o, layer.attn_post_norm, layer.ffn_norm)]
             if isinstance(layer.ffn, MLPPlan):
                 ops.append((layer.ffn.down, layer.ffn_post_norm, True))
             for op, post, norm in ops:
-                if not hasattr(op, "matvec_finish") or op.out_features != self.hidden:
-                    continue
-                key = (type(op), op.format, op.out_features, op.in_features, post is not None, norm is not None)
-                if key not in chosen:
-                    candidates = op.finish_candidates(self.partials.shape[0])
-                    if timed:
-                        chosen[key] = choose_finish(op, self.partials.shape[0], post is not None, norm is not None)
-                    else:
-                        chosen[key] = candidates[0] if candidates else None
-                op.finish_config = chosen[key]
-                if chosen[key] is not None:
+                if hasattr(op, "matvec_finish") and op.out_features == self.hidden:
+                    key = (type(op), op.format, op.out_features, op.in_features, post is not None, norm is not None)
+                    kinds.setdefault(key, []).append(op)
+        self._finishing.clear()
+        for (*_, post, norm), ops in kinds.items():
+            if timed:
+                config = choose_finish(ops, self.partials.shape[0], post, norm)
+            else:
+                candidates = ops[0].finish_candidates(self.partials.shape[0])
+                config = candidates[0] if candidates else None
+            for op in ops:
+                op.finish_config = config
+                if config is not None:
                     self._finishing.add(id(op))
 
     def _mlp(self, mlp: MLPPlan, x: torch.Tensor) -> int:

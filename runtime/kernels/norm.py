@@ -13,8 +13,9 @@ most a few partial rows each.
 
 from __future__ import annotations
 
+import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -193,14 +194,17 @@ class Finish:
                     H_BLOCK=next_power_of_2(H), N_PARTS=parts if parts <= MAX_UNROLLED else 0)
 
 
-def choose_finish(op, max_split: int, post: bool, norm: bool, eps: float = 1e-5):
-    """The configuration among `op.finish_candidates(max_split)` with which its matvec plus the finishing
-    residual norm (`op.matvec_finish`) runs fastest on this device, if that beats its split-K partial
-    sums then an add_rmsnorm launch; else None. Timed on scratch rows (random x, norm weights of ones
-    when `post` / `norm`), as the decode step's CUDA graph runs them: back to back. Weights the tuner does not
-    time (too small, common._small, or not to be tuned, LinearOp.tune) keep the separate launches."""
+def choose_finish(ops, max_split: int, post: bool, norm: bool, eps: float = 1e-5):
+    """The configuration among `finish_candidates(max_split)` of `ops` (weights of one format and shape,
+    e.g. every layer's o) with which their matvec plus the finishing residual norm (`matvec_finish`) runs
+    fastest on this device, if that beats their split-K partial sums then an add_rmsnorm launch; else None.
+    Timed on scratch rows (random x, norm weights of ones when `post` / `norm`) as the decode step's CUDA
+    graph runs them: back to back, each launch on the next of `ops` in turn, so that (with enough of
+    them) the weights come from DRAM, not L2. Weights the tuner does not time (too small,
+    common._small, or not to be tuned, LinearOp.tune) keep the separate launches."""
     from .common import _small, compile_launches, median_ms, median_ms_or_inf
 
+    op = ops[0]
     if _small(op) or not op.tune:
         return None
     H, device = op.out_features, op.device
@@ -210,18 +214,24 @@ def choose_finish(op, max_split: int, post: bool, norm: bool, eps: float = 1e-5)
     post_norm, final = (ones, eps) if post else None, (ones, eps) if norm else None
     config = op.config("partial")
     parts = torch.empty(max(max_split, config.split), H, dtype=torch.float32, device=device)
+    turn = itertools.count()
 
-    def separate():
+    def in_turn(run):
+        return lambda: run(ops[next(turn) % len(ops)])
+
+    def separate(o):
         view = parts[:config.split]
-        used = op._matvec(x, view, config, -1, True)
-        add_rmsnorm(residual, normed, partials=view if used is None else view[:used], bias=op.bias, post=post_norm,
+        used = o._matvec(x, view, config, -1, True)
+        add_rmsnorm(residual, normed, partials=view if used is None else view[:used], bias=o.bias, post=post_norm,
                     norm=final)
 
-    finish = Finish(torch.zeros(1, dtype=torch.int32, device=device), residual, normed, op.bias, post_norm, final)
-    launches = [(candidate, lambda c=candidate: op._matvec(x, parts[:c.split], c, -1, True, finish=finish))
-                for candidate in op.finish_candidates(max_split)]
+    def finishing(o, c):
+        o._matvec(x, parts[:c.split], c, -1, True, finish=replace(finish, bias=o.bias))
+
+    finish = Finish(torch.zeros(1, dtype=torch.int32, device=device), residual, normed, None, post_norm, final)
+    launches = [(c, in_turn(lambda o, c=c: finishing(o, c))) for c in op.finish_candidates(max_split)]
     compile_launches([(device, launch) for _, launch in launches], report=False)  # on host threads
-    best, best_ms = None, median_ms(separate)
+    best, best_ms = None, median_ms(in_turn(separate))
     separate_ms = best_ms
     for candidate, launch in launches:
         ms = median_ms_or_inf(launch)
@@ -230,7 +240,7 @@ def choose_finish(op, max_split: int, post: bool, norm: bool, eps: float = 1e-5)
     how = f"in the matvec's last program ({best})" if best is not None else "a launch of its own"
     logging.getLogger("thin.runtime").info(
         f"{op.format} {op.out_features}x{op.in_features}: residual norm {how}: {1e3 * best_ms:.1f} us, partial sums "
-        f"then add_rmsnorm {1e3 * separate_ms:.1f} us")
+        f"then add_rmsnorm {1e3 * separate_ms:.1f} us (timed over {len(ops)} weights in turn)")
     return best
 
 
