@@ -166,7 +166,7 @@ def test_grouped_ints_read_as_whole_words():
         labels = [c.label() for c in kernels.candidates(kernels.groups(kind)[0], kind)]
         assert any(label.endswith("+words") for label in labels) and any("+pairs" in label for label in labels)
     _check(plan, dtype=torch.bfloat16)
-    _check(_plan([("int4", {"group_size": 64})] * 4, dtype=torch.bfloat16, fused=False, top_k=3, hidden=128,
+    _check(_plan([("int4", {"group_size": 64})] * 4, dtype=torch.bfloat16, fused=False, top_k=3, hidden=64,
                  inter=64, bias=True, seed=14), dtype=torch.bfloat16)
     _check(_plan([("int4", {"group_size": 32, "asymmetric": 1})] * 3, hidden=96, inter=160, seed=15))
 
