@@ -42,6 +42,21 @@ def test_greedy_takes_the_first_of_equal_maxima():
     assert _pick(logits, GenerationOptions(temperature=0.0))[0] == 40
 
 
+def test_greedy_over_several_blocks_takes_the_first_of_equal_maxima():
+    """A vocabulary past one block of the greedy kernel (8192): equal maxima in different blocks and in
+    the same lane of different blocks, the first one wins (as torch.argmax)."""
+    from thin.runtime.kernels.sampling import Sampler
+
+    vocab = 20000
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(3))
+    logits[[9000, 8192 + 9000, 1000 + 8192, 17000]] = logits.max() + 1.0
+    token, out, seen, pos, steps, seeds = _state()
+    seen = torch.zeros(vocab, dtype=torch.int8, device=DEVICE)
+    Sampler(GenerationOptions(temperature=0.0), vocab, None)(logits.to(DEVICE), token, out, seen, pos, steps, seeds,
+                                                           advance_pos=True)
+    assert int(token) == int(logits.argmax()) == 9000
+
+
 def test_greedy_with_repetition_penalty_marks_the_token_seen():
     from thin.runtime.kernels.sampling import reference_draw
 

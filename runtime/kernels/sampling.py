@@ -92,8 +92,11 @@ class Sampler:
                                                         float(o.repetition_penalty), BLOCK=block)
             logits = penalised
         if o.greedy:
-            _greedy_kernel[(1,)](logits, self.vocab, token, out, seen, pos, step, BLOCK=1024, ADVANCE=advance,
-                                 SEEN=track, num_warps=8)
+            # One program walks the logits: blocks of up to 8192 (16 a thread), so a 32000 vocabulary is 4
+            # dependent L2 round trips, not 32 (the first largest index whatever the block).
+            _greedy_kernel[(1,)](logits, self.vocab, token, out, seen, pos, step,
+                                 BLOCK=min(next_power_of_2(self.vocab), 8192), ADVANCE=advance, SEEN=track,
+                                 num_warps=16)
             return
         sort = (o.top_k > 0 and o.top_k < self.vocab) or o.top_p < 1.0 or o.min_p > 0.0
         if 0 < o.top_k < self.vocab:
