@@ -58,7 +58,12 @@ class DecodeEngine:
     the weights read next (an experiment the benchmarks compare; none by default). With
     `prefetch_stream` (CUDA) those launches go to a second stream, forked from the step's at each
     point and joined at the step's end: a captured step holds them as a branch beside the kernels
-    that follow, off their path."""
+    that follow, off their path.
+
+    `finish_norm`: whether o's and down's matvecs (int8, fp8_e4m3) add their partial sums into the
+    residual and norm it in their own last program instead of an add_rmsnorm launch: None (default)
+    times both ways in `warm_up` on a GPU and keeps the faster per kind of weight; True every op that
+    can (the tests); False none."""
 
     def __init__(self, executor, *, graphs: bool = True, prefetch: Collection[str] = (), prefetch_stream: bool = False,
                  finish_norm: bool | None = None):
