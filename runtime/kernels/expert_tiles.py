@@ -45,8 +45,8 @@ class RouterConfig:
 
 
 def expert_candidates(group: ExpertGroup, K: int, n: int, dtype: torch.dtype, glu: bool) -> list[ExpertConfig]:
-    """Tiles worth timing for a kernel reading `group`'s rows of K columns into n outputs (glu: a fused
-    gate/up, two weight rows an output); the byte-wise tilings first (the first is the default)."""
+    """Tiles worth timing for a kernel reading `group`'s rows of K columns into n outputs (glu: gate/up,
+    fused or not, two weight rows an output); the byte-wise tilings first (the first is the default)."""
     if interpreting():  # the whole row in one step, and with the prefetch's masked extra step
         cols = next_power_of_2(K)
         ng = cols // group.group if group.group else cols

@@ -284,7 +284,7 @@ class MoEKernels:
     def candidates(self, group: ExpertGroup, kind: str) -> list[ExpertConfig]:
         """Tiles worth timing for `group`'s gate/up ("gate_up") or down ("down") kernel; first is the default."""
         K, n = (self.hidden, self.inter) if kind == "gate_up" else (self.inter, self.hidden)
-        return expert_candidates(group, K, n, self.dtype, kind == "gate_up" and self.fused)
+        return expert_candidates(group, K, n, self.dtype, kind == "gate_up")  # gate and up: two rows an output
 
     def router_candidates(self) -> list[RouterConfig]:
         """The router's tilings worth timing; first is the default."""
