@@ -430,7 +430,14 @@ class GroupedIntLinear(KernelLinear):
         if interpreting():
             return [plain, MatmulConfig(bm, bn, min(self.group, 64), 4, 1)]
         bucket = token_bucket(T)
-        tiled = tile_candidates(T, K, (64, 128) if self.group % 64 == 0 else (32,), self.group)
+        tiles = [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8), (128, 256, 8)]
+        if bucket <= 64:
+            tiles = [(bucket, 32, 4), (bucket, 64, 4), (bucket, 128, 4), (bucket, 128, 8)]
+        steps = [(64, 3), (64, 4), (128, 3)]  # (BK, stages): 4 steps of 128 columns overflow shared memory
+        if self.group % 64:
+            steps = [(32, 4)]
+        tiled = [MatmulConfig(m, n, k, warps, stages) for m, n, warps in tiles for k, stages in steps
+                 if self.group % k == 0 and K % k == 0]
         # The pairs' step sums sit beside the accumulator: tiles of up to 64 sums a thread (past that
         # ptxas spills at sm_90), 64 columns a step.
         pairs = [replace(c, kernel="pairs") for c in tiled if self.pairs and c.block_k == 64
@@ -503,20 +510,6 @@ def matmul_blocks(T: int, N: int, K: int) -> tuple[int, int, int]:
         return max(16, next_power_of_2(T)), interpreter_block(N, 256), bk
     return (64 if T > 32 else 16 if T <= 16 else 32), 64, bk
 
-
-
-def tile_candidates(T: int, K: int, steps: tuple[int, ...], unit: int) -> list[MatmulConfig]:
-    """Tilings of a pipelined prefill kernel ("tiled") worth timing for T rows over K columns: tiles of
-    tokens x rows (the bucket's rows up to 64 tokens; 64 or 128 beyond), `steps` columns a loop step
-    where they divide `unit` (a scale group) and K, three or four stages (three at 128 columns: four
-    steps of 128 columns of x and codes overflow shared memory at 128 rows)."""
-    bucket = token_bucket(T)
-    tiles = [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8), (128, 256, 8)]
-    if bucket <= 64:
-        tiles = [(bucket, 32, 4), (bucket, 64, 4), (bucket, 128, 4), (bucket, 128, 8)]
-    stages = {32: (4,), 64: (3, 4), 128: (3,)}
-    return [MatmulConfig(m, n, k, warps, stage) for m, n, warps in tiles for k in steps if unit % k == 0 and K % k == 0
-            for stage in stages[k]]
 
 def make(record, raw, bias, device, dtype):
     """The registry's factory: a GroupedIntLinear, or None for a shape the kernels can't tile."""
