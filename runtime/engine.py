@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
-from collections.abc import Collection, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -36,14 +36,6 @@ from .generate import GenerationStats, check_context
 from .linear import LinearOp
 from .paged_kv import PREFILL_CHUNK, PagedKVCache
 from .sampling import GenerationOptions
-
-# Where a decode step may prefetch weights into L2 (DecodeEngine(prefetch=...)), each launched before
-# latency-bound kernels that leave DRAM idle, so the next small matvec finds its bytes in L2:
-PREFETCH_POINTS = {
-    "o": "layer i's o weight, right after layer i's qkv matvec (during RoPE + KV append and attention)",
-    "qkv": "layer i+1's qkv weights, right after layer i's FFN (during the residual + norm)",
-    "qkv-early": "layer i+1's qkv weights, right before layer i's down matvec (alongside down's reads)",
-}
 
 
 class EngineUnsupported(NotImplementedError):
@@ -54,19 +46,12 @@ class DecodeEngine:
     """Prefill and graph-captured decode for `executor`'s model on its device (CUDA; also the CPU
     under Triton's interpreter, without graphs, which is how the test suite runs it).
 
-    `prefetch`: names from PREFETCH_POINTS where each decode step also launches an L2 prefetch of
-    the weights read next (an experiment the benchmarks compare; none by default). With
-    `prefetch_stream` (CUDA) those launches go to a second stream, forked from the step's at each
-    point and joined at the step's end: a captured step holds them as a branch beside the kernels
-    that follow, off their path.
-
     `finish_norm`: whether o's and down's matvecs (int8, fp8_e4m3) add their partial sums into the
     residual and norm it in their own last program instead of an add_rmsnorm launch: None (default)
     times both ways in `warm_up` on a GPU and keeps the faster per kind of weight; True every op that
     can (the tests); False none."""
 
-    def __init__(self, executor, *, graphs: bool = True, prefetch: Collection[str] = (), prefetch_stream: bool = False,
-                 finish_norm: bool | None = None):
+    def __init__(self, executor, *, graphs: bool = True, finish_norm: bool | None = None):
         _check_supported(executor)
         from .kernels import attention, norm, rope, sampling  # noqa: F401  (imports triton)
 
@@ -113,11 +98,6 @@ class DecodeEngine:
         self.logits = new(self.vocab)
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._samplers: dict = {}
-        # L2 prefetches of the small weights (kernels/prefetch.py) by (layer index, point): an experiment,
-        # off unless asked for (PREFETCH_POINTS).
-        self.prefetches = _prefetches(executor, prefetch)
-        side = prefetch_stream and self.prefetches and self.device.type == "cuda"
-        self._side = torch.cuda.Stream(self.device) if side else None
         # Names the sections of a step for the profiler (bench --profile); a no-op otherwise.
         self._mark = lambda name: contextlib.nullcontext()
         # o and down ops whose matvec's last program also runs the residual norm (norm.Finish): chosen by
@@ -239,7 +219,6 @@ class DecodeEngine:
             with mark("qkv"):
                 self._project(a.qkv, self.normed, self.qkv)
                 self._whole_qk_norm(a, self.qkv[None])
-            self._prefetch(index, "o")
             with mark("qk norm + rope + append"):
                 rope_append(self.qkv, self.q, k_cache, v_cache, table, self.pos, self.num_heads,
                             self.num_kv_heads, self.head_dim, rope=_tables(a), **_qk_norms(a))
@@ -252,23 +231,19 @@ class DecodeEngine:
             if index in self.moe:
                 with mark("router + experts"):
                     parts = self.moe[index](self.normed, self.partials)
-                self._prefetch(index, "qkv")
                 with mark("residual + norm"):
                     add_rmsnorm(self.residual, self.normed, partials=parts, post=_norm(layer.ffn_post_norm),
                                 norm=_norm(following))
             else:
                 with mark("gate/up + act"):
                     width = self._mlp(layer.ffn, self.normed)
-                self._prefetch(index, "qkv-early")
                 self._add_norm(layer.ffn.down, self.mlp[:width], "down", layer.ffn_post_norm, following,
-                               layer.ffn.width, layer.ffn.shift, prefetch=index)
+                               layer.ffn.width, layer.ffn.shift)
         with mark("lm head"):
             self._project([self.ex.lm_head], self.normed, self.logits)
         with mark("sample"):
             sampler(self.logits, self.token, cache.out_tokens, self.seen, self.pos, self.step, self.seed,
                     advance_pos=True)
-        if self._side is not None:  # join the prefetch branch
-            torch.cuda.current_stream(self.device).wait_stream(self._side)
 
     def decode_n_tokens(self, cache: PagedKVCache, n: int, sampler, stop_ids: frozenset[int] = frozenset(),
                         graph: bool | None = None) -> Iterator[int]:
@@ -427,28 +402,25 @@ class DecodeEngine:
         return self.partials[:1], None
 
     def _add_norm(self, op: LinearOp, x: torch.Tensor, name: str, post, norm, cols: int | None = None,
-                  shift: torch.Tensor | None = None, prefetch: int | None = None) -> None:
+                  shift: torch.Tensor | None = None) -> None:
         """residual += op(x) (over the first `cols` columns of W when given) + shift, normed by `post`;
         normed = norm(residual): split-K partial sums then add_rmsnorm, or in one launch where `op`'s matvec
-        finishes the norm itself (chosen in warm_up). `prefetch`: the layer whose "qkv" prefetch point
-        comes between the two launches."""
+        finishes the norm itself (chosen in warm_up)."""
         from .kernels.norm import Finish, add_rmsnorm
 
         finish = id(op) in self._finishing and cols is None
-        with self._mark(name):
-            if finish:
-                bias = op.bias if shift is None else shift if op.bias is None else op.bias + shift
+        if finish:
+            bias = op.bias if shift is None else shift if op.bias is None else op.bias + shift
+            with self._mark(name):
                 op.matvec_finish(x, self.partials, Finish(self.counter, self.residual, self.normed, bias, _norm(post),
                                                           _norm(norm)))
-            else:
-                parts, bias = self._partial_sums(op, x, cols)
-                if shift is not None:  # an elastic FFN level: what its dropped channels add
-                    bias = shift if bias is None else bias + shift
-        if prefetch is not None:
-            self._prefetch(prefetch, "qkv")
-        if not finish:
-            with self._mark("residual + norm"):
-                add_rmsnorm(self.residual, self.normed, partials=parts, bias=bias, post=_norm(post), norm=_norm(norm))
+            return
+        with self._mark(name):
+            parts, bias = self._partial_sums(op, x, cols)
+        if shift is not None:  # an elastic FFN level: what its dropped channels add
+            bias = shift if bias is None else bias + shift
+        with self._mark("residual + norm"):
+            add_rmsnorm(self.residual, self.normed, partials=parts, bias=bias, post=_norm(post), norm=_norm(norm))
 
     def _choose_finishing(self, timed: bool) -> None:
         """Which o and down matvecs finish the residual norm themselves (`_add_norm`): timed (norm.choose_finish,
@@ -496,18 +468,6 @@ class DecodeEngine:
         if mlp.scale is not None:
             out.mul_(mlp.scale)
         return width
-
-    def _prefetch(self, index: int, point: str) -> None:
-        launch = self.prefetches.get((index, point))
-        if launch is None:
-            return
-        with self._mark("prefetch"):
-            if self._side is None:
-                launch()
-                return
-            self._side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(self._side):
-                launch()
 
     def _whole_qk_norm(self, a, qkv: torch.Tensor) -> None:
         """OLMo-2: RMSNorm over the whole q and k projections (before the head split), in place."""
@@ -570,28 +530,6 @@ def generate(engine: DecodeEngine, prompt_ids: Sequence[int], options: Generatio
         # The keys and values kept: the prompt and every generated token fed back (a step launched
         # past a stop token wrote one more, beyond this length).
         cache.length = length + fed
-
-
-def _prefetches(executor, points: Collection[str]) -> dict:
-    """{(layer index, point): Prefetch} for the PREFETCH_POINTS named (the weights each one reads
-    ahead; the last layer has no next qkv)."""
-    unknown = set(points) - set(PREFETCH_POINTS)
-    if unknown:
-        raise ValueError(f"unknown prefetch point(s) {sorted(unknown)}; the engine has {list(PREFETCH_POINTS)}")
-    if not points:
-        return {}
-    from .kernels.prefetch import Prefetch, weight_tensors
-
-    layers = executor.layers
-    out = {}
-    for index, layer in enumerate(layers):
-        if "o" in points:
-            out[index, "o"] = Prefetch(weight_tensors([layer.attention.o]), executor.device)
-        ahead = layers[index + 1].attention.qkv if index + 1 < len(layers) else []
-        for point in ("qkv", "qkv-early"):
-            if point in points and ahead and (point == "qkv" or isinstance(layer.ffn, MLPPlan)):
-                out[index, point] = Prefetch(weight_tensors(ahead), executor.device)
-    return out
 
 
 def _check_supported(executor) -> None:

@@ -91,44 +91,6 @@ def test_quantized_greedy_tokens_match_the_executor(models, quant):
     assert _engine_tokens(_engine(model), prompt, 6) == _executor_tokens(model, prompt, 6)
 
 
-@pytest.mark.parametrize("quant", [None, "int4", "fp8_e4m3"])
-def test_prefetch_changes_no_token_or_logit_and_covers_the_weights(models, quant):
-    """Every prefetch point on: the same tokens and bit-identical last logits as without, and each
-    launch (which the interpreter runs as a record of its lanes' segments) covered its weights."""
-    from thin.runtime.engine import PREFETCH_POINTS
-    from thin.runtime.kernels.prefetch import byte_ranges, weight_tensors
-
-    model = models("llama", quant)
-    prompt = _prompt(seed=7)
-    plain, fetching = _engine(model), _engine(model, prefetch=tuple(PREFETCH_POINTS))
-    assert _engine_tokens(fetching, prompt, 5) == _engine_tokens(plain, prompt, 5)
-    assert torch.equal(fetching.logits, plain.logits)
-    layers = model.executor.layers
-    assert set(fetching.prefetches) == ({(i, "o") for i in range(len(layers))}
-                                        | {(i, p) for i in range(len(layers) - 1) for p in ("qkv", "qkv-early")})
-    for (index, point), fetch in fetching.prefetches.items():
-        ops = [layers[index].attention.o] if point == "o" else layers[index + 1].attention.qkv
-        assert fetch.ranges == byte_ranges(weight_tensors(ops))
-        if fetch.record is not None:
-            lanes = [(a, a + n) for a, n in fetch.record.reshape(-1, 2).tolist() if n > 0]
-            assert sum(e - b for b, e in lanes) == fetch.nbytes
-            assert all(any(b <= lb and le <= e for b, e in fetch.ranges) for lb, le in lanes)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="a second stream, and a captured step that branches onto it")
-def test_prefetch_on_a_second_stream_changes_no_token(models):
-    from thin.runtime.engine import PREFETCH_POINTS
-
-    model = models("llama", "int4")
-    prompt = _prompt(seed=8)
-    side = _engine(model, prefetch=tuple(PREFETCH_POINTS), prefetch_stream=True)
-    assert side._side is not None
-    cache = side.new_cache(64)
-    assert _engine_tokens(side, prompt, 20, cache=cache) == _engine_tokens(_engine(model), prompt, 20)
-    assert cache.graphs, "the step with its prefetch branch was captured"
-
-
 @pytest.mark.parametrize("quant", ["int8", "fp8_e4m3"])
 def test_matvecs_that_finish_the_residual_norm(models, quant):
     """o and down finishing the residual norm in their last program (finish_norm=True, every such op)
@@ -150,11 +112,6 @@ def test_matvecs_that_finish_the_residual_norm(models, quant):
     assert _engine_tokens(plain, prompt, 6) == want and not plain._finishing
     if not HAS_CUDA:
         assert torch.equal(finishing.logits, plain.logits)
-
-
-def test_prefetch_points_are_checked(models):
-    with pytest.raises(ValueError, match="unknown prefetch point"):
-        _engine(models("llama"), prefetch=("down",))
 
 
 def test_conversation_cache_prefills_only_the_new_turn(models):

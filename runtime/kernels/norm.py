@@ -21,8 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from . import interpreting
 from .common import next_power_of_2
-from .prefetch import BULK, issue_kind
 
 
 @triton.jit
@@ -184,7 +184,7 @@ class Finish:
         norm_w, eps = self.norm if self.norm is not None else (None, 0.0)
         weights = [w for w in (post_w, norm_w) if w is not None]
         # The kernel prefetches each weight's 4 H bytes in one bulk request: float32, 16-byte aligned.
-        prefetch = weights and issue_kind(self.residual.device) == BULK and H % 4 == 0 and all(
+        prefetch = weights and _bulk_prefetch(self.residual.device) and H % 4 == 0 and all(
             w.dtype == torch.float32 and w.is_contiguous() and w.numel() == H and w.data_ptr() % 16 == 0
             for w in weights)
         return dict(PREFETCH=bool(prefetch),
@@ -259,3 +259,9 @@ def reference(residual, h, post, norm):
             h = rms(h, post)
         residual = residual + h
     return residual, (rms(residual, norm) if norm is not None else residual)
+
+
+def _bulk_prefetch(device: torch.device) -> bool:
+    """Whether `device` takes `cp.async.bulk.prefetch.L2` (l2_prefetch): a GPU from sm_90 on, not the
+    interpreter."""
+    return not interpreting() and device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
