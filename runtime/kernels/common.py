@@ -247,8 +247,12 @@ def _launcher(op: KernelLinear, config: MatvecConfig, mode: str, rows: int | Non
 
 def _time(op: KernelLinear, config: MatvecConfig, mode: str, rows: int | None = None,
           cols: int | None = None) -> float:
-    """Median milliseconds of one launch with `config` (compile excluded)."""
-    return median_ms(_launcher(op, config, mode, rows, cols))
+    """Median milliseconds of one launch with `config` (compile excluded), launched plainly (never as a
+    programmatic dependent, dependent.py, whatever launch is being made when it is chosen)."""
+    from .dependent import launching
+
+    with launching(False):
+        return median_ms(_launcher(op, config, mode, rows, cols))
 
 
 def compile_threads() -> int:

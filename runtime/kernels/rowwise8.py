@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import common, interpreting
+from . import common, dependent, interpreting
 from .common import (
     MAGIC_BITS,
     KernelLinear,
@@ -32,6 +32,7 @@ from .common import (
     prefix_rows,
     prefix_split,
 )
+from .dependent import release_next, wait_previous
 from .grouped_int import matmul_blocks
 from .norm import l2_prefetch, last_program, residual_norm_row
 from .tiles import (
@@ -87,21 +88,33 @@ def _fp8_step(acc, v_ptr, x_ptr, row_off, row_mask, k0, end, ks, EVEN_N: tl.cons
 
 @triton.jit
 def _fp8_ahead_dot(w_ptr, x_ptr, starts, row_mask, K, split_chunks, C: tl.constexpr, EVEN_N: tl.constexpr,
-                   EVEN_K: tl.constexpr, ASM: tl.constexpr, AHEAD: tl.constexpr):
+                   EVEN_K: tl.constexpr, ASM: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr = 0):
     """_fp8_dot with each step's weights and activations loaded AHEAD (1 or 2) steps before it, so
     their memory latency overlaps the math of the steps between instead of following it.
 
     The same lane layout (a lane's 8 bytes of each row and the 16-byte load of their activations),
     but as chunks of 8 columns (tiles.py's scheme; `starts`: row_starts in chunks) whose bytes are
     two int32 words: the bytes are carried from step to step as they were loaded, two registers a
-    row (a byte tensor carried through the loop is held a byte a register and repacked every step)."""
+    row (a byte tensor carried through the loop is held a byte a register and repacked every step).
+    PDL (dependent.py): the first AHEAD steps' weights are loaded before waiting on the previous
+    kernel, their activations after."""
     total = K // 8
     begin = tl.program_id(1) * split_chunks
     end = tl.minimum(begin + split_chunks, total)
     acc = tl.zeros([starts.shape[0], C], dtype=tl.float32)
-    w_1, x_1 = _fp8_words(w_ptr, x_ptr, starts, row_mask, begin, end, C, EVEN_N, EVEN_K, ASM)
-    if AHEAD >= 2:
-        w_2, x_2 = _fp8_words(w_ptr, x_ptr, starts, row_mask, begin + C, end, C, EVEN_N, EVEN_K, ASM)
+    if PDL:
+        w_1 = plane_load(w_ptr, starts, row_mask, begin, end, C, 2, EVEN_N, EVEN_K, ASM, True)
+        if AHEAD >= 2:
+            w_2 = plane_load(w_ptr, starts, row_mask, begin + C, end, C, 2, EVEN_N, EVEN_K, ASM, True)
+        wait_previous(PDL)  # x is the previous kernel's output
+        release_next(PDL)
+        x_1 = _fp8_x(x_ptr, begin, end, C)
+        if AHEAD >= 2:
+            x_2 = _fp8_x(x_ptr, begin + C, end, C)
+    else:
+        w_1, x_1 = _fp8_words(w_ptr, x_ptr, starts, row_mask, begin, end, C, EVEN_N, EVEN_K, ASM)
+        if AHEAD >= 2:
+            w_2, x_2 = _fp8_words(w_ptr, x_ptr, starts, row_mask, begin + C, end, C, EVEN_N, EVEN_K, ASM)
     for c0 in range(begin, end, C):
         w, x = w_1, x_1
         if AHEAD >= 2:
@@ -125,10 +138,15 @@ def _fp8_words(w_ptr, x_ptr, starts, row_mask, c0, end, C: tl.constexpr, EVEN_N:
                ASM: tl.constexpr):
     """(words [rows, 2 C], activations [C, 8] unconverted) of the step at chunk c0, which may lie
     past `end` (masked off: never used)."""
-    chunk = c0 + tl.arange(0, C)
     words = plane_load(w_ptr, starts, row_mask, c0, end, C, 2, EVEN_N, EVEN_K, ASM, True)
-    x = tl.load(x_ptr + (8 * chunk)[:, None] + tl.arange(0, 8)[None, :], mask=(chunk < end)[:, None], other=0.0)
-    return words, x
+    return words, _fp8_x(x_ptr, c0, end, C)
+
+
+@triton.jit
+def _fp8_x(x_ptr, c0, end, C: tl.constexpr):
+    """The activations [C, 8] (unconverted) of the step at chunk c0 (past `end`: zeros, never used)."""
+    chunk = c0 + tl.arange(0, C)
+    return tl.load(x_ptr + (8 * chunk)[:, None] + tl.arange(0, 8)[None, :], mask=(chunk < end)[:, None], other=0.0)
 
 
 @triton.jit
@@ -187,13 +205,15 @@ def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, split, flip
                    post_ptr=None, norm_ptr=None, normed_ptr=None, post_eps=0.0, eps=0.0,
                    FINISH: tl.constexpr = False, FINISH_BIAS: tl.constexpr = False, POST: tl.constexpr = False,
                    NORM: tl.constexpr = False, H_BLOCK: tl.constexpr = 1, N_PARTS: tl.constexpr = 0,
-                   PREFETCH: tl.constexpr = False):
+                   PREFETCH: tl.constexpr = False, PDL: tl.constexpr = 0):
     """Program (i, s): output rows i*BN.., the columns of split s (`split` of them: columns for
     fp8, chunks for int8; STEP per loop step). ACT >= 0: the weight is [gate; up] and the tile
     holds both rows of each output (gate row r, up row n + r), one pass over x. FINISH (with
     PARTIAL): the launch's last program also adds the partial sums into the residual and norms it
     (norm.Finish), so no residual-norm launch follows; PREFETCH: program (0, 0) first asks L2 for the
-    norm weights that program reads (bulk prefetches, sm_90), so they are not a DRAM latency at the end."""
+    norm weights that program reads (bulk prefetches, sm_90), so they are not a DRAM latency at the end.
+    PDL: launched as a programmatic dependent (dependent.py): the row scales (and the fp8 look-ahead's
+    first weights) are loaded before waiting on the previous kernel, everything it writes after."""
     if PREFETCH:  # noqa: SIM102  (a constexpr condition, then a run-time one)
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             if NORM:
@@ -201,15 +221,23 @@ def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, split, flip
             if POST:
                 l2_prefetch(post_ptr, 4 * n)
     rows, row_mask = tile_rows(tl.program_id(0), n, BN, ACT >= 0)
+    if PDL:
+        scale = tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
     if FP8 and AHEAD:  # v_ptr: int32 words; split and STEP in chunks of 8 columns
         starts = tile_starts(tl.program_id(0), n, K // 8, BN, ACT >= 0, ASM)
-        total = _fp8_ahead_dot(v_ptr, x_ptr, starts, row_mask, K, split, STEP, EVEN_N, EVEN_K, ASM, AHEAD)
-    elif FP8:
-        total = _fp8_dot(v_ptr, x_ptr, rows, row_mask, K, split, STEP, EVEN_N, EVEN_K, STAGES)
+        total = _fp8_ahead_dot(v_ptr, x_ptr, starts, row_mask, K, split, STEP, EVEN_N, EVEN_K, ASM, AHEAD, PDL)
     else:
-        starts = tile_starts(tl.program_id(0), n, K // 16, BN, ACT >= 0, ASM)
-        total = _int8_dot(v_ptr, x_ptr, starts, row_mask, K, split, flip_lo, flip_hi, STEP, EVEN_N, EVEN_K, ASM)
-    total *= tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
+        wait_previous(PDL)
+        release_next(PDL)
+        if FP8:
+            total = _fp8_dot(v_ptr, x_ptr, rows, row_mask, K, split, STEP, EVEN_N, EVEN_K, STAGES)
+        else:
+            starts = tile_starts(tl.program_id(0), n, K // 16, BN, ACT >= 0, ASM)
+            total = _int8_dot(v_ptr, x_ptr, starts, row_mask, K, split, flip_lo, flip_hi, STEP, EVEN_N, EVEN_K,
+                              ASM)
+    if not PDL:
+        scale = tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
+    total *= scale
     store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL)
     if FINISH:  # noqa: SIM102  (a constexpr condition, then a run-time one)
         if last_program(counter_ptr):
@@ -315,14 +343,15 @@ class Rowwise8Linear(KernelLinear):
             config, launch = chunk_prefix(config, self.in_features, cols, 16)
             split, step, even, asm = launch.split_chunks, launch.chunks, launch.even, launch.asm
             values = self.words
+        pdl = dependent.level()
         _matvec_kernel[(programs, config.split)](
             values, self.scales, self.bias if self.bias is not None else x, x, out, n, self.in_features, split,
             MAGIC_BITS | 0x80,
             MAGIC_BITS | 0x8000,
             FP8=self.fp8, BN=config.block_n, STEP=step, EVEN_N=n % config.block_n == 0, EVEN_K=even, ASM=asm,
             ACT=act, HAS_BIAS=self.bias is not None, PARTIAL=partial, AHEAD=config.ahead if self.fp8 else 0,
-            STAGES=config.stages if self.fp8 else 0, num_warps=config.num_warps,
-            **(finish.launch_args(config.split, n) if finish is not None else {}))
+            STAGES=config.stages if self.fp8 else 0, num_warps=config.num_warps, PDL=pdl,
+            **(finish.launch_args(config.split, n) if finish is not None else {}), **dependent.launch_args(pdl))
         return config.split
 
     def _matmul(self, x, rows=None, cols=None, halves=1):
