@@ -6,7 +6,7 @@ Loads the artifact once on the GPU, builds a second decode engine over the same 
 DecodeEngine(pdl=True) (runtime/kernels/dependent.py: the step's matvecs, norms, RoPE and attention
 launched as programmatic dependents, each matvec's first weights loaded before its wait), checks that
 both give the same greedy tokens (graphed), counts the programmatic edges in a captured step of each
-(cuGraphGetEdges_v2: whether CUDA-graph capture kept the launches' PDL attribute; 0 with pdl means it
+(cuGraphGetEdges: whether CUDA-graph capture kept the launches' PDL attribute; 0 with pdl means it
 did not and the option can do nothing), then measures both with runtime/bench.run, `thin-exec
 bench`'s own measurement, taking turns for --rounds rounds. Prints one row per round and the median
 over rounds with the change against plain launches.
@@ -35,20 +35,26 @@ def programmatic_edges(engine, prompt) -> str:
         engine.decode_one_token(cache, sampler)  # compiled and chosen before capture
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph(keep_graph=True)
-        with torch.cuda.graph(graph, pool=engine._pool):
+        with torch.cuda.graph(graph):  # a pool of its own: this graph is never replayed
             engine.decode_one_token(cache, sampler)
         handle = ctypes.c_void_p(graph.raw_cuda_graph())
         cuda = ctypes.CDLL("libcuda.so.1")
+        version = ctypes.c_int(0)
+        cuda.cuDriverGetVersion(ctypes.byref(version))
+        # The edges with their data: cuGraphGetEdges_v2 from CUDA 12.3; CUDA 13's cuGraphGetEdges takes the same.
+        get = getattr(cuda, "cuGraphGetEdges_v2", None) or (cuda.cuGraphGetEdges if version.value >= 13000 else None)
+        if get is None:
+            return f"the driver ({version.value}) lists no edge data (CUDA 12.3 or later has it)"
         count = ctypes.c_size_t(0)
-        status = cuda.cuGraphGetEdges_v2(handle, None, None, None, ctypes.byref(count))
+        status = get(handle, None, None, None, ctypes.byref(count))
         if status != 0:
-            return f"cuGraphGetEdges_v2 failed ({status})"
+            return f"cuGraphGetEdges failed ({status})"
         n = count.value
         nodes_from, nodes_to = (ctypes.c_void_p * n)(), (ctypes.c_void_p * n)()
         data = (ctypes.c_uint8 * (8 * n))()  # CUgraphEdgeData: from_port, to_port, type, 5 reserved
-        status = cuda.cuGraphGetEdges_v2(handle, nodes_from, nodes_to, data, ctypes.byref(count))
+        status = get(handle, nodes_from, nodes_to, data, ctypes.byref(count))
         if status != 0:
-            return f"cuGraphGetEdges_v2 failed ({status})"
+            return f"cuGraphGetEdges failed ({status})"
         programmatic = sum(1 for i in range(n) if data[8 * i + 2] != 0)  # type 1: CU_GRAPH_DEPENDENCY_TYPE_PROGRAMMATIC
         return f"{programmatic} of {n} edges programmatic"
     except Exception as e:  # a diagnostic only: the timing below does not depend on it
