@@ -17,9 +17,29 @@ import triton.language as tl
 from thin.ir.formats.mxfp4 import BLOCK
 
 from . import interpreting
-from .common import KernelLinear, MatvecConfig, chunk_candidates, chunk_prefix, matmul_prefix, prefix_rows
+from .common import (
+    KernelLinear,
+    MatmulConfig,
+    MatvecConfig,
+    choose_matmul,
+    chunk_candidates,
+    chunk_prefix,
+    matmul_prefix,
+    prefix_rows,
+    token_bucket,
+)
 from .grouped_int import matmul_blocks
-from .tiles import chunk_side, dot_tile, plane_codes, plane_words, store_tile, tile_rows, tile_starts, x_octet
+from .tiles import (
+    chunk_side,
+    dot_tile,
+    plane_codes,
+    plane_words,
+    store_tile,
+    tile_candidates,
+    tile_rows,
+    tile_starts,
+    x_octet,
+)
 
 TWO_126 = 2.0**126
 
@@ -112,6 +132,57 @@ def _matmul_kernel(x_ptr, v_ptr, e_ptr, bias_ptr, out_ptr, T, N, K, KS, n1, bloc
              mask=tok_mask[:, None] & row_mask[None, :])
 
 
+@triton.jit
+def _word_values(words, scale, S: tl.constexpr, dtype: tl.constexpr):
+    """The weights of the codes at bits S..S+3 of int32 `words` times their block's 2^(e - 127), in dtype."""
+    return (_code_values((words >> S) & 0xF) * scale).to(dtype)
+
+
+@triton.jit
+def _tiled_kernel(x_ptr, w_ptr, e_ptr, bias_ptr, out_ptr, T, N, K, KS, n1, block, BM: tl.constexpr,
+                  BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr, HAS_BIAS: tl.constexpr,
+                  IEEE: tl.constexpr):
+    """Prefill, the pipelined tiling (MatmulConfig "tiled"), as grouped_int._tiled_kernel: the same
+    out[T, N] as `_matmul_kernel` from a step's whole words (BK / 8 a row, code i of word c is column
+    8 c + i) and their block scales (one byte a block of 4 words), each code turned
+    into its weight by `_word_values` and the eight joined in column order (grouped_int._unpack8's
+    order: the outermost join picks i's lowest bit)."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(T, BM)
+    tiles_n = tl.cdiv(N, BN)
+    width = GROUP_M * tiles_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    tok = pid_m * BM + tl.arange(0, BM)
+    out_rows = pid_n * BN + tl.arange(0, BN)
+    tok_mask, row_mask = tok < T, out_rows < N
+    rows = (out_rows // n1) * block + out_rows % n1
+    # [rows, blocks, words]: a step's BK / 32 blocks of 4 words each, every block's scale byte loaded
+    # once as [rows, blocks, 1] (as [rows, words] a byte a word, Triton 3.6 gave the weights a layout
+    # whose transposed tile it could not place in shared memory for sm_90's wgmma).
+    b = tl.arange(0, BK // 32)[None, :, None]
+    row_words = rows.to(tl.int64)[:, None, None] * (KS // 8) + 4 * b + tl.arange(0, 4)[None, None, :]
+    row_scales = rows.to(tl.int64)[:, None, None] * (KS // 32) + b
+    x_rows = x_ptr + tok.to(tl.int64)[:, None] * K + tl.arange(0, BK)[None, :]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        x = tl.load(x_rows + k0, mask=tok_mask[:, None], other=0.0)
+        words = tl.load(w_ptr + row_words + k0 // 8, mask=row_mask[:, None, None], other=0)
+        e = tl.load(e_ptr + row_scales + k0 // 32, mask=row_mask[:, None, None], other=127)
+        scale = _block_scale(e.to(tl.int32))
+        w = tl.join(tl.join(tl.join(_word_values(words, scale, 0, x.dtype), _word_values(words, scale, 16, x.dtype)),
+                            tl.join(_word_values(words, scale, 8, x.dtype), _word_values(words, scale, 24, x.dtype))),
+                    tl.join(tl.join(_word_values(words, scale, 4, x.dtype), _word_values(words, scale, 20, x.dtype)),
+                            tl.join(_word_values(words, scale, 12, x.dtype), _word_values(words, scale, 28, x.dtype))))
+        acc += dot_tile(x, tl.reshape(w, [BN, BK]), IEEE)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + tok.to(tl.int64)[:, None] * N + out_rows[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=tok_mask[:, None] & row_mask[None, :])
+
+
 class MxFp4Linear(KernelLinear):
     """An mxfp4 weight."""
 
@@ -120,6 +191,7 @@ class MxFp4Linear(KernelLinear):
         self.values = self.parts["values"]
         self.words = self.values.view(torch.int32)
         self.scales = self.parts["scales"]
+        self._matmul_configs: dict[tuple[int, int, int], MatmulConfig] = {}
 
     def candidates(self, mode: str, rows: int | None = None, cols: int | None = None) -> list[MatvecConfig]:
         n, k = self.matvec_shape(mode, rows, cols)
@@ -135,15 +207,46 @@ class MxFp4Linear(KernelLinear):
             num_warps=config.num_warps)
         return config.split
 
-    def _matmul(self, x, rows=None, cols=None, halves=1):
+    def matmul_candidates(self, T: int, K: int) -> list[MatmulConfig]:
+        """Prefill tilings worth timing: the plain kernel first (the untuned default), then under
+        16-bit activations the pipelined one (grouped_int.tile_candidates; a block scale per word)."""
+        bm, bn, bk = matmul_blocks(T, self.out_features, K)
+        plain = MatmulConfig(bm, bn, bk, 4, 1, "plain")
+        if self.dtype == torch.float32:  # the exact float32 dot is multiply-adds either way
+            return [plain]
+        if interpreting():
+            return [plain, MatmulConfig(bm, bn, 64 if K % 64 == 0 else 32, 4, 1)]
+        return [plain, *tile_candidates(T, K, (64, 128), 128, wide_sums=64)]
+
+    def _matmul(self, x, rows=None, cols=None, halves=1, config=None):
         T = x.shape[0]
         N, K, n1, block = matmul_prefix(self, rows, cols, halves)
+        if config is None:
+            key = (token_bucket(T), N, K)
+            if key not in self._matmul_configs:  # timed once per bucket and shape (choose_matmul)
+                self._matmul_configs[key] = choose_matmul(self, T, N, K, self.matmul_candidates(T, K),
+                                                          lambda c, x: self._launch_matmul(x, N, K, n1, block, c))
+            config = self._matmul_configs[key]
+        return self._launch_matmul(x, N, K, n1, block, config)
+
+    def _launch_matmul(self, x, N, K, n1, block, config: MatmulConfig):
+        T = x.shape[0]
         out = torch.empty(T, N, dtype=self.dtype, device=x.device)
-        bm, bn, bk = matmul_blocks(T, N, K)
-        _matmul_kernel[(-(-T // bm), -(-N // bn))](
-            x, self.values, self.scales, self.bias if self.bias is not None else x, out, T, N, K, self.in_features, n1,
-            block, BM=bm, BN=bn,
-            BK=bk, HAS_BIAS=self.bias is not None, IEEE=x.dtype == torch.float32 or interpreting(), num_warps=4)
+        bias = self.bias if self.bias is not None else x
+        ieee = x.dtype == torch.float32 or interpreting()
+        bm, bn, bk = config.block_m, config.block_n, config.block_k
+        if config.kernel == "plain":
+            _matmul_kernel[(-(-T // bm), -(-N // bn))](
+                x, self.values, self.scales, bias, out, T, N, K, self.in_features, n1, block, BM=bm, BN=bn, BK=bk,
+                HAS_BIAS=self.bias is not None, IEEE=ieee, num_warps=config.num_warps)
+            return out
+        if K % bk or bk % 32 or config.split != 1:
+            raise ValueError(f"mxfp4 {config}: the tiled prefill takes whole blocks of the {K} columns a step, "
+                             "without split-K")
+        _tiled_kernel[(-(-T // bm) * -(-N // bn),)](
+            x, self.words, self.scales, bias, out, T, N, K, self.in_features, n1, block, BM=bm, BN=bn, BK=bk,
+            GROUP_M=8, HAS_BIAS=self.bias is not None, IEEE=ieee, num_warps=config.num_warps,
+            num_stages=config.stages)
         return out
 
 

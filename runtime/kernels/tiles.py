@@ -30,6 +30,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .common import MatmulConfig, token_bucket
+
 MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2^23: integers below 2^23 OR-ed into its mantissa are exact
 
 
@@ -378,7 +380,25 @@ def split_candidates(n_rows: int, block_n: int, units: int, sms: int) -> list[in
     return out
 
 
+def tile_candidates(T: int, K: int, steps: tuple[int, ...], unit: int,
+                    wide_sums: int | None = None) -> list[MatmulConfig]:
+    """Tilings of a pipelined prefill kernel ("tiled") worth timing for T rows over K columns: tiles of
+    tokens x rows (the bucket's rows up to 64 tokens; 64 or 128 beyond), `steps` columns a loop step
+    where they divide `unit` (a scale group) and K, three or four stages (three at 128 columns: four
+    steps of 128 columns of x and codes overflow shared memory at 128 rows). `wide_sums`: at 128
+    columns a step, only tiles of at most that many float32 sums a thread (beyond, the weight tile
+    and the accumulator spill at sm_90)."""
+    bucket = token_bucket(T)
+    tiles = [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8), (128, 256, 8)]
+    if bucket <= 64:
+        tiles = [(bucket, 32, 4), (bucket, 64, 4), (bucket, 128, 4), (bucket, 128, 8)]
+    stages = {32: (4,), 64: (3, 4), 128: (3,)}
+    return [MatmulConfig(m, n, k, warps, stage) for m, n, warps in tiles for k in steps
+            if unit % k == 0 and K % k == 0 and (k < 128 or wide_sums is None or m * n <= wide_sums * 32 * warps)
+            for stage in stages[k]]
+
+
 __all__ = ["MAGIC", "activate", "chunk_side", "code_term", "dot_tile", "glu_halves", "masked_load", "octet_dot",
            "octet_split", "opaque", "plane_codes", "plane_load", "plane_words", "row_starts", "shr16",
-           "split_candidates", "split_sum", "split_words", "store_glu", "store_rows", "store_tile", "tile_rows",
-           "tile_rows_of", "tile_starts", "triton", "upper_halves", "x_octet", "x_sum8"]
+           "split_candidates", "split_sum", "split_words", "store_glu", "store_rows", "store_tile", "tile_candidates",
+           "tile_rows", "tile_rows_of", "tile_starts", "triton", "upper_halves", "x_octet", "x_sum8"]
