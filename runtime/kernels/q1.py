@@ -13,7 +13,18 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .common import MAGIC_BITS, KernelLinear, MatvecConfig, chunk_candidates, chunk_prefix, matmul_prefix, prefix_rows
+from .common import (
+    MAGIC_BITS,
+    KernelLinear,
+    MatmulConfig,
+    MatvecConfig,
+    choose_matmul,
+    chunk_candidates,
+    chunk_prefix,
+    matmul_prefix,
+    prefix_rows,
+    token_bucket,
+)
 from .grouped_int import matmul_blocks
 from .q2 import _e4m3, group_e4m3
 from .tiles import (
@@ -22,6 +33,7 @@ from .tiles import (
     plane_codes,
     plane_words,
     store_tile,
+    tile_candidates,
     tile_rows,
     tile_starts,
     upper_halves,
@@ -94,6 +106,70 @@ def _matmul_kernel(x_ptr, b_ptr, s_ptr, rs_ptr, bias_ptr, out_ptr, T, N, K, KS, 
              mask=tok_mask[:, None] & row_mask[None, :])
 
 
+@triton.jit
+def _signs8(words, S: tl.constexpr, step, dtype: tl.constexpr):
+    """The weights (+step or -step, in dtype) of the sign bits S + 4 i (i = 0..7) of each int32 word,
+    as [..., 2, 2, 2] flattening to i (grouped_int._unpack8's join order)."""
+    w0 = tl.where(((words >> S) & 1) != 0, step, -step).to(dtype)
+    w1 = tl.where(((words >> (S + 4)) & 1) != 0, step, -step).to(dtype)
+    w2 = tl.where(((words >> (S + 8)) & 1) != 0, step, -step).to(dtype)
+    w3 = tl.where(((words >> (S + 12)) & 1) != 0, step, -step).to(dtype)
+    w4 = tl.where(((words >> (S + 16)) & 1) != 0, step, -step).to(dtype)
+    w5 = tl.where(((words >> (S + 20)) & 1) != 0, step, -step).to(dtype)
+    w6 = tl.where(((words >> (S + 24)) & 1) != 0, step, -step).to(dtype)
+    w7 = tl.where(((words >> (S + 28)) & 1) != 0, step, -step).to(dtype)
+    return tl.join(tl.join(tl.join(w0, w4), tl.join(w2, w6)), tl.join(tl.join(w1, w5), tl.join(w3, w7)))
+
+
+@triton.jit
+def _tiled_kernel(x_ptr, b_ptr, s_ptr, rs_ptr, bias_ptr, out_ptr, T, N, K, KS, n1, block, G: tl.constexpr,
+                  BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP_M: tl.constexpr,
+                  HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
+    """Prefill, the pipelined tiling (MatmulConfig "tiled"), as grouped_int._tiled_kernel: the same
+    out[T, N] as `_matmul_kernel` from a step's whole words of sign bits (BK / 32 a row: word c holds
+    columns 32 c .. 32 c + 31, within one group, whose step is loaded once), each bit made +step or
+    -step and the 32 joined in column order (bit j of word c is column 32 c + j)."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(T, BM)
+    tiles_n = tl.cdiv(N, BN)
+    width = GROUP_M * tiles_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    tok = pid_m * BM + tl.arange(0, BM)
+    out_rows = pid_n * BN + tl.arange(0, BN)
+    tok_mask, row_mask = tok < T, out_rows < N
+    rows = (out_rows // n1) * block + out_rows % n1
+    # [rows, groups, words]: a step's NG groups of WG words each. One group a step: its steps loaded
+    # as a vector [rows] (as the int kernels' scales); several: as [rows, groups, 1]. (Loaded as
+    # [rows, words], a step a word, Triton 3.6 gave the weights a layout whose transposed tile it
+    # could not place in shared memory for sm_90's wgmma.)
+    NG: tl.constexpr = BK // G if BK > G else 1
+    WG: tl.constexpr = BK // 32 // NG
+    g = tl.arange(0, NG)[None, :, None]
+    row_words = rows.to(tl.int64)[:, None, None] * (KS // 32) + WG * g + tl.arange(0, WG)[None, None, :]
+    row_steps = rows.to(tl.int64) * (KS // G)
+    row_scale = tl.load(rs_ptr + rows, mask=row_mask, other=0.0)[:, None, None]
+    x_rows = x_ptr + tok.to(tl.int64)[:, None] * K + tl.arange(0, BK)[None, :]
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, K, BK):
+        x = tl.load(x_rows + k0, mask=tok_mask[:, None], other=0.0)
+        words = tl.load(b_ptr + row_words + k0 // 32, mask=row_mask[:, None, None], other=0)
+        if NG == 1:
+            step = row_scale * _e4m3(s_ptr, row_steps + k0 // G, row_mask)[:, None, None]
+        else:
+            step = row_scale * _e4m3(s_ptr, row_steps[:, None, None] + k0 // G + g, row_mask[:, None, None])
+        # Bit j = 4 i + r of a word: the outer joins pick r's two bits, lowest outermost.
+        w = tl.join(tl.join(_signs8(words, 0, step, x.dtype), _signs8(words, 2, step, x.dtype)),
+                    tl.join(_signs8(words, 1, step, x.dtype), _signs8(words, 3, step, x.dtype)))
+        acc += dot_tile(x, tl.reshape(w, [BN, BK]), IEEE)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + tok.to(tl.int64)[:, None] * N + out_rows[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=tok_mask[:, None] & row_mask[None, :])
+
+
 class Q1Linear(KernelLinear):
     """A q1 weight."""
 
@@ -104,6 +180,7 @@ class Q1Linear(KernelLinear):
         self.signs32 = self.signs.view(torch.int32)
         self.scales = self.parts["scales"].view(torch.uint8)
         self.row_scale = self.parts["row_scale"]
+        self._matmul_configs: dict[tuple[int, int, int], MatmulConfig] = {}
 
     def candidates(self, mode: str, rows: int | None = None, cols: int | None = None) -> list[MatvecConfig]:
         n, k = self.matvec_shape(mode, rows, cols)
@@ -119,15 +196,47 @@ class Q1Linear(KernelLinear):
             HAS_BIAS=self.bias is not None, PARTIAL=partial, num_warps=config.num_warps)
         return config.split
 
-    def _matmul(self, x, rows=None, cols=None, halves=1):
+    def matmul_candidates(self, T: int, K: int) -> list[MatmulConfig]:
+        """Prefill tilings worth timing: the plain kernel first (the untuned default), then under
+        16-bit activations the pipelined one (grouped_int.tile_candidates; a group step per word)."""
+        bm, bn, bk = matmul_blocks(T, self.out_features, K)
+        plain = MatmulConfig(bm, bn, bk, 4, 1, "plain")
+        if self.dtype == torch.float32:  # the exact float32 dot is multiply-adds either way
+            return [plain]
+        if interpreting():
+            return [plain, MatmulConfig(bm, bn, 64 if K % 64 == 0 else 32, 4, 1)]
+        return [plain, *tile_candidates(T, K, (64, 128), 128, wide_sums=64)]
+
+    def _matmul(self, x, rows=None, cols=None, halves=1, config=None):
         T = x.shape[0]
         N, K, n1, block = matmul_prefix(self, rows, cols, halves)
+        if config is None:
+            key = (token_bucket(T), N, K)
+            if key not in self._matmul_configs:  # timed once per bucket and shape (choose_matmul)
+                self._matmul_configs[key] = choose_matmul(self, T, N, K, self.matmul_candidates(T, K),
+                                                          lambda c, x: self._launch_matmul(x, N, K, n1, block, c))
+            config = self._matmul_configs[key]
+        return self._launch_matmul(x, N, K, n1, block, config)
+
+    def _launch_matmul(self, x, N, K, n1, block, config: MatmulConfig):
+        T = x.shape[0]
         out = torch.empty(T, N, dtype=self.dtype, device=x.device)
-        bm, bn, bk = matmul_blocks(T, N, K)
-        _matmul_kernel[(-(-T // bm), -(-N // bn))](
-            x, self.signs, self.scales, self.row_scale, self.bias if self.bias is not None else x, out, T, N, K,
-            self.in_features, n1, block, G=self.group, BM=bm, BN=bn, BK=bk, HAS_BIAS=self.bias is not None,
-            IEEE=x.dtype == torch.float32 or interpreting(), num_warps=4)
+        bias = self.bias if self.bias is not None else x
+        ieee = x.dtype == torch.float32 or interpreting()
+        bm, bn, bk = config.block_m, config.block_n, config.block_k
+        if config.kernel == "plain":
+            _matmul_kernel[(-(-T // bm), -(-N // bn))](
+                x, self.signs, self.scales, self.row_scale, bias, out, T, N, K, self.in_features, n1, block,
+                G=self.group, BM=bm, BN=bn, BK=bk, HAS_BIAS=self.bias is not None, IEEE=ieee,
+                num_warps=config.num_warps)
+            return out
+        if K % bk or bk % 32 or config.split != 1:
+            raise ValueError(f"q1 {config}: the tiled prefill takes whole words of the {K} columns a step, "
+                             "without split-K")
+        _tiled_kernel[(-(-T // bm) * -(-N // bn),)](
+            x, self.signs32, self.scales, self.row_scale, bias, out, T, N, K, self.in_features, n1, block,
+            G=self.group, BM=bm, BN=bn, BK=bk, GROUP_M=8, HAS_BIAS=self.bias is not None, IEEE=ieee,
+            num_warps=config.num_warps, num_stages=config.stages)
         return out
 
 
