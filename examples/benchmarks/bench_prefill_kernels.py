@@ -1,10 +1,10 @@
-"""The grouped-int prefill matmul at llama-8b's shapes, on one GPU: every candidate the op times.
+"""The grouped-int, mxfp4 or q1 prefill matmul at llama-8b's shapes, on one GPU: every candidate the op times.
 
     python examples/benchmarks/bench_prefill_kernels.py [--tokens 16,128,512,2048] [--format int4]
         [--group 128] [--asymmetric 0] [--all]
 
 For each projection shape (qkv, o, gate_up, down, lm_head) and prompt length T it times every
-prefill tiling GroupedIntLinear.matmul_candidates offers (runtime/kernels/grouped_int.py: the plain
+prefill tiling the op's matmul_candidates offers (runtime/kernels/grouped_int.py, mxfp4.py, q1.py: the plain
 kernel, the pipelined "tiled" kernel and, for symmetric int4 under bf16, its "pairs" twin) with the
 tuner's own measurement (common.median_ms_or_inf; inf: did not compile on this GPU), next to cuBLAS
 on the same product in bf16 (torch.matmul against a dense bf16 weight of the same shape). Prints
@@ -25,12 +25,13 @@ SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "dow
 
 def make_op(fmt: str, shape, params):
     from thin.ir import Encoding, Tensor, formats
-    from thin.runtime.kernels import grouped_int
+    from thin.runtime.kernels import grouped_int, mxfp4, q1
 
     w = torch.randn(*shape, device="cuda")
     raw = formats.encode(fmt, w, params)
     record = Tensor("layers.0.w", "ffn.down", 0, tuple(shape), Encoding(fmt, params), "bf16")
-    return grouped_int.make(record, raw, None, torch.device("cuda"), torch.bfloat16)
+    family = {"mxfp4": mxfp4, "q1": q1}.get(fmt, grouped_int)
+    return family.make(record, raw, None, torch.device("cuda"), torch.bfloat16)
 
 
 def label(config) -> str:
@@ -68,7 +69,7 @@ def bench_shape(name: str, shape, tokens: list[int], fmt: str, params, show_all:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", default="16,128,512,2048")
-    ap.add_argument("--format", default="int4", choices=["int3", "int4", "int5", "int6"])
+    ap.add_argument("--format", default="int4", choices=["int3", "int4", "int5", "int6", "mxfp4", "q1"])
     ap.add_argument("--group", type=int, default=128)
     ap.add_argument("--asymmetric", type=int, default=0, choices=[0, 1])
     ap.add_argument("--all", action="store_true", help="list every candidate's time too")
@@ -78,9 +79,12 @@ def main() -> int:
         return 1
     from thin.ir import formats
 
-    params = formats.get(args.format).normalize({"group_size": args.group, "asymmetric": args.asymmetric})
+    given = {"mxfp4": {}, "q1": {"group_size": args.group}}.get(
+        args.format, {"group_size": args.group, "asymmetric": args.asymmetric})
+    params = formats.get(args.format).normalize(given)
     tokens = [int(t) for t in args.tokens.split(",")]
-    print(f"{args.format} g{args.group}{' asymmetric' if args.asymmetric else ''} prefill matmul on "
+    what = args.format if args.format == "mxfp4" else f"{args.format} g{args.group}{' asymmetric' * args.asymmetric}"
+    print(f"{what} prefill matmul on "
           f"{torch.cuda.get_device_name()}: us per call (TFLOP/s)")
     print("| shape | T | plain kernel | best | best tiling | cuBLAS bf16 | speedup over plain |"
           + (" all candidates |" if args.all else ""))
