@@ -54,16 +54,27 @@ from .tiles import (
 
 @triton.jit
 def _fp8_dot(v_ptr, x_ptr, rows, row_mask, K, split_cols, BK: tl.constexpr, EVEN_N: tl.constexpr,
-             EVEN_K: tl.constexpr, STAGES: tl.constexpr):
+             EVEN_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = 0):
     """sum_k W[rows, k] x[k] over this program's columns (split `program_id(1)`), float32 [rows].
     STAGES > 1: the loop software-pipelined by Triton over STAGES buffers in shared memory, each
-    step's loads issued STAGES - 1 steps ahead as asynchronous copies (cp.async)."""
+    step's loads issued STAGES - 1 steps ahead as asynchronous copies (cp.async). PDL (dependent.py):
+    the first step taken out of the loop, its weights loaded before waiting on the previous kernel
+    (the pipeliner would issue them with the activations, after the wait)."""
     begin = tl.program_id(1) * split_cols
     end = tl.minimum(begin + split_cols, K)
     # 8 contiguous columns a lane (not 16): the activations' 16-byte loads are 8 columns a lane.
     ks = tl.max_contiguous(tl.arange(0, BK), 8)
     row_off = rows.to(tl.int64) * K
     acc = tl.zeros([rows.shape[0], BK], dtype=tl.float32)
+    if PDL:
+        cols = begin + ks
+        w = masked_load(v_ptr, row_off[:, None] + cols[None, :], row_mask[:, None], (cols < end)[None, :], EVEN_N,
+                        EVEN_K)
+        wait_previous(PDL)  # x is the previous kernel's output
+        release_next(PDL)
+        x = tl.load(x_ptr + cols, mask=cols < end, other=0.0)
+        acc += w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * x.to(tl.float32)[None, :]
+        begin += BK
     if STAGES > 1:
         for k0 in tl.range(begin, end, BK, num_stages=STAGES):
             acc = _fp8_step(acc, v_ptr, x_ptr, row_off, row_mask, k0, end, ks, EVEN_N, EVEN_K)
@@ -212,8 +223,8 @@ def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, split, flip
     PARTIAL): the launch's last program also adds the partial sums into the residual and norms it
     (norm.Finish), so no residual-norm launch follows; PREFETCH: program (0, 0) first asks L2 for the
     norm weights that program reads (bulk prefetches, sm_90), so they are not a DRAM latency at the end.
-    PDL: launched as a programmatic dependent (dependent.py): the row scales (and the fp8 look-ahead's
-    first weights) are loaded before waiting on the previous kernel, everything it writes after."""
+    PDL: launched as a programmatic dependent (dependent.py): the row scales (and fp8's first weights)
+    are loaded before waiting on the previous kernel, everything it writes after."""
     if PREFETCH:  # noqa: SIM102  (a constexpr condition, then a run-time one)
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             if NORM:
@@ -226,15 +237,13 @@ def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, split, flip
     if FP8 and AHEAD:  # v_ptr: int32 words; split and STEP in chunks of 8 columns
         starts = tile_starts(tl.program_id(0), n, K // 8, BN, ACT >= 0, ASM)
         total = _fp8_ahead_dot(v_ptr, x_ptr, starts, row_mask, K, split, STEP, EVEN_N, EVEN_K, ASM, AHEAD, PDL)
+    elif FP8:
+        total = _fp8_dot(v_ptr, x_ptr, rows, row_mask, K, split, STEP, EVEN_N, EVEN_K, STAGES, PDL)
     else:
         wait_previous(PDL)
         release_next(PDL)
-        if FP8:
-            total = _fp8_dot(v_ptr, x_ptr, rows, row_mask, K, split, STEP, EVEN_N, EVEN_K, STAGES)
-        else:
-            starts = tile_starts(tl.program_id(0), n, K // 16, BN, ACT >= 0, ASM)
-            total = _int8_dot(v_ptr, x_ptr, starts, row_mask, K, split, flip_lo, flip_hi, STEP, EVEN_N, EVEN_K,
-                              ASM)
+        starts = tile_starts(tl.program_id(0), n, K // 16, BN, ACT >= 0, ASM)
+        total = _int8_dot(v_ptr, x_ptr, starts, row_mask, K, split, flip_lo, flip_hi, STEP, EVEN_N, EVEN_K, ASM)
     if not PDL:
         scale = tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
     total *= scale
