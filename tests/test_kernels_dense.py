@@ -54,6 +54,69 @@ def test_untuned_op_takes_the_default_configuration(monkeypatch):
     assert common.choose(Op(), "direct") == "default" and timed == []
 
 
+def test_a_candidate_that_does_not_compile_is_skipped(monkeypatch, caplog):
+    """Tuning on the GPU: a launch candidate whose compile raises (Triton's errors, its passes'
+    RuntimeError, as Triton 3.6 did for the first mxfp4 tiled prefill) times as infinity with one
+    log line naming it, and the fastest candidate that compiles is chosen and cached; a CUDA error
+    is raised; with no candidate compiling the first is returned and nothing cached."""
+    import logging
+
+    from triton.runtime.errors import OutOfResources, PTXASError
+
+    from thin.runtime.kernels import common
+
+    failures = {"ptxas": PTXASError("ptxas fatal: Unresolved extern function"),
+                "smem": OutOfResources(300000, 232448, "shared memory"),
+                "passes": RuntimeError("PassManager::run failed"),
+                "cuda": RuntimeError("CUDA error: an illegal memory access was encountered")}
+    speeds = {"slow": 3.0, "fast": 2.0}
+
+    def launch_of(config):
+        def launch():
+            if config in failures:
+                raise failures[config]
+        return launch
+
+    monkeypatch.setattr(common, "median_ms", lambda launch, **timing: launch() or 1.0)
+    caplog.set_level(logging.INFO, logger="thin.runtime")
+    for name in ("ptxas", "smem", "passes"):
+        assert common.median_ms_or_inf(launch_of(name), f"candidate {name}", repeats=5) == float("inf")
+    assert len(caplog.records) == 3 and "candidate passes" in caplog.records[-1].getMessage()
+    assert "PassManager::run failed" in caplog.records[-1].getMessage()
+    with pytest.raises(RuntimeError, match="illegal memory access"):
+        common.median_ms_or_inf(launch_of("cuda"))
+
+    stored = {}
+    monkeypatch.setattr(common, "interpreting", lambda: False)
+    monkeypatch.setattr(common, "median_ms", lambda launch, **timing: launch() or launch.speed)
+    monkeypatch.setattr(common, "_cache_key", lambda op, mode: f"{op.configs}|{mode}")
+    monkeypatch.setattr(common._TuneCache, "get", classmethod(lambda cls: type(
+        "Cache", (), {"lookup": lambda self, key: None, "store": lambda self, key, c: stored.update({key: c})})()))
+
+    def launcher(op, config, mode, rows=None, cols=None):
+        launch = launch_of(config)
+        launch.speed = speeds.get(config, 1.0)
+        return launch
+
+    monkeypatch.setattr(common, "_launcher", launcher)
+
+    class Op:
+        device, in_features, out_features, tune, format = torch.device("cuda"), 4096, 4096, True, "int4"
+
+        def __init__(self, configs):
+            self.configs = configs
+
+        def candidates(self, mode, rows=None, cols=None):
+            return self.configs
+
+    caplog.clear()
+    assert common.choose(Op(["slow", "passes", "fast", "ptxas"]), "direct") == "fast"
+    assert list(stored.values()) == ["fast"] and len(caplog.records) == 2
+    assert "int4 direct passes" in caplog.records[0].getMessage()
+    stored.clear()
+    assert common.choose(Op(["smem", "ptxas"]), "glu") == "smem" and stored == {}
+
+
 def test_evaluation_sessions_do_not_tune(tmp_path):
     from thin.compiler.evaluate import make_evaluator
     from thin.compiler.hf import load_checkpoint

@@ -208,7 +208,8 @@ def choose(op: KernelLinear, mode: str, rows: int | None = None, cols: int | Non
     """The configuration `op` runs with in `mode` (over the prefix `rows`, `cols` when given, see
     KernelLinear.matvec): the first candidate under the interpreter (nothing to time) or for an op
     not to be tuned (`LinearOp.tune`), else the cached choice for this device, shape and prefix,
-    else the fastest candidate timed on the real weight (then cached)."""
+    else the fastest candidate timed on the real weight (then cached). A candidate that does not
+    compile on this GPU is skipped (`median_ms_or_inf`)."""
     candidates = op.candidates(mode, rows, cols)
     if interpreting() or not op.tune or len(candidates) == 1 or op.device.type != "cuda" or _small(op):
         return candidates[0]
@@ -217,8 +218,10 @@ def choose(op: KernelLinear, mode: str, rows: int | None = None, cols: int | Non
     hit = cache.lookup(key)
     if hit is not None and hit in candidates:
         return hit
-    best = min(candidates, key=lambda c: _time(op, c, mode, rows, cols))
-    cache.store(key, best)
+    times = {config: _time(op, config, mode, rows, cols) for config in candidates}
+    best = min(candidates, key=times.get)
+    if times[best] < float("inf"):  # none compiling: the first runs (and fails) as untuned, nothing cached
+        cache.store(key, best)
     return best
 
 
@@ -247,12 +250,13 @@ def _launcher(op: KernelLinear, config: MatvecConfig, mode: str, rows: int | Non
 
 def _time(op: KernelLinear, config: MatvecConfig, mode: str, rows: int | None = None,
           cols: int | None = None) -> float:
-    """Median milliseconds of one launch with `config` (compile excluded), launched plainly (never as a
+    """Median milliseconds of one launch with `config` (compile excluded; infinity where it does not
+    compile, `median_ms_or_inf`), launched plainly (never as a
     programmatic dependent, dependent.py, whatever launch is being made when it is chosen)."""
     from .dependent import launching
 
     with launching(False):
-        return median_ms(_launcher(op, config, mode, rows, cols))
+        return median_ms_or_inf(_launcher(op, config, mode, rows, cols), what=f"{op.format} {mode} {config}")
 
 
 def compile_threads() -> int:
@@ -331,19 +335,24 @@ def compile_launches(jobs, workers: int | None = None, *, report: bool = True) -
     note(f"compiled in {time.perf_counter() - started:.1f} s; timing them")
 
 
-def median_ms_or_inf(launch, **timing) -> float:
+def median_ms_or_inf(launch, what: str = "", **timing) -> float:
     """median_ms, or infinity for a launch that does not compile on this GPU (a tiling past its
-    registers or shared memory): a tuner then takes another candidate."""
-    from triton.compiler.errors import CompilationError
-    from triton.runtime.errors import OutOfResources
+    registers or shared memory, or one this Triton's passes reject): a tuner then takes another
+    candidate, and the "thin.runtime" log (thin-exec prints it) says which (`what`) and why, in one
+    line. Triton's own errors (CompilationError, OutOfResources, PTXASError) and the RuntimeErrors of
+    its MLIR passes count as not compiling; a CUDA error (a fault of the device, not of the tiling) is
+    raised."""
+    from triton.errors import TritonError
 
     try:
         return median_ms(launch, **timing)
-    except (CompilationError, OutOfResources):
-        return float("inf")
-    except RuntimeError as e:  # the backend's own passes and ptxas report through RuntimeError
-        if not any(word in str(e) for word in ("PassManager", "ptxas", "out of resource")):
+    except (TritonError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and not isinstance(e, TritonError) and "CUDA" in str(e):
             raise
+        lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+        logging.getLogger("thin.runtime").info(
+            f"skipped a kernel launch candidate that does not compile on this GPU{' (' + what + ')' if what else ''}: "
+            f"{type(e).__name__}: {lines[-1][:200] if lines else ''}")
         return float("inf")
 
 
@@ -465,10 +474,11 @@ def choose_matmul(op: KernelLinear, T: int, N: int, K: int, candidates: list[Mat
         return hit
     x = torch.randn(bucket, K, device=op.device).to(op.dtype)
     compile_launches([(op.device, lambda config=config: run(config, x)) for config in candidates], report=False)
-    times = {config: median_ms_or_inf(lambda config=config: run(config, x), repeats=5, inner=3)
-             for config in candidates}
+    times = {config: median_ms_or_inf(lambda config=config: run(config, x), f"{op.format} matmul {config}", repeats=5,
+                                      inner=3) for config in candidates}
     best = min(candidates, key=times.get)
-    cache.store(key, best)
+    if times[best] < float("inf"):
+        cache.store(key, best)
     return best
 
 
