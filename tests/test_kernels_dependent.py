@@ -57,12 +57,13 @@ def test_grouped_int_dependent_matvec_equals_plain(asymmetric):
 
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "int8"])
 def test_rowwise8_dependent_matvec_equals_plain(fmt):
-    """fp8 loaded ahead (1, 2 steps: its first weights before the wait), pipelined and plain; int8."""
+    """fp8 loaded ahead (1, 2 steps), pipelined and plain, its first weights before the wait; int8 over
+    several steps (32 columns a step), its words one step ahead."""
     from thin.runtime.kernels.common import MatvecConfig
 
     op, _, _ = make_op(fmt, (48, 256), dtype=torch.bfloat16, seed=5)
     x = torch.randn(256, generator=torch.Generator().manual_seed(6)).bfloat16().to(DEVICE)
     kinds = ((0, 0), (1, 0), (2, 0), (0, 3)) if fmt == "fp8_e4m3" else ((0, 0),)
-    configs = [MatvecConfig(32, 64, split, 4, ahead=ahead, stages=stages) for ahead, stages in kinds
-               for split in (1, 3)]
+    configs = [MatvecConfig(32, 64 if fmt == "fp8_e4m3" else 32, split, 4, ahead=ahead, stages=stages)
+               for ahead, stages in kinds for split in (1, 3)]
     _same_both_ways(op, x, configs, 48, torch.bfloat16)

@@ -190,17 +190,27 @@ def _e4m3_quad(word, ASM: tl.constexpr):
 
 @triton.jit
 def _int8_dot(v_ptr, x_ptr, starts, row_mask, K, split_chunks, flip_lo, flip_hi, C: tl.constexpr, EVEN_N: tl.constexpr,
-              EVEN_K: tl.constexpr, ASM: tl.constexpr):
-    """sum_k W[rows, k] x[k] over this program's 16-column chunks, float32 [rows]."""
+              EVEN_K: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = 0):
+    """sum_k W[rows, k] x[k] over this program's 16-column chunks, float32 [rows]. PDL (dependent.py):
+    the first step's words loaded before waiting on the previous kernel, then each step's words one
+    step ahead (grouped_int._rows_dot's scheme)."""
     total = K // 16
     begin = tl.program_id(1) * split_chunks
     end = tl.minimum(begin + split_chunks, total)
     ci = tl.arange(0, C)
     acc = tl.zeros([starts.shape[0], C], dtype=tl.float32)
+    if PDL:
+        ahead = plane_load(v_ptr, starts, row_mask, begin, end, C, 4, EVEN_N, EVEN_K, ASM, True)
+    wait_previous(PDL)  # x is the previous kernel's output
+    release_next(PDL)
     for c0 in range(begin, end, C):
         chunk = c0 + ci
         cmask = chunk < end
-        words = plane_words(v_ptr, starts, row_mask, c0, end, C, 4, EVEN_N, EVEN_K, ASM)
+        if PDL:
+            words = split_words(ahead, 4)
+            ahead = plane_load(v_ptr, starts, row_mask, c0 + C, end, C, 4, EVEN_N, EVEN_K, ASM, True)
+        else:
+            words = plane_words(v_ptr, starts, row_mask, c0, end, C, 4, EVEN_N, EVEN_K, ASM)
         uppers = upper_halves(words, 4, ASM)
         for o in tl.static_range(2):
             xs = x_octet(x_ptr, 16 * chunk + 8 * o, cmask, EVEN_K)
@@ -223,7 +233,7 @@ def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, split, flip
     PARTIAL): the launch's last program also adds the partial sums into the residual and norms it
     (norm.Finish), so no residual-norm launch follows; PREFETCH: program (0, 0) first asks L2 for the
     norm weights that program reads (bulk prefetches, sm_90), so they are not a DRAM latency at the end.
-    PDL: launched as a programmatic dependent (dependent.py): the row scales (and fp8's first weights)
+    PDL: launched as a programmatic dependent (dependent.py): the row scales and the first step's weights
     are loaded before waiting on the previous kernel, everything it writes after."""
     if PREFETCH:  # noqa: SIM102  (a constexpr condition, then a run-time one)
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
@@ -240,10 +250,8 @@ def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, split, flip
     elif FP8:
         total = _fp8_dot(v_ptr, x_ptr, rows, row_mask, K, split, STEP, EVEN_N, EVEN_K, STAGES, PDL)
     else:
-        wait_previous(PDL)
-        release_next(PDL)
         starts = tile_starts(tl.program_id(0), n, K // 16, BN, ACT >= 0, ASM)
-        total = _int8_dot(v_ptr, x_ptr, starts, row_mask, K, split, flip_lo, flip_hi, STEP, EVEN_N, EVEN_K, ASM)
+        total = _int8_dot(v_ptr, x_ptr, starts, row_mask, K, split, flip_lo, flip_hi, STEP, EVEN_N, EVEN_K, ASM, PDL)
     if not PDL:
         scale = tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
     total *= scale
