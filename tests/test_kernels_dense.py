@@ -58,7 +58,8 @@ def test_a_candidate_that_does_not_compile_is_skipped(monkeypatch, caplog):
     """Tuning on the GPU: a launch candidate whose compile raises (Triton's errors, its passes'
     RuntimeError, as Triton 3.6 did for the first mxfp4 tiled prefill) times as infinity with one
     log line naming it, and the fastest candidate that compiles is chosen and cached; a CUDA error
-    is raised; with no candidate compiling the first is returned and nothing cached."""
+    or any other exception is raised; with no candidate compiling the first is returned and nothing
+    cached."""
     import logging
 
     from triton.runtime.errors import OutOfResources, PTXASError
@@ -85,6 +86,9 @@ def test_a_candidate_that_does_not_compile_is_skipped(monkeypatch, caplog):
     assert "PassManager::run failed" in caplog.records[-1].getMessage()
     with pytest.raises(RuntimeError, match="illegal memory access"):
         common.median_ms_or_inf(launch_of("cuda"))
+    failures["bug"] = ValueError("a launcher's own error")
+    with pytest.raises(ValueError):
+        common.median_ms_or_inf(launch_of("bug"))
 
     stored = {}
     monkeypatch.setattr(common, "interpreting", lambda: False)
