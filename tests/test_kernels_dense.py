@@ -1,9 +1,30 @@
 """bf16 / f16 / f32 matvec (+ gate/up activation epilogue, split-K) and the prefill path."""
 
+import contextlib
+import logging
+
 import pytest
 import torch
 from kernel_support import DEVICE, rel_err
 from linear_kernel_cases import check_all, check_glu, make_op
+
+
+@contextlib.contextmanager
+def runtime_log():
+    """The records of the "thin.runtime" logger at INFO, from a handler on that logger itself (not
+    caplog's on the root: thin-exec's CLI tests, in the same worker, may stop propagation)."""
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    log = logging.getLogger("thin.runtime")
+    level = log.level
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    try:
+        yield records
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(level)
 
 
 @pytest.mark.parametrize("fmt,dtype", [("f32", torch.float32), ("bf16", torch.bfloat16), ("f16", torch.float16)])
@@ -54,13 +75,12 @@ def test_untuned_op_takes_the_default_configuration(monkeypatch):
     assert common.choose(Op(), "direct") == "default" and timed == []
 
 
-def test_a_candidate_that_does_not_compile_is_skipped(monkeypatch, caplog):
+def test_a_candidate_that_does_not_compile_is_skipped(monkeypatch):
     """Tuning on the GPU: a launch candidate whose compile raises (Triton's errors, its passes'
     RuntimeError, as Triton 3.6 did for the first mxfp4 tiled prefill) times as infinity with one
     log line naming it, and the fastest candidate that compiles is chosen and cached; a CUDA error
     or any other exception is raised; with no candidate compiling the first is returned and nothing
     cached."""
-    import logging
 
     from triton.runtime.errors import OutOfResources, PTXASError
 
@@ -79,11 +99,11 @@ def test_a_candidate_that_does_not_compile_is_skipped(monkeypatch, caplog):
         return launch
 
     monkeypatch.setattr(common, "median_ms", lambda launch, **timing: launch() or 1.0)
-    caplog.set_level(logging.INFO, logger="thin.runtime")
-    for name in ("ptxas", "smem", "passes"):
-        assert common.median_ms_or_inf(launch_of(name), f"candidate {name}", repeats=5) == float("inf")
-    assert len(caplog.records) == 3 and "candidate passes" in caplog.records[-1].getMessage()
-    assert "PassManager::run failed" in caplog.records[-1].getMessage()
+    with runtime_log() as records:
+        for name in ("ptxas", "smem", "passes"):
+            assert common.median_ms_or_inf(launch_of(name), f"candidate {name}", repeats=5) == float("inf")
+    assert len(records) == 3 and "candidate passes" in records[-1].getMessage()
+    assert "PassManager::run failed" in records[-1].getMessage()
     with pytest.raises(RuntimeError, match="illegal memory access"):
         common.median_ms_or_inf(launch_of("cuda"))
     failures["bug"] = ValueError("a launcher's own error")
@@ -113,10 +133,10 @@ def test_a_candidate_that_does_not_compile_is_skipped(monkeypatch, caplog):
         def candidates(self, mode, rows=None, cols=None):
             return self.configs
 
-    caplog.clear()
-    assert common.choose(Op(["slow", "passes", "fast", "ptxas"]), "direct") == "fast"
-    assert list(stored.values()) == ["fast"] and len(caplog.records) == 2
-    assert "int4 direct passes" in caplog.records[0].getMessage()
+    with runtime_log() as records:
+        assert common.choose(Op(["slow", "passes", "fast", "ptxas"]), "direct") == "fast"
+    assert list(stored.values()) == ["fast"] and len(records) == 2
+    assert "int4 direct passes" in records[0].getMessage()
     stored.clear()
     assert common.choose(Op(["smem", "ptxas"]), "glu") == "smem" and stored == {}
 
@@ -140,7 +160,6 @@ def test_precompile_launches_each_untuned_candidate_once(monkeypatch):
     """precompile: every candidate of each distinct (shape, format, mode) not yet chosen, launched
     once on the thread pool; cached, untuned and single-candidate uses skipped; a failing launch
     left to choose()."""
-    import contextlib
 
     from thin.runtime.kernels import common
 
@@ -194,8 +213,6 @@ def test_compile_threads(monkeypatch):
 def test_compile_launches_reports_progress(monkeypatch):
     """The first load's compile says what it does (thin-exec prints the "thin.runtime" log on stderr);
     every launch runs once, a failing one is skipped."""
-    import contextlib
-    import logging
 
     from thin.runtime.kernels import common
 
@@ -207,20 +224,10 @@ def test_compile_launches_reports_progress(monkeypatch):
         raise RuntimeError("does not compile")
 
     jobs = [("cuda", lambda i=i: ran.append(i)) for i in range(3)] + [("cuda", fails)]
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append  # on the logger itself: thin-exec's own handler may stop propagation
-    log = logging.getLogger("thin.runtime")
-    level = log.level
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    try:
+    with runtime_log() as records:
         common.compile_launches(jobs, workers=1)
         common.compile_launches([], workers=1)
         common.compile_launches(jobs[:1], workers=1, report=False)  # the batch engine's, per bucket: silent
-    finally:
-        log.removeHandler(handler)
-        log.setLevel(level)
     assert ran == [0, 1, 2, 0]
     messages = [r.getMessage() for r in records]
     assert len(messages) == 2 and "compiling 4 kernel launch candidates" in messages[0] and "1 thread" in messages[0]
@@ -228,7 +235,6 @@ def test_compile_launches_reports_progress(monkeypatch):
 
 
 def test_thin_exec_prints_runtime_progress(capsys):
-    import logging
 
     from thin.runtime.cli import report_progress
 
