@@ -45,6 +45,7 @@ from .pairs import PAIR_MAGIC, pair_sum, word_dot, x_pairs, zero_pair
 from .tiles import (
     chunk_side,
     dot_tile,
+    matmul_tile,
     octet_dot,
     plane_codes,
     plane_load,
@@ -305,18 +306,7 @@ def _tiled_kernel(x_ptr, low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, out
     its float32 twin), and the group scale multiplies the step's [BM, BN] sums instead of the
     weights (BK divides G). Not the reference's rounding (the weight rounded to bf16 before the
     product): the products are exact, the scale applied in float32."""
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(T, BM)
-    tiles_n = tl.cdiv(N, BN)
-    width = GROUP_M * tiles_n
-    first_m = (pid // width) * GROUP_M
-    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
-    tok = pid_m * BM + tl.arange(0, BM)
-    out_rows = pid_n * BN + tl.arange(0, BN)
-    tok_mask, row_mask = tok < T, out_rows < N
-    rows = (out_rows // n1) * block + out_rows % n1
+    tok, out_rows, tok_mask, row_mask, rows = matmul_tile(T, N, n1, block, BM, BN, GROUP_M)
     # Rows' first words (int32 views of the planes) and group sides.
     low_words = rows.to(tl.int64) * (KS * WL // 32)
     high_words = rows.to(tl.int64) * (KS * WH // 32)

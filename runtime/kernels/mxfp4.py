@@ -32,6 +32,7 @@ from .grouped_int import matmul_blocks
 from .tiles import (
     chunk_side,
     dot_tile,
+    matmul_tile,
     plane_codes,
     plane_words,
     store_tile,
@@ -147,18 +148,7 @@ def _tiled_kernel(x_ptr, w_ptr, e_ptr, bias_ptr, out_ptr, T, N, K, KS, n1, block
     8 c + i) and their block scales (one byte a block of 4 words), each code turned
     into its weight by `_word_values` and the eight joined in column order (grouped_int._unpack8's
     order: the outermost join picks i's lowest bit)."""
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(T, BM)
-    tiles_n = tl.cdiv(N, BN)
-    width = GROUP_M * tiles_n
-    first_m = (pid // width) * GROUP_M
-    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
-    tok = pid_m * BM + tl.arange(0, BM)
-    out_rows = pid_n * BN + tl.arange(0, BN)
-    tok_mask, row_mask = tok < T, out_rows < N
-    rows = (out_rows // n1) * block + out_rows % n1
+    tok, out_rows, tok_mask, row_mask, rows = matmul_tile(T, N, n1, block, BM, BN, GROUP_M)
     # [rows, blocks, words]: a step's BK / 32 blocks of 4 words each, every block's scale byte loaded
     # once as [rows, blocks, 1] (as [rows, words] a byte a word, Triton 3.6 gave the weights a layout
     # whose transposed tile it could not place in shared memory for sm_90's wgmma).

@@ -29,6 +29,7 @@ from .grouped_int import matmul_blocks
 from .q2 import _e4m3, group_e4m3
 from .tiles import (
     dot_tile,
+    matmul_tile,
     octet_dot,
     plane_codes,
     plane_words,
@@ -129,18 +130,7 @@ def _tiled_kernel(x_ptr, b_ptr, s_ptr, rs_ptr, bias_ptr, out_ptr, T, N, K, KS, n
     out[T, N] as `_matmul_kernel` from a step's whole words of sign bits (BK / 32 a row: word c holds
     columns 32 c .. 32 c + 31, within one group, whose step is loaded once), each bit made +step or
     -step and the 32 joined in column order (bit j of word c is column 32 c + j)."""
-    pid = tl.program_id(0)
-    tiles_m = tl.cdiv(T, BM)
-    tiles_n = tl.cdiv(N, BN)
-    width = GROUP_M * tiles_n
-    first_m = (pid // width) * GROUP_M
-    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
-    pid_m = first_m + (pid % width) % size_m
-    pid_n = (pid % width) // size_m
-    tok = pid_m * BM + tl.arange(0, BM)
-    out_rows = pid_n * BN + tl.arange(0, BN)
-    tok_mask, row_mask = tok < T, out_rows < N
-    rows = (out_rows // n1) * block + out_rows % n1
+    tok, out_rows, tok_mask, row_mask, rows = matmul_tile(T, N, n1, block, BM, BN, GROUP_M)
     # [rows, groups, words]: a step's NG groups of WG words each. One group a step: its steps loaded
     # as a vector [rows] (as the int kernels' scales); several: as [rows, groups, 1]. (Loaded as
     # [rows, words], a step a word, Triton 3.6 gave the weights a layout whose transposed tile it

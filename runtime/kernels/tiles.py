@@ -367,6 +367,26 @@ def dot_tile(x, w, IEEE: tl.constexpr):
     return out
 
 
+@triton.jit
+def matmul_tile(T, N, n1, block, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl.constexpr):
+    """A prefill matmul program's tile, in grouped order: GROUP_M token tiles run per band of BN
+    weight rows before the next band (so the band's codes come from L2 after the first). Returns the
+    tile's tokens, output rows, their masks, and the weight row of each output row (an elastic prefix,
+    common.matmul_prefix: output row r is weight row (r // n1) * block + r % n1)."""
+    pid = tl.program_id(0)
+    tiles_m = tl.cdiv(T, BM)
+    tiles_n = tl.cdiv(N, BN)
+    width = GROUP_M * tiles_n
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(tiles_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % width) % size_m
+    pid_n = (pid % width) // size_m
+    tok = pid_m * BM + tl.arange(0, BM)
+    out_rows = pid_n * BN + tl.arange(0, BN)
+    rows = (out_rows // n1) * block + out_rows % n1
+    return tok, out_rows, tok < T, out_rows < N, rows
+
+
 def split_candidates(n_rows: int, block_n: int, units: int, sms: int) -> list[int]:
     """Split-K factors that divide `units` (the reduction's loop steps) and bring the program count
     near two waves of `sms` multiprocessors (1 always included)."""
@@ -398,7 +418,8 @@ def tile_candidates(T: int, K: int, steps: tuple[int, ...], unit: int,
             for stage in stages[k]]
 
 
-__all__ = ["MAGIC", "activate", "chunk_side", "code_term", "dot_tile", "glu_halves", "masked_load", "octet_dot",
+__all__ = ["MAGIC", "activate", "chunk_side", "code_term", "dot_tile", "glu_halves", "masked_load", "matmul_tile",
+           "octet_dot",
            "octet_split", "opaque", "plane_codes", "plane_load", "plane_words", "row_starts", "shr16",
            "split_candidates", "split_sum", "split_words", "store_glu", "store_rows", "store_tile", "tile_candidates",
            "tile_rows", "tile_rows_of", "tile_starts", "triton", "upper_halves", "x_octet", "x_sum8"]
