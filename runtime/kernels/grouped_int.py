@@ -53,6 +53,7 @@ from .tiles import (
     split_sum,
     split_words,
     store_tile,
+    tile_candidates,
     tile_rows,
     tile_starts,
     upper_halves,
@@ -436,14 +437,7 @@ class GroupedIntLinear(KernelLinear):
         if interpreting():
             return [plain, MatmulConfig(bm, bn, min(self.group, 64), 4, 1)]
         bucket = token_bucket(T)
-        tiles = [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8), (128, 256, 8)]
-        if bucket <= 64:
-            tiles = [(bucket, 32, 4), (bucket, 64, 4), (bucket, 128, 4), (bucket, 128, 8)]
-        steps = [(64, 3), (64, 4), (128, 3)]  # (BK, stages): 4 steps of 128 columns overflow shared memory
-        if self.group % 64:
-            steps = [(32, 4)]
-        tiled = [MatmulConfig(m, n, k, warps, stages) for m, n, warps in tiles for k, stages in steps
-                 if self.group % k == 0 and K % k == 0]
+        tiled = tile_candidates(T, K, (64, 128) if self.group % 64 == 0 else (32,), self.group)
         # The pairs' step sums sit beside the accumulator: tiles of up to 64 sums a thread (past that
         # ptxas spills at sm_90), 64 columns a step.
         pairs = [replace(c, kernel="pairs") for c in tiled if self.pairs and c.block_k == 64
