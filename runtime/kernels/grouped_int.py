@@ -28,12 +28,11 @@ from .common import (
     KernelLinear,
     MatmulConfig,
     MatvecConfig,
-    choose_matmul,
+    TiledPrefill,
     chunk_candidates,
     chunk_launch,
     chunk_prefix,
     interpreter_block,
-    matmul_prefix,
     next_power_of_2,
     prefix_rows,
     sm_count,
@@ -369,7 +368,7 @@ def _sum_splits(part_ptr, bias_ptr, out_ptr, total, N, n1, block, SPLITS: tl.con
     tl.store(out_ptr + offs, sums.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-class GroupedIntLinear(KernelLinear):
+class GroupedIntLinear(TiledPrefill, KernelLinear):
     """A grouped-int weight served by the kernels above."""
 
     def __init__(self, record, raw, bias, dtype, device):
@@ -387,7 +386,6 @@ class GroupedIntLinear(KernelLinear):
         self.low32, self.high32 = self.low.view(torch.int32), self.high.view(torch.int32)
         # The bf16-pair arithmetic (pairs.py): one 4-bit plane, a zero point, bfloat16 activations.
         self.pairs = (self.wl, self.wh, self.asym, dtype) == (4, 0, False, torch.bfloat16)
-        self._matmul_configs: dict[tuple[int, int, int], MatmulConfig] = {}
 
     glu_scale = True  # an elastic FFN level's scale in the gate/up epilogue (_matvec's `scale`)
 
@@ -452,17 +450,6 @@ class GroupedIntLinear(KernelLinear):
         splits = [replace(c, split=split) for c in tiled + pairs if c.stages == 3 and programs(c) < sms
                   for split in (2, 4) if programs(c) * split <= 4 * sms and (K // c.block_k) % split == 0]
         return [plain, *tiled, *pairs, *splits]
-
-    def _matmul(self, x, rows=None, cols=None, halves=1, config=None):
-        T = x.shape[0]
-        N, K, n1, block = matmul_prefix(self, rows, cols, halves)
-        if config is None:
-            key = (token_bucket(T), N, K)
-            if key not in self._matmul_configs:  # timed once per bucket and shape (choose_matmul)
-                self._matmul_configs[key] = choose_matmul(self, T, N, K, self.matmul_candidates(T, K),
-                                                          lambda c, x: self._launch_matmul(x, N, K, n1, block, c))
-            config = self._matmul_configs[key]
-        return self._launch_matmul(x, N, K, n1, block, config)
 
     def _launch_matmul(self, x, N, K, n1, block, config: MatmulConfig):
         T = x.shape[0]

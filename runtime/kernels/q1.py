@@ -18,12 +18,10 @@ from .common import (
     KernelLinear,
     MatmulConfig,
     MatvecConfig,
-    choose_matmul,
+    TiledPrefill,
     chunk_candidates,
     chunk_prefix,
-    matmul_prefix,
     prefix_rows,
-    token_bucket,
 )
 from .grouped_int import matmul_blocks
 from .q2 import _e4m3, group_e4m3
@@ -160,7 +158,7 @@ def _tiled_kernel(x_ptr, b_ptr, s_ptr, rs_ptr, bias_ptr, out_ptr, T, N, K, KS, n
              mask=tok_mask[:, None] & row_mask[None, :])
 
 
-class Q1Linear(KernelLinear):
+class Q1Linear(TiledPrefill, KernelLinear):
     """A q1 weight."""
 
     def __init__(self, record, raw, bias, dtype, device):
@@ -170,7 +168,6 @@ class Q1Linear(KernelLinear):
         self.signs32 = self.signs.view(torch.int32)
         self.scales = self.parts["scales"].view(torch.uint8)
         self.row_scale = self.parts["row_scale"]
-        self._matmul_configs: dict[tuple[int, int, int], MatmulConfig] = {}
 
     def candidates(self, mode: str, rows: int | None = None, cols: int | None = None) -> list[MatvecConfig]:
         n, k = self.matvec_shape(mode, rows, cols)
@@ -196,17 +193,6 @@ class Q1Linear(KernelLinear):
         if interpreting():
             return [plain, MatmulConfig(bm, bn, 64 if K % 64 == 0 else 32, 4, 1)]
         return [plain, *tile_candidates(T, K, (64, 128), 128, wide_sums=64)]
-
-    def _matmul(self, x, rows=None, cols=None, halves=1, config=None):
-        T = x.shape[0]
-        N, K, n1, block = matmul_prefix(self, rows, cols, halves)
-        if config is None:
-            key = (token_bucket(T), N, K)
-            if key not in self._matmul_configs:  # timed once per bucket and shape (choose_matmul)
-                self._matmul_configs[key] = choose_matmul(self, T, N, K, self.matmul_candidates(T, K),
-                                                          lambda c, x: self._launch_matmul(x, N, K, n1, block, c))
-            config = self._matmul_configs[key]
-        return self._launch_matmul(x, N, K, n1, block, config)
 
     def _launch_matmul(self, x, N, K, n1, block, config: MatmulConfig):
         T = x.shape[0]
