@@ -481,24 +481,6 @@ def choose_matmul(op: KernelLinear, T: int, N: int, K: int, candidates: list[Mat
     return best
 
 
-class TiledPrefill:
-    """The prefill matmul of a KernelLinear whose launch candidates (`matmul_candidates(T, K)`) its
-    `_launch_matmul(x, N, K, n1, block, config)` runs: each prompt-length bucket and shape runs the
-    configuration `choose_matmul` picked the first time, kept by the op."""
-
-    def _matmul(self, x, rows=None, cols=None, halves=1, config=None):
-        T = x.shape[0]
-        N, K, n1, block = matmul_prefix(self, rows, cols, halves)
-        if config is None:
-            chosen = self.__dict__.setdefault("_matmul_configs", {})
-            key = (token_bucket(T), N, K)
-            if key not in chosen:
-                chosen[key] = choose_matmul(self, T, N, K, self.matmul_candidates(T, K),
-                                            lambda c, x: self._launch_matmul(x, N, K, n1, block, c))
-            config = chosen[key]
-        return self._launch_matmul(x, N, K, n1, block, config)
-
-
 def prefix_rows(op: KernelLinear, config: MatvecConfig, act: int, rows: int | None) -> tuple[int, int, MatvecConfig]:
     """(the kernel's n, programs along the rows, configuration) of a matvec over the first `rows` rows
     (None: all). Plain: n is the rows. Gate/up (act >= 0): n stays the half, the up rows' offset,

@@ -28,12 +28,9 @@ from .common import (
     KernelLinear,
     MatmulConfig,
     MatvecConfig,
-    TiledPrefill,
     chunk_candidates,
     chunk_launch,
     chunk_prefix,
-    interpreter_block,
-    next_power_of_2,
     prefix_rows,
     sm_count,
     token_bucket,
@@ -42,8 +39,10 @@ from .dependent import release_next, wait_previous
 from .grouped_int_batch import _codes
 from .pairs import PAIR_MAGIC, pair_sum, word_dot, x_pairs, zero_pair
 from .tiles import (
+    TiledPrefill,
     chunk_side,
     dot_tile,
+    matmul_blocks,
     matmul_tile,
     octet_dot,
     plane_codes,
@@ -488,14 +487,6 @@ def _steps(K: int, config: MatvecConfig) -> int:
     """Loop steps of one program of `config` over K columns."""
     launch = chunk_launch(K // 32, config)
     return -(-launch.split_chunks // launch.chunks)
-
-
-def matmul_blocks(T: int, N: int, K: int) -> tuple[int, int, int]:
-    """Tile sizes of the prefill matmuls: (tokens, rows, columns) per program and step."""
-    bk = 64 if K % 64 == 0 else 32
-    if interpreting():
-        return max(16, next_power_of_2(T)), interpreter_block(N, 256), bk
-    return (64 if T > 32 else 16 if T <= 16 else 32), 64, bk
 
 
 def make(record, raw, bias, device, dtype):

@@ -18,21 +18,19 @@ from .common import (
     KernelLinear,
     MatmulConfig,
     MatvecConfig,
-    TiledPrefill,
     chunk_candidates,
     chunk_prefix,
     prefix_rows,
 )
-from .grouped_int import matmul_blocks
 from .q2 import _e4m3, group_e4m3
 from .tiles import (
+    TiledPrefill,
     dot_tile,
     matmul_tile,
     octet_dot,
     plane_codes,
     plane_words,
     store_tile,
-    tile_candidates,
     tile_rows,
     tile_starts,
     upper_halves,
@@ -182,17 +180,6 @@ class Q1Linear(TiledPrefill, KernelLinear):
             EVEN_N=n % config.block_n == 0, EVEN_K=launch.even, ASM=launch.asm, ACT=act,
             HAS_BIAS=self.bias is not None, PARTIAL=partial, num_warps=config.num_warps)
         return config.split
-
-    def matmul_candidates(self, T: int, K: int) -> list[MatmulConfig]:
-        """Prefill tilings worth timing: the plain kernel first (the untuned default), then under
-        16-bit activations the pipelined one (grouped_int.tile_candidates; a group step per word)."""
-        bm, bn, bk = matmul_blocks(T, self.out_features, K)
-        plain = MatmulConfig(bm, bn, bk, 4, 1, "plain")
-        if self.dtype == torch.float32:  # the exact float32 dot is multiply-adds either way
-            return [plain]
-        if interpreting():
-            return [plain, MatmulConfig(bm, bn, 64 if K % 64 == 0 else 32, 4, 1)]
-        return [plain, *tile_candidates(T, K, (64, 128), 128, wide_sums=64)]
 
     def _launch_matmul(self, x, N, K, n1, block, config: MatmulConfig):
         T = x.shape[0]

@@ -15,10 +15,10 @@ import triton.language as tl
 
 from . import interpreting
 from .common import MAGIC_BITS, KernelLinear, MatvecConfig, chunk_candidates, chunk_prefix, matmul_prefix, prefix_rows
-from .grouped_int import matmul_blocks
 from .tiles import (
     chunk_side,
     dot_tile,
+    matmul_blocks,
     octet_dot,
     plane_codes,
     plane_words,

@@ -33,11 +33,11 @@ from .common import (
     prefix_split,
 )
 from .dependent import release_next, wait_previous
-from .grouped_int import matmul_blocks
 from .norm import l2_prefetch, last_program, residual_norm_row
 from .tiles import (
     dot_tile,
     masked_load,
+    matmul_blocks,
     octet_dot,
     octet_split,
     plane_load,
