@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import torch
 
-from .engine import DecodeEngine, EngineUnsupported, _norm, _qk_norms, _tables
+from .engine import DecodeEngine
+from .engine_plans import EngineUnsupported, norm_args, qk_norm_args, rope_tables
 from .ffn import MLPPlan, activate
 from .kv_cache import CacheFullError
 from .paged_kv import BLOCK_SIZE
@@ -253,7 +254,7 @@ class BatchEngine:
         layers = e.ex.layers
         residual, normed, q, attn = self.residual[:b], self.normed[:b], self.q[:b], self.attn[:b]
         residual.copy_(e._embed(self.tokens[:b]))
-        add_rmsnorm(residual, normed, norm=_norm(layers[0].attn_norm))
+        add_rmsnorm(residual, normed, norm=norm_args(layers[0].attn_norm))
         for index, layer in enumerate(layers):
             a = layer.attention
             if b == 1:  # the decode engine's matrix-vector path: a batch of one costs what one sequence does
@@ -267,7 +268,7 @@ class BatchEngine:
             e._whole_qk_norm(a, qkv)
             splits = qkv.shape[0] if qkv.dim() == 3 else 0
             rope_append(qkv, q, self.keys[index], self.values[index], self.tables[:b], self.pos, e.num_heads,
-                        e.num_kv_heads, e.head_dim, rope=_tables(a), **_qk_norms(a), splits=splits,
+                        e.num_kv_heads, e.head_dim, rope=rope_tables(a), **qk_norm_args(a), splits=splits,
                         bias=a.qkv[0].bias if splits else None)
             self.attention[b](q, self.keys[index], self.values[index], self.tables[:b], self.pos, attn, scale=a.scale,
                               window=a.sliding_window, softcap=a.logit_softcap, sinks=getattr(a, "sinks", None))
@@ -291,15 +292,15 @@ class BatchEngine:
 
         if residual.shape[0] == 1:
             parts, bias = self.engine._partial_sums(op, x.reshape(-1))
-            add_rmsnorm(residual, normed, partials=parts, bias=bias, post=_norm(post), norm=_norm(norm))
+            add_rmsnorm(residual, normed, partials=parts, bias=bias, post=norm_args(post), norm=norm_args(norm))
         else:
             # The int4 batch kernel's split-K partial sums go to the norm as they are (it adds them and the
             # bias): no summing launch, no round trip of the output through the compute dtype.
             h = self._linear([op], x, partial=True)
             if h.dim() == 3:
-                add_rmsnorm(residual, normed, partials=h, bias=op.bias, post=_norm(post), norm=_norm(norm))
+                add_rmsnorm(residual, normed, partials=h, bias=op.bias, post=norm_args(post), norm=norm_args(norm))
             else:
-                add_rmsnorm(residual, normed, dense=h, post=_norm(post), norm=_norm(norm))
+                add_rmsnorm(residual, normed, dense=h, post=norm_args(post), norm=norm_args(norm))
 
     def _mlp_rows(self, mlp, x: torch.Tensor) -> torch.Tensor:
         from .kernels.activation import glu

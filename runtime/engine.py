@@ -31,15 +31,20 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .ffn import ACTIVATIONS, MLPPlan, MoEPlan, activate, run_moe
+from .engine_plans import (
+    block_table,
+    check_supported,
+    level_rows,
+    moe_kernels,
+    norm_args,
+    qk_norm_args,
+    rope_tables,
+)
+from .ffn import MLPPlan, MoEPlan, activate, run_moe
 from .generate import GenerationStats, check_context
 from .linear import LinearOp
 from .paged_kv import PREFILL_CHUNK, PagedKVCache
 from .sampling import GenerationOptions
-
-
-class EngineUnsupported(NotImplementedError):
-    """The model has a feature the decode engine has no kernel path for."""
 
 
 class DecodeEngine:
@@ -57,7 +62,7 @@ class DecodeEngine:
     (examples/benchmarks/bench_pdl.py); prefill and tuning launches stay plain."""
 
     def __init__(self, executor, *, graphs: bool = True, finish_norm: bool | None = None, pdl: bool = False):
-        _check_supported(executor)
+        check_supported(executor)
         from .kernels import attention, norm, rope, sampling  # noqa: F401  (imports triton)
 
         self.ex = executor
@@ -72,8 +77,8 @@ class DecodeEngine:
         for layer in executor.layers:
             if layer.attention.rope is not None:  # grown once: captured steps hold the tables' addresses
                 layer.attention.rope.get(0, self.max_positions)
-        self.moe = _moe_kernels(executor)  # layer index -> MoEKernels
-        intermediate = max([_mlp_width(layer.ffn) for layer in executor.layers if isinstance(layer.ffn, MLPPlan)]
+        self.moe = moe_kernels(executor)  # layer index -> MoEKernels
+        intermediate = max([layer.ffn.down.in_features for layer in executor.layers if isinstance(layer.ffn, MLPPlan)]
                            + [1])
         qkv_width = (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         # Split-K partial sums come from the projections back into the residual (o and down), and
@@ -168,40 +173,40 @@ class DecodeEngine:
         residual = self._embed(ids)
         normed = torch.empty_like(residual)
         layers = self.ex.layers
-        add_rmsnorm(residual, normed, norm=_norm(layers[0].attn_norm))
+        add_rmsnorm(residual, normed, norm=norm_args(layers[0].attn_norm))
         for index, layer in enumerate(layers):
             a = layer.attention
             qkv = self._project_rows(a.qkv, normed)
             self._whole_qk_norm(a, qkv)
             q = torch.empty(T, self.num_heads, self.head_dim, dtype=self.dtype, device=self.device)
             k_cache, v_cache = cache.layer(index)
-            table = _block_table(cache, index)
+            table = block_table(cache, index)
             rope_append(qkv, q, k_cache, v_cache, table, self.pos, self.num_heads, self.num_kv_heads,
-                        self.head_dim, rope=_tables(a), **_qk_norms(a))
+                        self.head_dim, rope=rope_tables(a), **qk_norm_args(a))
             out = attend(q, k_cache, v_cache, table, start, scale=a.scale, window=a.sliding_window,
                          softcap=a.logit_softcap, sinks=getattr(a, "sinks", None))
-            add_rmsnorm(residual, normed, dense=a.o(out), post=_norm(layer.attn_post_norm),
-                        norm=_norm(layer.ffn_norm))
+            add_rmsnorm(residual, normed, dense=a.o(out), post=norm_args(layer.attn_post_norm),
+                        norm=norm_args(layer.ffn_norm))
             mlp = layer.ffn
             if isinstance(mlp, MoEPlan):  # token by token over the chosen experts (host-side routing)
                 h = run_moe(normed, mlp)
                 following = layers[index + 1].attn_norm if index + 1 < len(layers) else self.ex.final_norm
-                add_rmsnorm(residual, normed, dense=h, post=_norm(layer.ffn_post_norm), norm=_norm(following))
+                add_rmsnorm(residual, normed, dense=h, post=norm_args(layer.ffn_post_norm), norm=norm_args(following))
                 continue
             if mlp.gated and len(mlp.up) == 1:
-                h = glu(_rows(mlp.up[0], normed, mlp.width, 2), mlp.activation)
+                h = glu(level_rows(mlp.up[0], normed, mlp.width, 2), mlp.activation)
             elif mlp.gated:
-                h = activate(mlp.activation, _rows(mlp.up[0], normed, mlp.width, 1)) * _rows(mlp.up[1], normed,
-                                                                                                mlp.width, 1)
+                gate = level_rows(mlp.up[0], normed, mlp.width, 1)
+                h = activate(mlp.activation, gate) * level_rows(mlp.up[1], normed, mlp.width, 1)
             else:
-                h = activate(mlp.activation, _rows(mlp.up[0], normed, mlp.width, 1))
+                h = activate(mlp.activation, level_rows(mlp.up[0], normed, mlp.width, 1))
             if mlp.width is None:
                 down = mlp.down(h)
             else:  # an elastic FFN level: the first `width` columns of down, the level's scale and shift
                 down = mlp.down.prefix(h if mlp.scale is None else h * mlp.scale, cols=mlp.width)
                 down = down if mlp.shift is None else down + mlp.shift
             following = layers[index + 1].attn_norm if index + 1 < len(layers) else self.ex.final_norm
-            add_rmsnorm(residual, normed, dense=down, post=_norm(layer.ffn_post_norm), norm=_norm(following))
+            add_rmsnorm(residual, normed, dense=down, post=norm_args(layer.ffn_post_norm), norm=norm_args(following))
         self.pos.add_(T)
         cache.advance(T)
         return normed[-1]
@@ -223,17 +228,17 @@ class DecodeEngine:
         layers = self.ex.layers
         with mark("embed + norm"):
             self.residual.copy_(self._embed(self.token)[0])
-            add_rmsnorm(self.residual, self.normed, norm=_norm(layers[0].attn_norm))
+            add_rmsnorm(self.residual, self.normed, norm=norm_args(layers[0].attn_norm))
         for index, layer in enumerate(layers):
             a = layer.attention
             k_cache, v_cache = cache.layer(index)
-            table = _block_table(cache, index)
+            table = block_table(cache, index)
             with mark("qkv"):
                 self._project(a.qkv, self.normed, self.qkv)
                 self._whole_qk_norm(a, self.qkv[None])
             with mark("qk norm + rope + append"):
                 rope_append(self.qkv, self.q, k_cache, v_cache, table, self.pos, self.num_heads,
-                            self.num_kv_heads, self.head_dim, rope=_tables(a), **_qk_norms(a))
+                            self.num_kv_heads, self.head_dim, rope=rope_tables(a), **qk_norm_args(a))
             with mark("attention"):
                 cache.attention(self.q, k_cache, v_cache, table, self.pos, self.attn, scale=a.scale,
                                 window=a.sliding_window, softcap=a.logit_softcap, sinks=getattr(a, "sinks", None),
@@ -244,8 +249,8 @@ class DecodeEngine:
                 with mark("router + experts"):
                     parts = self.moe[index](self.normed, self.partials)
                 with mark("residual + norm"):
-                    add_rmsnorm(self.residual, self.normed, partials=parts, post=_norm(layer.ffn_post_norm),
-                                norm=_norm(following))
+                    add_rmsnorm(self.residual, self.normed, partials=parts, post=norm_args(layer.ffn_post_norm),
+                                norm=norm_args(following))
             else:
                 with mark("gate/up + act"):
                     width = self._mlp(layer.ffn, self.normed)
@@ -424,15 +429,16 @@ class DecodeEngine:
         if finish:
             bias = op.bias if shift is None else shift if op.bias is None else op.bias + shift
             with self._mark(name):
-                op.matvec_finish(x, self.partials, Finish(self.counter, self.residual, self.normed, bias, _norm(post),
-                                                          _norm(norm)))
+                op.matvec_finish(x, self.partials, Finish(self.counter, self.residual, self.normed, bias,
+                                                          norm_args(post), norm_args(norm)))
             return
         with self._mark(name):
             parts, bias = self._partial_sums(op, x, cols)
         if shift is not None:  # an elastic FFN level: what its dropped channels add
             bias = shift if bias is None else bias + shift
         with self._mark("residual + norm"):
-            add_rmsnorm(self.residual, self.normed, partials=parts, bias=bias, post=_norm(post), norm=_norm(norm))
+            add_rmsnorm(self.residual, self.normed, partials=parts, bias=bias, post=norm_args(post),
+                        norm=norm_args(norm))
 
     def _choose_finishing(self, timed: bool) -> None:
         """Which o and down matvecs finish the residual norm themselves (`_add_norm`): timed (norm.choose_finish,
@@ -472,11 +478,11 @@ class DecodeEngine:
             return width
         if mlp.gated:
             halves = 2 if len(mlp.up) == 1 else 1
-            gate_up = [_rows(op, x[None], mlp.width, halves)[0] for op in mlp.up]
+            gate_up = [level_rows(op, x[None], mlp.width, halves)[0] for op in mlp.up]
             gate, up = gate_up[0].chunk(2) if len(gate_up) == 1 else gate_up
             out.copy_(activate(mlp.activation, gate) * up)
         else:
-            out.copy_(activate(mlp.activation, _rows(mlp.up[0], x[None], mlp.width, 1)[0]))
+            out.copy_(activate(mlp.activation, level_rows(mlp.up[0], x[None], mlp.width, 1)[0]))
         if mlp.scale is not None:
             out.mul_(mlp.scale)
         return width
@@ -542,75 +548,3 @@ def generate(engine: DecodeEngine, prompt_ids: Sequence[int], options: Generatio
         # The keys and values kept: the prompt and every generated token fed back (a step launched
         # past a stop token wrote one more, beyond this length).
         cache.length = length + fed
-
-
-def _check_supported(executor) -> None:
-    problems = []
-    norms = [executor.final_norm] + [n for layer in executor.layers for n in
-                                     (layer.attn_norm, layer.attn_post_norm, layer.ffn_norm, layer.ffn_post_norm)]
-    if any(n is not None and (n.kind != "rms" or n.bias is not None) for n in norms):
-        problems.append("layer norms or norm biases")
-    shapes = {(layer.attention.num_heads, layer.attention.num_kv_heads, layer.attention.head_dim)
-              for layer in executor.layers}
-    if len(shapes) > 1:
-        problems.append("attention shapes that differ between layers")
-    mlps = [layer.ffn for layer in executor.layers if isinstance(layer.ffn, MLPPlan)]
-    if any(m.activation not in ACTIVATIONS for m in mlps):
-        problems.append("an unknown activation")
-    if any(getattr(m, "limit", None) is not None or getattr(m, "alpha", 1.0) != 1.0 or getattr(m, "up_offset", 0.0)
-           for m in mlps):
-        problems.append("clamped SwiGLU (GPT-OSS)")
-    if problems:
-        raise EngineUnsupported(f"the decode engine does not run {', '.join(problems)} yet")
-
-
-def _block_table(cache, index: int) -> torch.Tensor:
-    """The block table of layer `index` (a sliding layer's ring has its own; a cache without rings,
-    such as the batch engine's slot view, has one table)."""
-    table = getattr(cache, "table", None)
-    return table(index) if table is not None else cache.block_table
-
-
-def _mlp_width(ffn) -> int:
-    return ffn.down.in_features
-
-
-def _rows(op: LinearOp, x: torch.Tensor, width: int | None, halves: int) -> torch.Tensor:
-    """op(x), or at an elastic FFN level its first `width` rows of each of `halves` blocks."""
-    return op(x) if width is None else op.prefix(x, rows=width, halves=halves)
-
-
-def _moe_kernels(executor) -> dict:
-    """{layer index: MoEKernels} for the mixture-of-experts layers; EngineUnsupported (naming what)
-    for a layer the expert kernels cannot take."""
-    from .kernels.experts import MoEKernels
-
-    out = {}
-    for index, layer in enumerate(executor.layers):
-        if isinstance(layer.ffn, MoEPlan):
-            try:
-                out[index] = MoEKernels(layer.ffn, executor.device, executor.dtype)
-            except NotImplementedError as e:
-                raise EngineUnsupported(f"the decode engine does not run {e} in mixture-of-experts layers yet") \
-                    from None
-    return out
-
-
-def _norm(plan):
-    """(float32 weight, eps) of an RMSNorm plan, or None."""
-    if plan is None:
-        return None
-    weight = plan.weight if plan.weight is not None else None
-    if weight is None:
-        raise EngineUnsupported("norms without a weight are not supported by the decode engine")
-    return weight, plan.eps
-
-
-def _tables(a):
-    return None if a.rope is None else (a.rope.cos, a.rope.sin)
-
-
-def _qk_norms(a) -> dict:
-    if a.q_norm is None or not a.qk_norm_per_head:
-        return {}
-    return {"q_norm": _norm(a.q_norm), "k_norm": _norm(a.k_norm)}

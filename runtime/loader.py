@@ -268,7 +268,8 @@ def _engine(executor, graphs: bool):
 
     if not triton_available():
         return None
-    from .engine import DecodeEngine, EngineUnsupported
+    from .engine import DecodeEngine
+    from .engine_plans import EngineUnsupported
 
     try:
         engine = DecodeEngine(executor, graphs=graphs)

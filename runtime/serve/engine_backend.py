@@ -71,7 +71,7 @@ class EngineBackend:
 def default_backend(model, max_batch: int):
     """The batch backend `thin-exec serve` runs `model` with: the CUDA engine's when it took the
     model, else the torch executor's."""
-    from thin.runtime.engine import EngineUnsupported
+    from thin.runtime.engine_plans import EngineUnsupported
 
     from .scheduler import TorchBackend
 
