@@ -191,7 +191,7 @@ def tiled_configs(group, wide=False):
     and the rows (the GROUP_M order, partial tiles of both), one or several steps a group, split-K;
     `wide`: a 64 x 128 tile too (16-bit activations only: on a GPU float32's exact dot is unrolled
     multiply-adds, which at that size ptxas spills for minutes)."""
-    from thin.runtime.kernels.common import MatmulConfig
+    from thin.runtime.kernels.prefill import MatmulConfig
 
     steps = [bk for bk in (32, 64, 128) if group % bk == 0]
     return ([MatmulConfig(16, 32, bk, 4, 3) for bk in steps] + [MatmulConfig(64, 128, steps[-1], 4, 3)] * wide
@@ -240,7 +240,7 @@ def test_tiled_prefill_bfloat16(fmt):
 def test_tiled_prefill_pairs_column_order():
     """The pairs tile's column order: float32 sums of x times the exact codes, scaled per group, match
     to float32 rounding (a code in the wrong column would not)."""
-    from thin.runtime.kernels.common import MatmulConfig
+    from thin.runtime.kernels.prefill import MatmulConfig
 
     op, dense, _ = make_op("int4", (48, 256), {"group_size": 64}, dtype=torch.bfloat16, seed=8)
     x = torch.randn(9, 256, generator=torch.Generator().manual_seed(9)).bfloat16().to(DEVICE)

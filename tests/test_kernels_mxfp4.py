@@ -22,7 +22,7 @@ def test_tiled_prefill_matches_decode():
     """The pipelined prefill kernel (MatmulConfig "tiled"): float32 exact up to summation order (a code
     in the wrong column fails), several programs both ways, one or several blocks a step, a bias,
     prefixes; bfloat16 against the weight rounded to bf16. The plain kernel stays the untuned default."""
-    from thin.runtime.kernels.common import MatmulConfig
+    from thin.runtime.kernels.prefill import MatmulConfig
 
     configs = [MatmulConfig(16, 32, 32, 4, 3), MatmulConfig(16, 32, 64, 4, 3), MatmulConfig(32, 64, 128, 4, 3)]
     op, dense, b = make_op("mxfp4", (80, 256), bias=True, seed=3)

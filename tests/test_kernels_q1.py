@@ -37,7 +37,7 @@ def test_tiled_prefill_matches_decode(group_size):
     in the wrong column fails), several programs both ways, one or several words a step (groups of 32:
     a step per word), a bias, prefixes; bfloat16 against the weight rounded to bf16. The plain kernel
     stays the untuned default, float32's only one."""
-    from thin.runtime.kernels.common import MatmulConfig
+    from thin.runtime.kernels.prefill import MatmulConfig
 
     configs = [MatmulConfig(16, 32, 32, 4, 3), MatmulConfig(16, 32, 64, 4, 3), MatmulConfig(32, 64, 128, 4, 3)]
     op, dense, b = make_op("q1", (80, 256), {"group_size": group_size}, bias=True, seed=3)

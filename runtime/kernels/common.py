@@ -434,53 +434,6 @@ class _TuneCache:
             pass  # a read-only home still runs, it only tunes again next time
 
 
-@dataclass(frozen=True)
-class MatmulConfig:
-    """How a prefill matmul (many rows of activations) is tiled: `block_m` tokens x `block_n` output
-    rows per program, `block_k` columns per loop step, `num_warps`, `stages` (Triton's software
-    pipeline: loads of that many - 1 steps in flight); `kernel` names the family's kernel ("tiled":
-    the pipelined one, "plain": the first, untuned one); `split`: programs along K (split-K, their
-    float32 partial sums added by a second launch)."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int = 4
-    stages: int = 1
-    kernel: str = "tiled"
-    split: int = 1
-
-
-def token_bucket(T: int) -> int:
-    """The row count a prefill matmul of T rows is tuned at: the next power of two, 16 to 4096."""
-    return min(max(next_power_of_2(T), 16), 4096)
-
-
-def choose_matmul(op: KernelLinear, T: int, N: int, K: int, candidates: list[MatmulConfig], run) -> MatmulConfig:
-    """The matmul configuration `op` runs T rows with (N outputs over K columns: a prefix may be
-    smaller than the weight): the first candidate under the interpreter, for an op not to be tuned
-    or a small weight (as `choose`), else the cached choice for this device, shape and
-    `token_bucket(T)`, else the fastest candidate timed on the real weight with `run(config, x)`
-    over random x of the bucket's rows (then cached), after compiling them all on host threads
-    (`compile_launches`). A candidate that does not compile is skipped."""
-    if interpreting() or not op.tune or len(candidates) == 1 or op.device.type != "cuda" or _small(op):
-        return candidates[0]
-    bucket = token_bucket(T)
-    key = _cache_key(op, f"matmul {bucket}x{N}x{K}")
-    cache = _TuneCache.get()
-    hit = cache.lookup(key, MatmulConfig)
-    if hit is not None and hit in candidates:
-        return hit
-    x = torch.randn(bucket, K, device=op.device).to(op.dtype)
-    compile_launches([(op.device, lambda config=config: run(config, x)) for config in candidates], report=False)
-    times = {config: median_ms_or_inf(lambda config=config: run(config, x), f"{op.format} matmul {config}", repeats=5,
-                                      inner=3) for config in candidates}
-    best = min(candidates, key=times.get)
-    if times[best] < float("inf"):
-        cache.store(key, best)
-    return best
-
-
 def prefix_rows(op: KernelLinear, config: MatvecConfig, act: int, rows: int | None) -> tuple[int, int, MatvecConfig]:
     """(the kernel's n, programs along the rows, configuration) of a matvec over the first `rows` rows
     (None: all). Plain: n is the rows. Gate/up (act >= 0): n stays the half, the up rows' offset,
@@ -516,19 +469,6 @@ def chunk_prefix(config: MatvecConfig, K: int, cols: int | None, columns: int = 
     if cols is not None:
         config = prefix_split(config, units, max(1, config.chunk // columns))
     return config, chunk_launch(units, config, columns)
-
-
-def matmul_prefix(op: KernelLinear, rows: int | None, cols: int | None, halves: int) -> tuple[int, int, int, int]:
-    """(N, K, n1, block) of a prefill matmul over a prefix (LinearOp.prefix): N output rows, K columns
-    (x's row length; the weight's rows keep their length), and output row r reads weight row
-    (r // n1) * block + r % n1: the first n1 rows of each block of `block` rows, side by side."""
-    from ..linear import row_blocks
-
-    row_blocks(op.out_features, rows, halves)
-    K = op.in_features if cols is None else cols
-    if rows is None:
-        return op.out_features, K, op.out_features, 0
-    return rows * halves, K, rows, op.out_features // halves
 
 
 def next_power_of_2(n: int) -> int:

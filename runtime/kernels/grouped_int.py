@@ -26,23 +26,20 @@ from . import common, dependent, interpreting
 from .common import (
     MAGIC_BITS,
     KernelLinear,
-    MatmulConfig,
     MatvecConfig,
     chunk_candidates,
     chunk_launch,
     chunk_prefix,
     prefix_rows,
     sm_count,
-    token_bucket,
 )
 from .dependent import release_next, wait_previous
 from .grouped_int_batch import _codes
 from .pairs import PAIR_MAGIC, pair_sum, word_dot, x_pairs, zero_pair
+from .prefill import MatmulConfig, TiledPrefill, matmul_blocks, tile_candidates, token_bucket
 from .tiles import (
-    TiledPrefill,
     chunk_side,
     dot_tile,
-    matmul_blocks,
     matmul_tile,
     octet_dot,
     plane_codes,
@@ -51,7 +48,6 @@ from .tiles import (
     split_sum,
     split_words,
     store_tile,
-    tile_candidates,
     tile_rows,
     tile_starts,
     upper_halves,
@@ -189,7 +185,7 @@ def _matmul_kernel(x_ptr, low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, ou
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr,
                    IEEE: tl.constexpr):
     """Prefill: out[T, N] = x[T, K] @ W.T, a [BN, BK] tile of W dequantized per step, then tl.dot.
-    An elastic prefix (common.matmul_prefix): output row r is weight row (r // n1) * block + r % n1,
+    An elastic prefix (prefill.matmul_prefix): output row r is weight row (r // n1) * block + r % n1,
     the first K columns of rows of KS."""
     tok = tl.program_id(0) * BM + tl.arange(0, BM)
     out_rows = tl.program_id(1) * BN + tl.arange(0, BN)

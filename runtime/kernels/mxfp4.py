@@ -17,16 +17,9 @@ import triton.language as tl
 from thin.ir.formats.mxfp4 import BLOCK
 
 from . import interpreting
-from .common import (
-    KernelLinear,
-    MatmulConfig,
-    MatvecConfig,
-    chunk_candidates,
-    chunk_prefix,
-    prefix_rows,
-)
+from .common import KernelLinear, MatvecConfig, chunk_candidates, chunk_prefix, prefix_rows
+from .prefill import MatmulConfig, TiledPrefill
 from .tiles import (
-    TiledPrefill,
     chunk_side,
     dot_tile,
     matmul_tile,
@@ -109,7 +102,7 @@ def _matvec_kernel(v_ptr, e_ptr, bias_ptr, x_ptr, out_ptr, n, K: tl.constexpr, s
 def _matmul_kernel(x_ptr, v_ptr, e_ptr, bias_ptr, out_ptr, T, N, K, KS, n1, block, BM: tl.constexpr,
                    BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
     """Prefill: out[T, N] = x[T, K] @ W.T with [BN, BK] tiles of W dequantized per step. An elastic
-    prefix (common.matmul_prefix): output row r is weight row (r // n1) * block + r % n1, the first
+    prefix (prefill.matmul_prefix): output row r is weight row (r // n1) * block + r % n1, the first
     K columns of rows of KS."""
     tok = tl.program_id(0) * BM + tl.arange(0, BM)
     out_rows = tl.program_id(1) * BN + tl.arange(0, BN)

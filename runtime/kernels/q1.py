@@ -13,18 +13,10 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .common import (
-    MAGIC_BITS,
-    KernelLinear,
-    MatmulConfig,
-    MatvecConfig,
-    chunk_candidates,
-    chunk_prefix,
-    prefix_rows,
-)
+from .common import MAGIC_BITS, KernelLinear, MatvecConfig, chunk_candidates, chunk_prefix, prefix_rows
+from .prefill import MatmulConfig, TiledPrefill
 from .q2 import _e4m3, group_e4m3
 from .tiles import (
-    TiledPrefill,
     dot_tile,
     matmul_tile,
     octet_dot,
@@ -82,7 +74,7 @@ def _matvec_kernel(b_ptr, s_ptr, rs_ptr, bias_ptr, x_ptr, out_ptr, n, K: tl.cons
 def _matmul_kernel(x_ptr, b_ptr, s_ptr, rs_ptr, bias_ptr, out_ptr, T, N, K, KS, n1, block, G: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
     """Prefill: out[T, N] = x[T, K] @ W.T with [BN, BK] tiles of W dequantized per step. An elastic
-    prefix (common.matmul_prefix): output row r is weight row (r // n1) * block + r % n1, the first
+    prefix (prefill.matmul_prefix): output row r is weight row (r // n1) * block + r % n1, the first
     K columns of rows of KS."""
     tok = tl.program_id(0) * BM + tl.arange(0, BM)
     out_rows = tl.program_id(1) * BN + tl.arange(0, BN)

@@ -14,11 +14,11 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .common import MAGIC_BITS, KernelLinear, MatvecConfig, chunk_candidates, chunk_prefix, matmul_prefix, prefix_rows
+from .common import MAGIC_BITS, KernelLinear, MatvecConfig, chunk_candidates, chunk_prefix, prefix_rows
+from .prefill import matmul_blocks, matmul_prefix
 from .tiles import (
     chunk_side,
     dot_tile,
-    matmul_blocks,
     octet_dot,
     plane_codes,
     plane_words,
@@ -94,7 +94,7 @@ def _matmul_kernel(x_ptr, c_ptr, s_ptr, o_ptr, rs_ptr, ro_ptr, bias_ptr, out_ptr
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr,
                    IEEE: tl.constexpr):
     """Prefill: out[T, N] = x[T, K] @ W.T with [BN, BK] tiles of W dequantized per step. An elastic
-    prefix (common.matmul_prefix): output row r is weight row (r // n1) * block + r % n1, the first
+    prefix (prefill.matmul_prefix): output row r is weight row (r // n1) * block + r % n1, the first
     K columns of rows of KS."""
     tok = tl.program_id(0) * BM + tl.arange(0, BM)
     out_rows = tl.program_id(1) * BN + tl.arange(0, BN)

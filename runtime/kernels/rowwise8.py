@@ -27,17 +27,16 @@ from .common import (
     chunk_candidates,
     chunk_prefix,
     interpreter_block,
-    matmul_prefix,
     next_power_of_2,
     prefix_rows,
     prefix_split,
 )
 from .dependent import release_next, wait_previous
 from .norm import l2_prefetch, last_program, residual_norm_row
+from .prefill import matmul_blocks, matmul_prefix
 from .tiles import (
     dot_tile,
     masked_load,
-    matmul_blocks,
     octet_dot,
     octet_split,
     plane_load,
@@ -267,7 +266,7 @@ def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, split, flip
 def _matmul_kernel(x_ptr, v_ptr, scale_ptr, bias_ptr, out_ptr, T, N, K, KS, n1, block, FP8: tl.constexpr,
                    BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, HAS_BIAS: tl.constexpr, IEEE: tl.constexpr):
     """Prefill: out[T, N] = x[T, K] @ W.T with [BN, BK] tiles of W dequantized per step. An elastic
-    prefix (common.matmul_prefix): output row r is weight row (r // n1) * block + r % n1, the first
+    prefix (prefill.matmul_prefix): output row r is weight row (r // n1) * block + r % n1, the first
     K columns of rows of KS."""
     tok = tl.program_id(0) * BM + tl.arange(0, BM)
     out_rows = tl.program_id(1) * BN + tl.arange(0, BN)

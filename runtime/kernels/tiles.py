@@ -27,12 +27,8 @@ memory on every step).
 
 from __future__ import annotations
 
-import torch
 import triton
 import triton.language as tl
-
-from . import interpreting
-from .common import MatmulConfig, choose_matmul, interpreter_block, matmul_prefix, next_power_of_2, token_bucket
 
 MAGIC = tl.constexpr(0x4B000000)  # float32 bits of 2^23: integers below 2^23 OR-ed into its mantissa are exact
 
@@ -374,7 +370,7 @@ def matmul_tile(T, N, n1, block, BM: tl.constexpr, BN: tl.constexpr, GROUP_M: tl
     """A prefill matmul program's tile, in grouped order: GROUP_M token tiles run per band of BN
     weight rows before the next band (so the band's codes come from L2 after the first). Returns the
     tile's tokens, output rows, their masks, and the weight row of each output row (an elastic prefix,
-    common.matmul_prefix: output row r is weight row (r // n1) * block + r % n1)."""
+    prefill.matmul_prefix: output row r is weight row (r // n1) * block + r % n1)."""
     pid = tl.program_id(0)
     tiles_m = tl.cdiv(T, BM)
     tiles_n = tl.cdiv(N, BN)
@@ -402,65 +398,7 @@ def split_candidates(n_rows: int, block_n: int, units: int, sms: int) -> list[in
     return out
 
 
-def tile_candidates(T: int, K: int, steps: tuple[int, ...], unit: int,
-                    wide_sums: int | None = None) -> list[MatmulConfig]:
-    """Tilings of a pipelined prefill kernel ("tiled") worth timing for T rows over K columns: tiles of
-    tokens x rows (the bucket's rows up to 64 tokens; 64 or 128 beyond), `steps` columns a loop step
-    where they divide `unit` (a scale group) and K, three or four stages (three at 128 columns: four
-    steps of 128 columns of x and codes overflow shared memory at 128 rows). `wide_sums`: at 128
-    columns a step, only tiles of at most that many float32 sums a thread (beyond, the weight tile
-    and the accumulator spill at sm_90)."""
-    bucket = token_bucket(T)
-    tiles = [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 4), (128, 128, 8), (128, 256, 8)]
-    if bucket <= 64:
-        tiles = [(bucket, 32, 4), (bucket, 64, 4), (bucket, 128, 4), (bucket, 128, 8)]
-    stages = {32: (4,), 64: (3, 4), 128: (3,)}
-    return [MatmulConfig(m, n, k, warps, stage) for m, n, warps in tiles for k in steps
-            if unit % k == 0 and K % k == 0 and (k < 128 or wide_sums is None or m * n <= wide_sums * 32 * warps)
-            for stage in stages[k]]
-
-
-
-def matmul_blocks(T: int, N: int, K: int) -> tuple[int, int, int]:
-    """Tile sizes of the prefill matmuls: (tokens, rows, columns) per program and step."""
-    bk = 64 if K % 64 == 0 else 32
-    if interpreting():
-        return max(16, next_power_of_2(T)), interpreter_block(N, 256), bk
-    return (64 if T > 32 else 16 if T <= 16 else 32), 64, bk
-
-
-class TiledPrefill:
-    """The prefill matmul of a KernelLinear whose launch candidates (`matmul_candidates(T, K)`) its
-    `_launch_matmul(x, N, K, n1, block, config)` runs: each prompt-length bucket and shape runs the
-    configuration `choose_matmul` picked the first time, kept by the op."""
-
-    def _matmul(self, x, rows=None, cols=None, halves=1, config=None):
-        T = x.shape[0]
-        N, K, n1, block = matmul_prefix(self, rows, cols, halves)
-        if config is None:
-            chosen = self.__dict__.setdefault("_matmul_configs", {})
-            key = (token_bucket(T), N, K)
-            if key not in chosen:
-                chosen[key] = choose_matmul(self, T, N, K, self.matmul_candidates(T, K),
-                                            lambda c, x: self._launch_matmul(x, N, K, n1, block, c))
-            config = chosen[key]
-        return self._launch_matmul(x, N, K, n1, block, config)
-
-    def matmul_candidates(self, T: int, K: int) -> list[MatmulConfig]:
-        """Prefill tilings worth timing: the plain kernel first (the untuned default; float32's only
-        one, the exact float32 dot being multiply-adds either way), then under 16-bit activations the
-        pipelined one (`tile_candidates`: 64 or 128 columns a step, tiles that do not spill)."""
-        bm, bn, bk = matmul_blocks(T, self.out_features, K)
-        plain = MatmulConfig(bm, bn, bk, 4, 1, "plain")
-        if self.dtype == torch.float32:
-            return [plain]
-        if interpreting():
-            return [plain, MatmulConfig(bm, bn, 64 if K % 64 == 0 else 32, 4, 1)]
-        return [plain, *tile_candidates(T, K, (64, 128), 128, wide_sums=64)]
-
-
-__all__ = ["activate", "chunk_side", "code_term", "dot_tile", "glu_halves", "MAGIC", "masked_load", "matmul_blocks",
-           "matmul_tile", "octet_dot", "octet_split", "opaque", "plane_codes", "plane_load", "plane_words",
-           "row_starts", "shr16", "split_candidates", "split_sum", "split_words", "store_glu", "store_rows",
-           "store_tile", "tile_candidates", "tile_rows", "tile_rows_of", "tile_starts", "TiledPrefill", "triton",
-           "upper_halves", "x_octet", "x_sum8"]
+__all__ = ["activate", "chunk_side", "code_term", "dot_tile", "glu_halves", "MAGIC", "masked_load", "matmul_tile",
+           "octet_dot", "octet_split", "opaque", "plane_codes", "plane_load", "plane_words", "row_starts", "shr16",
+           "split_candidates", "split_sum", "split_words", "store_glu", "store_rows", "store_tile", "tile_rows",
+           "tile_rows_of", "tile_starts", "triton", "upper_halves", "x_octet", "x_sum8"]
