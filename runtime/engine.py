@@ -54,14 +54,9 @@ class DecodeEngine:
     `finish_norm`: whether o's and down's matvecs (int8, fp8_e4m3) add their partial sums into the
     residual and norm it in their own last program instead of an add_rmsnorm launch: None (default)
     times both ways in `warm_up` on a GPU and keeps the faster per kind of weight; True every op that
-    can (the tests); False none.
+    can (the tests); False none."""
 
-    `pdl`: launch the decode step's matvecs (grouped int, int8, fp8), residual norms, RoPE and
-    attention as programmatic dependents (kernels/dependent.py, sm_90): each starts while the one
-    before drains, its weight loads ahead of its wait. Off by default until measured
-    (examples/benchmarks/bench_pdl.py); prefill and tuning launches stay plain."""
-
-    def __init__(self, executor, *, graphs: bool = True, finish_norm: bool | None = None, pdl: bool = False):
+    def __init__(self, executor, *, graphs: bool = True, finish_norm: bool | None = None):
         check_supported(executor)
         from .kernels import attention, norm, rope, sampling  # noqa: F401  (imports triton)
 
@@ -69,7 +64,6 @@ class DecodeEngine:
         self.model = executor.model
         self.device, self.dtype = executor.device, executor.dtype
         self.use_graphs = graphs and self.device.type == "cuda"
-        self.pdl = pdl
         first = executor.layers[0].attention
         self.num_heads, self.num_kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
         self.hidden, self.vocab = self.model.hidden_size, self.model.vocab_size
@@ -215,12 +209,6 @@ class DecodeEngine:
     def decode_one_token(self, cache: PagedKVCache, sampler) -> None:
         """Feed self.token at position self.pos; leave the next token in self.token (and in
         cache.out_tokens[step]), then advance pos and step. Reads nothing from the host."""
-        from .kernels.dependent import launching
-
-        with launching(self.pdl):
-            self._decode_step(cache, sampler)
-
-    def _decode_step(self, cache: PagedKVCache, sampler) -> None:
         from .kernels.norm import add_rmsnorm
         from .kernels.rope import rope_append
 

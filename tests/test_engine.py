@@ -159,20 +159,3 @@ def test_graph_and_eager_steps_give_the_same_tokens_and_attend_every_position(mo
     assert tokens == _engine_tokens(eager, prompt, 20)
     attended = cache.attended[1:20].tolist()
     assert attended == [len(prompt) + i for i in range(1, 20)]
-
-
-@pytest.mark.parametrize("quant", ["int4", "fp8_e4m3", "int8"])
-def test_programmatic_dependent_launch_keeps_the_tokens(models, quant):
-    """DecodeEngine(pdl=True): the step's kernels launched as programmatic dependents, their weights
-    loaded before the wait (under the interpreter the same code without the grid-dependency
-    instructions): the executor's tokens, and under the interpreter the plain engine's very logits
-    (the look-ahead configurations: tests/test_kernels_dependent.py)."""
-    model = models("llama", quant)
-    prompt = _prompt(seed=5)
-    want = _executor_tokens(model, prompt, 6)
-    plain = _engine(model)
-    assert _engine_tokens(plain, prompt, 6) == want
-    pdl = _engine(model, pdl=True)
-    assert _engine_tokens(pdl, prompt, 6) == want
-    if not HAS_CUDA:
-        assert torch.equal(pdl.logits, plain.logits)

@@ -20,7 +20,6 @@ Everything else a decode step runs:
     grouped_int_batch.py  int4 weights times a few rows of activations (the batched decode step)
     sampling.py     greedy argmax and temperature / top-k / top-p / min-p draws on the device
     prefill.py      the prefill matmuls' tilings and their choice per prompt-length bucket (TiledPrefill)
-    dependent.py    programmatic dependent launch inside the decode step (DecodeEngine(pdl=True))
 
 Nothing here is imported by `thin.runtime` itself: `runtime/linear.py` registers the linear
 families by "module:factory" name and imports them on first use, and the engine imports the rest

@@ -21,9 +21,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import dependent
 from .common import next_power_of_2
-from .dependent import release_next, wait_previous
 
 
 @triton.jit
@@ -35,12 +33,9 @@ def _tanh(x):
 def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, n_ptr, scale, softcap, window,
                    HQ, HKV, D, SPLITS, table_stride, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
                    BT: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-                   IEEE: tl.constexpr, PDL: tl.constexpr = 0):
+                   IEEE: tl.constexpr):
     """Program (kv head h, split s, sequence r): sequence r's query heads of group h over split s of
-    its visible positions (its own position and row of the block table). PDL: a programmatic
-    dependent launch (dependent.py)."""
-    wait_previous(PDL)
-    release_next(PDL)
+    its visible positions (its own position and row of the block table)."""
     h = tl.program_id(0)
     s = tl.program_id(1)
     r = tl.program_id(2)
@@ -100,12 +95,8 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, o_ptr, m_ptr, l_ptr,
 
 @triton.jit
 def _merge_kernel(o_ptr, m_ptr, l_ptr, n_ptr, sink_ptr, out_ptr, log_ptr, step_ptr, HQ, D, SPLITS,
-                  SP: tl.constexpr, BLOCK_D: tl.constexpr, SINKS: tl.constexpr, LOG: tl.constexpr,
-                  PDL: tl.constexpr = 0):
-    """Query head i of sequence r: softmax-weighted sum of the splits' partial outputs (PDL: as
-    _decode_kernel's)."""
-    wait_previous(PDL)
-    release_next(PDL)
+                  SP: tl.constexpr, BLOCK_D: tl.constexpr, SINKS: tl.constexpr, LOG: tl.constexpr):
+    """Query head i of sequence r: softmax-weighted sum of the splits' partial outputs."""
     i = tl.program_id(0)
     r = tl.program_id(1)
     o_ptr += r * SPLITS * HQ * D
@@ -167,18 +158,16 @@ class DecodeAttention:
             raise ValueError(f"a decode attention over {self.rows} sequences takes q [{self.rows}, heads, dim] and a "
                              "block table of one row per sequence")
         table_stride = block_table.stride(0) if block_table.dim() == 2 else 0
-        pdl = dependent.level()
         _decode_kernel[(self.num_kv_heads, self.splits, self.rows)](
             q, k_cache, v_cache, block_table, pos, self.o, self.m, self.l, self.n, float(scale),
             float(softcap or 1.0), int(window or 0), self.num_heads, self.num_kv_heads, self.head_dim, self.splits,
             table_stride, G=self.group, GP=gp, BS=k_cache.shape[2], BT=self.tile, BLOCK_D=block_d,
-            SOFTCAP=softcap is not None, WINDOW=window is not None, IEEE=ieee, num_warps=4, PDL=pdl,
-            **dependent.launch_args(pdl))
+            SOFTCAP=softcap is not None, WINDOW=window is not None, IEEE=ieee, num_warps=4)
         _merge_kernel[(self.num_heads, self.rows)](
             self.o, self.m, self.l, self.n, sinks if sinks is not None else self.m, out,
             log if log is not None else self.n, step if step is not None else self.n, self.num_heads, self.head_dim,
             self.splits, SP=next_power_of_2(self.splits), BLOCK_D=block_d, SINKS=sinks is not None,
-            LOG=log is not None, num_warps=4, PDL=pdl, **dependent.launch_args(pdl))
+            LOG=log is not None, num_warps=4)
 
 
 def _interpreting() -> bool:

@@ -251,12 +251,8 @@ def _launcher(op: KernelLinear, config: MatvecConfig, mode: str, rows: int | Non
 def _time(op: KernelLinear, config: MatvecConfig, mode: str, rows: int | None = None,
           cols: int | None = None) -> float:
     """Median milliseconds of one launch with `config` (compile excluded; infinity where it does not
-    compile, `median_ms_or_inf`), launched plainly (never as a
-    programmatic dependent, dependent.py, whatever launch is being made when it is chosen)."""
-    from .dependent import launching
-
-    with launching(False):
-        return median_ms_or_inf(_launcher(op, config, mode, rows, cols), what=f"{op.format} {mode} {config}")
+    compile, `median_ms_or_inf`)."""
+    return median_ms_or_inf(_launcher(op, config, mode, rows, cols), what=f"{op.format} {mode} {config}")
 
 
 def compile_threads() -> int:

@@ -22,7 +22,7 @@ import triton.language as tl
 
 from thin.ir.formats.grouped_int import PLANES
 
-from . import common, dependent, interpreting
+from . import common, interpreting
 from .common import (
     MAGIC_BITS,
     KernelLinear,
@@ -33,7 +33,6 @@ from .common import (
     prefix_rows,
     sm_count,
 )
-from .dependent import release_next, wait_previous
 from .grouped_int_batch import _codes
 from .pairs import PAIR_MAGIC, pair_sum, word_dot, x_pairs, zero_pair
 from .prefill import MatmulConfig, TiledPrefill, matmul_blocks, tile_candidates, token_bucket
@@ -60,8 +59,7 @@ from .tiles import (
 def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K: tl.constexpr, split_chunks, magic,
               WL: tl.constexpr, WH: tl.constexpr, MID: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr,
               C: tl.constexpr, BN: tl.constexpr, GLU: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-              ASM: tl.constexpr, PACKED: tl.constexpr, ZERO_BITS: tl.constexpr, AHEAD: tl.constexpr,
-              PDL: tl.constexpr = 0):
+              ASM: tl.constexpr, PACKED: tl.constexpr, ZERO_BITS: tl.constexpr, AHEAD: tl.constexpr):
     """sum_k W[rows, k] * x[k] over the tile's rows (tiles.tile_rows) and this program's chunks
     (split `program_id(1)`), float32 [rows].
 
@@ -75,9 +73,7 @@ def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K: tl.constexp
     its first use, and theirs is the end of a step: loaded in the step before, their memory latency
     overlaps a whole step's math instead of following it. AHEAD 2: the low plane's words too, two
     steps ahead (one step ahead, ptxas would issue them at the end of the step before, just ahead of
-    their use). PDL (dependent.py): the first steps' words and scales (AHEAD's, or the first step's
-    at least) are loaded before waiting on the previous kernel, which writes x; the loop then carries
-    the low words one step ahead where AHEAD did not."""
+    their use)."""
     pid = tl.program_id(0)
     rows, row_mask = tile_rows(pid, n, BN, GLU)
     total: tl.constexpr = K // 32  # K a constexpr: the tile's row strides fold into the side loads (row_starts)
@@ -87,33 +83,23 @@ def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K: tl.constexp
     ci = tl.arange(0, C)
     groups: tl.constexpr = K // G
     acc = tl.zeros([rows.shape[0], C], dtype=tl.float32)
-    # Steps the low words and the sides are loaded ahead: a dependent launch loads at least the first
-    # step's before its wait.
-    WORDS: tl.constexpr = 2 if AHEAD >= 2 else 1 if PDL else 0
-    SIDES: tl.constexpr = 1 if AHEAD or PDL else 0
-    if WORDS >= 1:  # the low plane's words one or two steps ahead
+    if AHEAD >= 2:  # the low plane's words two steps ahead
         words_1 = plane_load(low_ptr, starts, row_mask, begin, end, C, WL, EVEN_N, EVEN_K, ASM, True)
-    if WORDS >= 2:
         words_2 = plane_load(low_ptr, starts, row_mask, begin + C, end, C, WL, EVEN_N, EVEN_K, ASM, True)
-    if SIDES:
+    if AHEAD:
         scale_ahead, offset_ahead = _sides(scale_ptr, offset_ptr, pid, n, groups, begin, end, G, C, BN, GLU, EVEN_N,
                                            ASYM, ASM)
-    wait_previous(PDL)  # x is the previous kernel's output
-    release_next(PDL)
     for c0 in range(begin, end, C):
         chunk = c0 + ci
         cmask = chunk < end
-        if SIDES:  # this step's, then the next step's (past the end: masked off)
+        if AHEAD:  # this step's, then the next step's (past the end: masked off)
             scale, offset = scale_ahead, offset_ahead
             scale_ahead, offset_ahead = _sides(scale_ptr, offset_ptr, pid, n, groups, c0 + C, end, G, C, BN, GLU,
                                                EVEN_N, ASYM, ASM)
-        if WORDS >= 2:
+        if AHEAD >= 2:
             low = split_words(words_1, WL)
             words_1 = words_2
             words_2 = plane_load(low_ptr, starts, row_mask, c0 + 2 * C, end, C, WL, EVEN_N, EVEN_K, ASM, True)
-        elif WORDS == 1:
-            low = split_words(words_1, WL)
-            words_1 = plane_load(low_ptr, starts, row_mask, c0 + C, end, C, WL, EVEN_N, EVEN_K, ASM, True)
         else:
             low = plane_words(low_ptr, starts, row_mask, c0, end, C, WL, EVEN_N, EVEN_K, ASM)
         xsum = tl.zeros([C], dtype=tl.float32)
@@ -137,7 +123,7 @@ def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K: tl.constexp
                     dot = octet_dot(dot, high, high_up, xs, o, WH, 0, 1 << WL, False, magic)
                 if ASYM:
                     xsum += x_sum8(xs)
-        if not SIDES:
+        if not AHEAD:
             scale = chunk_side(scale_ptr, pid, n, groups, c0, end, G // 32, C, BN, GLU, EVEN_N, EVEN_K, ASM)
             if ASYM:
                 offset = chunk_side(offset_ptr, pid, n, groups, c0, end, G // 32, C, BN, GLU, EVEN_N, EVEN_K, ASM)
@@ -166,13 +152,12 @@ def _matvec_kernel(low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, level_ptr
                    WL: tl.constexpr, WH: tl.constexpr, MID: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr,
                    C: tl.constexpr, BN: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
                    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, PACKED: tl.constexpr,
-                   ZERO_BITS: tl.constexpr, AHEAD: tl.constexpr, LEVEL: tl.constexpr, PDL: tl.constexpr = 0):
+                   ZERO_BITS: tl.constexpr, AHEAD: tl.constexpr, LEVEL: tl.constexpr):
     """Program (i, s): output rows i*BN.., chunks of split s. With ACT >= 0 the weight is [gate; up]
     and the tile holds both rows of each output (gate row r, up row n + r), one pass over x; LEVEL:
-    the product times level_ptr[r] (an elastic FFN level's scale, instead of a launch of its own).
-    PDL: launched as a programmatic dependent (dependent.py; the wait is in _rows_dot)."""
+    the product times level_ptr[r] (an elastic FFN level's scale, instead of a launch of its own)."""
     total = _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K, split_chunks, magic, WL, WH, MID, ASYM,
-                      G, C, BN, ACT >= 0, EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS, AHEAD, PDL)
+                      G, C, BN, ACT >= 0, EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS, AHEAD)
     if LEVEL:
         store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL, level_ptr)
     else:
@@ -407,7 +392,6 @@ class GroupedIntLinear(TiledPrefill, KernelLinear):
         if scale is not None and (act < 0 or scale.shape != out.shape or scale.dtype != out.dtype):
             raise ValueError(f"a gate/up scale must match the output ({tuple(out.shape)} {out.dtype}), got "
                              f"{tuple(scale.shape)} {scale.dtype} (act {act})")
-        pdl = dependent.level()
         _matvec_kernel[(programs, config.split)](
             self.low32, self.high32, self.scales, self.offsets, bias, x if scale is None else scale, x, out, n,
             self.in_features, launch.split_chunks,
@@ -416,7 +400,7 @@ class GroupedIntLinear(TiledPrefill, KernelLinear):
             BN=config.block_n, EVEN_N=n % config.block_n == 0, EVEN_K=launch.even, ASM=launch.asm, ACT=act,
             HAS_BIAS=self.bias is not None, PARTIAL=partial, PACKED=config.packed,
             ZERO_BITS=zero_pair(self.mid) if config.packed else 0, AHEAD=config.ahead, LEVEL=scale is not None,
-            PDL=pdl, num_warps=config.num_warps, **dependent.launch_args(pdl))
+            num_warps=config.num_warps)
         return config.split
 
     def matmul_candidates(self, T: int, K: int) -> list[MatmulConfig]:

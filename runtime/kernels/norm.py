@@ -21,9 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import dependent, interpreting
+from . import interpreting
 from .common import next_power_of_2
-from .dependent import release_next, wait_previous
 
 
 @triton.jit
@@ -37,10 +36,8 @@ def _rms(x, mask, w, H, eps):
 @triton.jit
 def _add_rmsnorm_kernel(res_ptr, delta_ptr, bias_ptr, post_ptr, norm_ptr, out_ptr, H, n_parts, part_stride,
                         post_eps, eps, DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, POST: tl.constexpr,
-                        NORM: tl.constexpr, BLOCK: tl.constexpr, N_PARTS: tl.constexpr, PDL: tl.constexpr = 0):
-    """Row r (program r): `residual_norm_row`; PDL: a programmatic dependent launch (dependent.py)."""
-    wait_previous(PDL)
-    release_next(PDL)
+                        NORM: tl.constexpr, BLOCK: tl.constexpr, N_PARTS: tl.constexpr):
+    """Row r (program r): `residual_norm_row`."""
     residual_norm_row(res_ptr, delta_ptr, bias_ptr, post_ptr, norm_ptr, out_ptr, tl.program_id(0), H, n_parts,
                       part_stride, post_eps, eps, DELTA, HAS_BIAS, POST, NORM, BLOCK, N_PARTS, False)
 
@@ -152,13 +149,12 @@ def add_rmsnorm(residual: torch.Tensor, out: torch.Tensor, *, partials: torch.Te
     post_w, post_eps = post if post is not None else (residual, 0.0)
     norm_w, eps = norm if norm is not None else (residual, 0.0)
     block = next_power_of_2(H)
-    pdl = dependent.level()
     _add_rmsnorm_kernel[(rows,)](
         residual, source, bias if bias is not None else residual, post_w, norm_w, out, H,
         partials.shape[0] if partials is not None else 0, rows * H, float(post_eps), float(eps), DELTA=delta,
         HAS_BIAS=bias is not None, POST=post is not None, NORM=norm is not None, BLOCK=block,
         N_PARTS=partials.shape[0] if partials is not None and partials.shape[0] <= MAX_UNROLLED else 0,
-        num_warps=min(16, max(1, block // 256)), PDL=pdl, **dependent.launch_args(pdl))
+        num_warps=min(16, max(1, block // 256)))
 
 
 # Partial rows summed by an unrolled loop (one compiled kernel per count): the split-K factors and a

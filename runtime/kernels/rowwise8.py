@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import common, dependent, interpreting
+from . import common, interpreting
 from .common import (
     MAGIC_BITS,
     KernelLinear,
@@ -31,7 +31,6 @@ from .common import (
     prefix_rows,
     prefix_split,
 )
-from .dependent import release_next, wait_previous
 from .norm import l2_prefetch, last_program, residual_norm_row
 from .prefill import matmul_blocks, matmul_prefix
 from .tiles import (
@@ -53,27 +52,16 @@ from .tiles import (
 
 @triton.jit
 def _fp8_dot(v_ptr, x_ptr, rows, row_mask, K, split_cols, BK: tl.constexpr, EVEN_N: tl.constexpr,
-             EVEN_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr = 0):
+             EVEN_K: tl.constexpr, STAGES: tl.constexpr):
     """sum_k W[rows, k] x[k] over this program's columns (split `program_id(1)`), float32 [rows].
     STAGES > 1: the loop software-pipelined by Triton over STAGES buffers in shared memory, each
-    step's loads issued STAGES - 1 steps ahead as asynchronous copies (cp.async). PDL (dependent.py):
-    the first step taken out of the loop, its weights loaded before waiting on the previous kernel
-    (the pipeliner would issue them with the activations, after the wait)."""
+    step's loads issued STAGES - 1 steps ahead as asynchronous copies (cp.async)."""
     begin = tl.program_id(1) * split_cols
     end = tl.minimum(begin + split_cols, K)
     # 8 contiguous columns a lane (not 16): the activations' 16-byte loads are 8 columns a lane.
     ks = tl.max_contiguous(tl.arange(0, BK), 8)
     row_off = rows.to(tl.int64) * K
     acc = tl.zeros([rows.shape[0], BK], dtype=tl.float32)
-    if PDL:
-        cols = begin + ks
-        w = masked_load(v_ptr, row_off[:, None] + cols[None, :], row_mask[:, None], (cols < end)[None, :], EVEN_N,
-                        EVEN_K)
-        wait_previous(PDL)  # x is the previous kernel's output
-        release_next(PDL)
-        x = tl.load(x_ptr + cols, mask=cols < end, other=0.0)
-        acc += w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * x.to(tl.float32)[None, :]
-        begin += BK
     if STAGES > 1:
         for k0 in tl.range(begin, end, BK, num_stages=STAGES):
             acc = _fp8_step(acc, v_ptr, x_ptr, row_off, row_mask, k0, end, ks, EVEN_N, EVEN_K)
@@ -98,33 +86,21 @@ def _fp8_step(acc, v_ptr, x_ptr, row_off, row_mask, k0, end, ks, EVEN_N: tl.cons
 
 @triton.jit
 def _fp8_ahead_dot(w_ptr, x_ptr, starts, row_mask, K, split_chunks, C: tl.constexpr, EVEN_N: tl.constexpr,
-                   EVEN_K: tl.constexpr, ASM: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr = 0):
+                   EVEN_K: tl.constexpr, ASM: tl.constexpr, AHEAD: tl.constexpr):
     """_fp8_dot with each step's weights and activations loaded AHEAD (1 or 2) steps before it, so
     their memory latency overlaps the math of the steps between instead of following it.
 
     The same lane layout (a lane's 8 bytes of each row and the 16-byte load of their activations),
     but as chunks of 8 columns (tiles.py's scheme; `starts`: row_starts in chunks) whose bytes are
     two int32 words: the bytes are carried from step to step as they were loaded, two registers a
-    row (a byte tensor carried through the loop is held a byte a register and repacked every step).
-    PDL (dependent.py): the first AHEAD steps' weights are loaded before waiting on the previous
-    kernel, their activations after."""
+    row (a byte tensor carried through the loop is held a byte a register and repacked every step)."""
     total = K // 8
     begin = tl.program_id(1) * split_chunks
     end = tl.minimum(begin + split_chunks, total)
     acc = tl.zeros([starts.shape[0], C], dtype=tl.float32)
-    if PDL:
-        w_1 = plane_load(w_ptr, starts, row_mask, begin, end, C, 2, EVEN_N, EVEN_K, ASM, True)
-        if AHEAD >= 2:
-            w_2 = plane_load(w_ptr, starts, row_mask, begin + C, end, C, 2, EVEN_N, EVEN_K, ASM, True)
-        wait_previous(PDL)  # x is the previous kernel's output
-        release_next(PDL)
-        x_1 = _fp8_x(x_ptr, begin, end, C)
-        if AHEAD >= 2:
-            x_2 = _fp8_x(x_ptr, begin + C, end, C)
-    else:
-        w_1, x_1 = _fp8_words(w_ptr, x_ptr, starts, row_mask, begin, end, C, EVEN_N, EVEN_K, ASM)
-        if AHEAD >= 2:
-            w_2, x_2 = _fp8_words(w_ptr, x_ptr, starts, row_mask, begin + C, end, C, EVEN_N, EVEN_K, ASM)
+    w_1, x_1 = _fp8_words(w_ptr, x_ptr, starts, row_mask, begin, end, C, EVEN_N, EVEN_K, ASM)
+    if AHEAD >= 2:
+        w_2, x_2 = _fp8_words(w_ptr, x_ptr, starts, row_mask, begin + C, end, C, EVEN_N, EVEN_K, ASM)
     for c0 in range(begin, end, C):
         w, x = w_1, x_1
         if AHEAD >= 2:
@@ -148,15 +124,10 @@ def _fp8_words(w_ptr, x_ptr, starts, row_mask, c0, end, C: tl.constexpr, EVEN_N:
                ASM: tl.constexpr):
     """(words [rows, 2 C], activations [C, 8] unconverted) of the step at chunk c0, which may lie
     past `end` (masked off: never used)."""
-    words = plane_load(w_ptr, starts, row_mask, c0, end, C, 2, EVEN_N, EVEN_K, ASM, True)
-    return words, _fp8_x(x_ptr, c0, end, C)
-
-
-@triton.jit
-def _fp8_x(x_ptr, c0, end, C: tl.constexpr):
-    """The activations [C, 8] (unconverted) of the step at chunk c0 (past `end`: zeros, never used)."""
     chunk = c0 + tl.arange(0, C)
-    return tl.load(x_ptr + (8 * chunk)[:, None] + tl.arange(0, 8)[None, :], mask=(chunk < end)[:, None], other=0.0)
+    words = plane_load(w_ptr, starts, row_mask, c0, end, C, 2, EVEN_N, EVEN_K, ASM, True)
+    x = tl.load(x_ptr + (8 * chunk)[:, None] + tl.arange(0, 8)[None, :], mask=(chunk < end)[:, None], other=0.0)
+    return words, x
 
 
 @triton.jit
@@ -189,27 +160,17 @@ def _e4m3_quad(word, ASM: tl.constexpr):
 
 @triton.jit
 def _int8_dot(v_ptr, x_ptr, starts, row_mask, K, split_chunks, flip_lo, flip_hi, C: tl.constexpr, EVEN_N: tl.constexpr,
-              EVEN_K: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = 0):
-    """sum_k W[rows, k] x[k] over this program's 16-column chunks, float32 [rows]. PDL (dependent.py):
-    the first step's words loaded before waiting on the previous kernel, then each step's words one
-    step ahead (grouped_int._rows_dot's scheme)."""
+              EVEN_K: tl.constexpr, ASM: tl.constexpr):
+    """sum_k W[rows, k] x[k] over this program's 16-column chunks, float32 [rows]."""
     total = K // 16
     begin = tl.program_id(1) * split_chunks
     end = tl.minimum(begin + split_chunks, total)
     ci = tl.arange(0, C)
     acc = tl.zeros([starts.shape[0], C], dtype=tl.float32)
-    if PDL:
-        ahead = plane_load(v_ptr, starts, row_mask, begin, end, C, 4, EVEN_N, EVEN_K, ASM, True)
-    wait_previous(PDL)  # x is the previous kernel's output
-    release_next(PDL)
     for c0 in range(begin, end, C):
         chunk = c0 + ci
         cmask = chunk < end
-        if PDL:
-            words = split_words(ahead, 4)
-            ahead = plane_load(v_ptr, starts, row_mask, c0 + C, end, C, 4, EVEN_N, EVEN_K, ASM, True)
-        else:
-            words = plane_words(v_ptr, starts, row_mask, c0, end, C, 4, EVEN_N, EVEN_K, ASM)
+        words = plane_words(v_ptr, starts, row_mask, c0, end, C, 4, EVEN_N, EVEN_K, ASM)
         uppers = upper_halves(words, 4, ASM)
         for o in tl.static_range(2):
             xs = x_octet(x_ptr, 16 * chunk + 8 * o, cmask, EVEN_K)
@@ -225,15 +186,13 @@ def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, split, flip
                    post_ptr=None, norm_ptr=None, normed_ptr=None, post_eps=0.0, eps=0.0,
                    FINISH: tl.constexpr = False, FINISH_BIAS: tl.constexpr = False, POST: tl.constexpr = False,
                    NORM: tl.constexpr = False, H_BLOCK: tl.constexpr = 1, N_PARTS: tl.constexpr = 0,
-                   PREFETCH: tl.constexpr = False, PDL: tl.constexpr = 0):
+                   PREFETCH: tl.constexpr = False):
     """Program (i, s): output rows i*BN.., the columns of split s (`split` of them: columns for
     fp8, chunks for int8; STEP per loop step). ACT >= 0: the weight is [gate; up] and the tile
     holds both rows of each output (gate row r, up row n + r), one pass over x. FINISH (with
     PARTIAL): the launch's last program also adds the partial sums into the residual and norms it
     (norm.Finish), so no residual-norm launch follows; PREFETCH: program (0, 0) first asks L2 for the
-    norm weights that program reads (bulk prefetches, sm_90), so they are not a DRAM latency at the end.
-    PDL: launched as a programmatic dependent (dependent.py): the row scales and the first step's weights
-    are loaded before waiting on the previous kernel, everything it writes after."""
+    norm weights that program reads (bulk prefetches, sm_90), so they are not a DRAM latency at the end."""
     if PREFETCH:  # noqa: SIM102  (a constexpr condition, then a run-time one)
         if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
             if NORM:
@@ -241,19 +200,15 @@ def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, split, flip
             if POST:
                 l2_prefetch(post_ptr, 4 * n)
     rows, row_mask = tile_rows(tl.program_id(0), n, BN, ACT >= 0)
-    if PDL:
-        scale = tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
     if FP8 and AHEAD:  # v_ptr: int32 words; split and STEP in chunks of 8 columns
         starts = tile_starts(tl.program_id(0), n, K // 8, BN, ACT >= 0, ASM)
-        total = _fp8_ahead_dot(v_ptr, x_ptr, starts, row_mask, K, split, STEP, EVEN_N, EVEN_K, ASM, AHEAD, PDL)
+        total = _fp8_ahead_dot(v_ptr, x_ptr, starts, row_mask, K, split, STEP, EVEN_N, EVEN_K, ASM, AHEAD)
     elif FP8:
-        total = _fp8_dot(v_ptr, x_ptr, rows, row_mask, K, split, STEP, EVEN_N, EVEN_K, STAGES, PDL)
+        total = _fp8_dot(v_ptr, x_ptr, rows, row_mask, K, split, STEP, EVEN_N, EVEN_K, STAGES)
     else:
         starts = tile_starts(tl.program_id(0), n, K // 16, BN, ACT >= 0, ASM)
-        total = _int8_dot(v_ptr, x_ptr, starts, row_mask, K, split, flip_lo, flip_hi, STEP, EVEN_N, EVEN_K, ASM, PDL)
-    if not PDL:
-        scale = tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
-    total *= scale
+        total = _int8_dot(v_ptr, x_ptr, starts, row_mask, K, split, flip_lo, flip_hi, STEP, EVEN_N, EVEN_K, ASM)
+    total *= tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
     store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL)
     if FINISH:  # noqa: SIM102  (a constexpr condition, then a run-time one)
         if last_program(counter_ptr):
@@ -359,15 +314,14 @@ class Rowwise8Linear(KernelLinear):
             config, launch = chunk_prefix(config, self.in_features, cols, 16)
             split, step, even, asm = launch.split_chunks, launch.chunks, launch.even, launch.asm
             values = self.words
-        pdl = dependent.level()
         _matvec_kernel[(programs, config.split)](
             values, self.scales, self.bias if self.bias is not None else x, x, out, n, self.in_features, split,
             MAGIC_BITS | 0x80,
             MAGIC_BITS | 0x8000,
             FP8=self.fp8, BN=config.block_n, STEP=step, EVEN_N=n % config.block_n == 0, EVEN_K=even, ASM=asm,
             ACT=act, HAS_BIAS=self.bias is not None, PARTIAL=partial, AHEAD=config.ahead if self.fp8 else 0,
-            STAGES=config.stages if self.fp8 else 0, num_warps=config.num_warps, PDL=pdl,
-            **(finish.launch_args(config.split, n) if finish is not None else {}), **dependent.launch_args(pdl))
+            STAGES=config.stages if self.fp8 else 0, num_warps=config.num_warps,
+            **(finish.launch_args(config.split, n) if finish is not None else {}))
         return config.split
 
     def _matmul(self, x, rows=None, cols=None, halves=1):
