@@ -86,9 +86,12 @@ class BenchResult:
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 2**31) -> float:
-    """Bytes per second of a device-to-device copy (read + write), median of 20 copies."""
-    free = torch.cuda.mem_get_info(device)[0]
-    nbytes = max(2**26, min(nbytes, free // 3)) // 4 * 4
+    """Bytes per second of a device-to-device copy (read + write), median of 20 copies, of up to
+    `nbytes`: a third of what may be allocated (under a --vram cap, of what the cap leaves), at least
+    64 MiB, past the L2 cache."""
+    from .memory import allocatable
+
+    nbytes = max(2**26, min(nbytes, allocatable(device) // 3)) // 4 * 4
     src = torch.empty(nbytes // 4, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
     dst.copy_(src)

@@ -20,6 +20,8 @@ from .errors import RunError
 _UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 # Allocator slack, CUDA graph pools, Triton and cuBLAS scratch.
 _OVERHEAD = 256 * 2**20
+# The --vram cap set on each device (check), in bytes.
+_CAPS: dict[int, int] = {}
 
 
 class VramBudgetError(RunError, RuntimeError):
@@ -82,4 +84,22 @@ def check(artifact, context: int, budget: int, device: torch.device) -> None:
             f"the model needs {human(sum(need.values()))} on the GPU (weights {human(need['weights'])} + KV cache "
             f"{human(need['kv'])} for {context} tokens + workspace {human(need['workspace'])}), more than "
             f"--vram {human(budget)}")
-    torch.cuda.set_per_process_memory_fraction(budget / total, device)
+    index = device_index(device)
+    torch.cuda.set_per_process_memory_fraction(budget / total, index)
+    _CAPS[index] = budget
+
+
+def device_index(device) -> int:
+    """The CUDA device number of `device` ("cuda" alone: the current device), as torch's memory
+    functions want it."""
+    device = torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+def allocatable(device) -> int:
+    """Bytes a new allocation on `device` may take now: the card's free memory, and under a --vram cap
+    (check) no more than the cap leaves over what the runtime has allocated."""
+    index = device_index(device)
+    free = torch.cuda.mem_get_info(index)[0]
+    cap = _CAPS.get(index)
+    return free if cap is None else max(0, min(free, cap - torch.cuda.memory_allocated(index)))

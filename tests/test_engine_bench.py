@@ -70,3 +70,40 @@ def test_bench_without_a_gpu_is_one_line(artifact):
     help_text = _exec("bench", "--help").stdout
     for option in ("--prompt-len", "--gen", "--runs", "--json", "--vram", "--profile"):
         assert option in help_text
+
+
+def test_vram_cap_is_set_on_the_device_number_and_bounds_the_bandwidth_copy(artifact, monkeypatch):
+    """--vram with a bare "cuda" device: torch's fraction call wants a device number (a bare
+    torch.device("cuda") raised ValueError on the H200), and the bench's bandwidth copy must fit in
+    what the cap leaves (it asked for 2 GiB of the card's free memory and ran out under --vram 8G)."""
+    import torch
+
+    from thin.artifacts import open_artifact
+    from thin.runtime import bench, memory
+
+    calls, total, allocated = [], 80 * 2**30, {"bytes": 7 * 2**30}
+    props = type("Props", (), {"total_memory": total})
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, d: calls.append((f, d)))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda d: (total - allocated["bytes"], total))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda d: allocated["bytes"])
+    monkeypatch.setattr(memory, "_CAPS", {})
+    memory.check(open_artifact(artifact), 64, 8 * 2**30, torch.device("cuda"))
+    assert calls == [(8 * 2**30 / total, 1)]
+    assert memory.allocatable(torch.device("cuda")) == 2**30  # the cap's 8 GiB less 7 allocated
+    assert memory.allocatable(torch.device("cuda:0")) == total - 7 * 2**30  # no cap on device 0
+    allocated["bytes"] = 9 * 2**30  # past the cap: nothing left, not a negative size
+    assert memory.allocatable("cuda:1") == 0
+
+    sizes = []
+
+    def empty(n, dtype, device):
+        sizes.append(n * 4)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(torch, "empty", empty)
+    allocated["bytes"] = 7 * 2**30
+    with pytest.raises(RuntimeError, match="stop here"):
+        bench.copy_bandwidth(torch.device("cuda"))
+    assert sizes == [2**30 // 3 // 4 * 4]
