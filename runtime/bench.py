@@ -11,7 +11,6 @@ tokens with and without the CUDA graph must be the same.
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -20,6 +19,7 @@ import torch
 
 from .errors import RunError
 from .sampling import GenerationOptions
+from .step_profile import ProfileError, StepProfile, prepare, profile_step, render
 
 
 class BenchCheckError(RunError, RuntimeError):
@@ -52,7 +52,12 @@ class BenchResult:
     expert_transfer_bytes_per_token: float | None = None
     expert_slots: int = 0
     checks: dict[str, str] = field(default_factory=dict)
-    kernels: list[dict] = field(default_factory=list)  # --profile: time per decode step by kernel
+    # --profile (runtime/step_profile.py): the CUDA graph's replays by kernel name and by section, the
+    # whole replay (step_profile), or the one-line reason the profiler gave nothing (profile_error).
+    kernels: list[dict] = field(default_factory=list)
+    sections: list[dict] = field(default_factory=list)
+    step_profile: dict | None = None
+    profile_error: str | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -77,11 +82,10 @@ class BenchResult:
                             f"memory ({self.expert_transfer_bytes_per_token / gb:.4f} GB), {self.expert_slots} GPU "
                             "slots; decoded by the torch executor")
         lines += [f"check          {name}: {result}" for name, result in self.checks.items()]
-        if self.kernels:
-            lines.append("decode step by kernel (eager, one step):")
-            lines.append(f"  {'kernel':<22} {'calls':>5} {'us/step':>9} {'share':>6}")
-            for k in self.kernels:
-                lines.append(f"  {k['kernel']:<22} {k['calls']:>5} {k['us']:>9.1f} {100 * k['share']:>5.1f}%")
+        if self.profile_error:
+            lines.append(f"profile        {self.profile_error}")
+        if self.step_profile:
+            lines += render(StepProfile(**self.step_profile, kernels=self.kernels, sections=self.sections))
         return "\n".join(lines)
 
 
@@ -164,6 +168,10 @@ def run(model, *, prompt_len: int = 512, new_tokens: int = 128, runs: int = 5, p
         raise BenchCheckError("bench needs the CUDA decode engine (a CUDA device, Triton, and a model it runs)")
     if new_tokens < 2:
         raise ValueError("bench needs --gen of at least 2 tokens")
+    if profile and not engine.use_graphs:
+        raise BenchCheckError("--profile breaks down the captured decode step's replays: drop --no-graph")
+    if profile:
+        prepare()  # before the step is captured
     device = engine.device
     prompt = torch.randint(0, model.ir.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(seed))
     options = GenerationOptions(max_new_tokens=new_tokens, stop_token_ids=())
@@ -205,24 +213,31 @@ def run(model, *, prompt_len: int = 512, new_tokens: int = 128, runs: int = 5, p
             raise BenchCheckError(f"greedy tokens with and without the CUDA graph differ from token {bad}")
         checks["greedy tokens with CUDA graph == without"] = "ok"
     peak = torch.cuda.max_memory_allocated(device)
-    kernels = profile_step(engine, cache, sampler) if profile else []
-    bandwidth = copy_bandwidth(device)
     steps = new_tokens - 1
     rates = sorted(steps / d for d in decode_times)
+    median = statistics.median(rates)
+    found: dict = {}
+    if profile:
+        try:  # as many replays as the runs reserved positions for, from just after the prompt
+            p = profile_step(engine, cache, sampler, replays=min(20, steps), step_us=1e6 / median)
+            found = {"kernels": p.kernels, "sections": p.sections,
+                     "step_profile": {k: v for k, v in p.to_dict().items() if k not in ("kernels", "sections")}}
+        except ProfileError as e:
+            found = {"profile_error": str(e)}
+    bandwidth = copy_bandwidth(device)
     weight_bytes = bytes_per_token(model.artifact, model.ffn_level)
     counts: dict[str, int] = {}
     for t in model.ir.tensors:
         counts[t.encoding.format] = counts.get(t.encoding.format, 0) + 1
     roofline = bandwidth / weight_bytes
-    median = statistics.median(rates)
     return BenchResult(
         model=str(model.artifact.path.name), device=torch.cuda.get_device_name(device), formats=counts,
         prompt_tokens=prompt_len, new_tokens=new_tokens, runs=runs,
         prefill_tokens_per_second=prompt_len / statistics.median(prefill_times), decode_tokens_per_second=median,
         decode_min=rates[0], decode_max=rates[-1], bytes_per_token=weight_bytes, bandwidth_bytes_per_second=bandwidth,
         roofline_tokens_per_second=roofline, roofline_fraction=median / roofline, peak_vram_bytes=peak,
-        graph=engine.use_graphs, ffn_keep=model.ffn_keep, checks=checks, kernels=kernels,
-        expert_bytes_per_token=expert_bytes_per_token(model.artifact))
+        graph=engine.use_graphs, ffn_keep=model.ffn_keep, checks=checks,
+        expert_bytes_per_token=expert_bytes_per_token(model.artifact), **found)
 
 
 def run_streamed(model, *, prompt_len: int = 512, new_tokens: int = 128, runs: int = 5, seed: int = 0) -> BenchResult:
@@ -269,48 +284,3 @@ def run_streamed(model, *, prompt_len: int = 512, new_tokens: int = 128, runs: i
         expert_transfers_per_token=sum(s.expert_transfers for s, _ in results) / steps,
         expert_transfer_bytes_per_token=sum(s.expert_transfer_bytes for s, _ in results) / steps,
         expert_slots=executor.expert_cache.slots)
-
-
-def profile_step(engine, cache, sampler, steps: int = 3) -> list[dict]:
-    """GPU time of one eager decode step by section (qkv, attention, ...), from torch.profiler's
-    GPU-side ranges of the engine's marked sections, over `steps` steps."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    # Decode right after the prompt again (cache.length is the prompt: decode steps move only the
-    # device position), within the positions the runs reserved.
-    cache.reserve(cache.length + steps + 1)
-    engine.pos.fill_(cache.length)
-    engine.step.fill_(1)
-    engine.decode_one_token(cache, sampler)  # warm
-    torch.cuda.synchronize(engine.device)
-    names: set[str] = set()
-
-    def mark(name):
-        names.add(name)
-        return record_function(name)
-
-    engine._mark = mark
-    try:
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for _ in range(steps):
-                engine.decode_one_token(cache, sampler)
-            torch.cuda.synchronize(engine.device)
-    finally:
-        engine._mark = lambda name: contextlib.nullcontext()
-    rows = {}
-    for event in prof.key_averages():
-        if event.key not in names:
-            continue
-        gpu_side = getattr(event, "device_type", None) == DeviceType.CUDA
-        us = getattr(event, "device_time_total", None)
-        if us is None:
-            us = getattr(event, "cuda_time_total", 0)
-        # Prefer the GPU-side range (first kernel's start to last one's end) when the profiler
-        # records one; else the kernels it attributes to the CPU-side range.
-        if gpu_side or event.key not in rows:
-            rows[event.key] = {"kernel": event.key, "calls": event.count // steps, "us": us / steps}
-    total = sum(r["us"] for r in rows.values()) or 1.0
-    for r in rows.values():
-        r["share"] = r["us"] / total
-    return sorted(rows.values(), key=lambda r: -r["us"])

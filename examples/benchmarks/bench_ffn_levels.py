@@ -14,8 +14,9 @@
    graph per level);
 4. prints one markdown table: per level the weight bytes a token reads, decode tok/s, the speed-up
    over keep 1.0 of the same artifact and the share of the bandwidth roofline; with --profile a second
-   one: per level the GPU time of an eager step's gate/up and down launches (torch.profiler, summed over
-   the layers) and the launch configuration the first layer's gate/up and down run with at that level
+   one: per level the whole captured step's replay and the device time of its gate/up and down
+   sections (bench --profile, runtime/step_profile.py: summed over the layers, with the idle gaps
+   before their launches) and the launch configuration the first layer's gate/up and down run with at that level
    (each level's prefix has its own, KernelLinear.config). JSON and logs go to --out (compile-*.log ends
    with the seconds each compile stage started at).
 Steps whose outputs exist are skipped, so `--compile-only` and then the same command without it split
@@ -139,7 +140,8 @@ def main() -> None:
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--compile-only", action="store_true", help="stop after the checkpoint and the compiles")
-    ap.add_argument("--profile", action="store_true", help="also time each level's FFN launches (eager step)")
+    ap.add_argument("--profile", action="store_true",
+                    help="also break down each level's captured decode step (bench --profile)")
     ap.add_argument("--compile-one", nargs=4, metavar=("SRC", "DST", "QUANT", "LEVELS"), help=argparse.SUPPRESS)
     ap.add_argument("--bench-levels", nargs=2, metavar=("PATH", "KEEPS"), help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -221,15 +223,21 @@ def print_table(name: str, args, results: dict) -> None:
                   f"{100 * r['roofline_fraction']:.1f}% |")
     if not args.profile:
         return
-    print("\n| artifact | FFN keep | gate/up + act, us/step | down, us/step | gate/up config | down config |")
-    print("| --- | ---: | ---: | ---: | --- | --- |")
+    print("\n| artifact | FFN keep | replay us (gaps) | gate/up + act us/step (gaps) | down us/step (gaps) | "
+          "gate/up config | down config |")
+    print("| --- | ---: | ---: | ---: | ---: | --- | --- |")
+    nan = {"us": float("nan"), "gap_us": float("nan")}
     for label, runs in results.items():
         for r in runs:
-            us = {k["kernel"]: k["us"] for k in r.get("kernels", [])}
+            sections = {s["section"]: s for s in r.get("sections", [])}
+            step = r.get("step_profile") or {"wall_us": float("nan"), "gap_us": float("nan")}
+            gate_up, down = sections.get("gate/up + act", nan), sections.get("down", nan)
             configs = r.get("configs", {})
-            print(f"| {label} | {r['ffn_keep']:g} | {us.get('gate/up + act', float('nan')):.1f} | "
-                  f"{us.get('down', float('nan')):.1f} | {_config(configs.get('gate_up'))} | "
-                  f"{_config(configs.get('down'))} |")
+            print(f"| {label} | {r['ffn_keep']:g} | {step['wall_us']:.1f} ({step['gap_us']:.1f}) | "
+                  f"{gate_up['us']:.1f} ({gate_up['gap_us']:.1f}) | {down['us']:.1f} ({down['gap_us']:.1f}) | "
+                  f"{_config(configs.get('gate_up'))} | {_config(configs.get('down'))} |")
+            if r.get("profile_error"):
+                print(f"| {label} | {r['ffn_keep']:g} | no profile: {r['profile_error']} | | | | |")
 
 
 def _config(c: dict | None) -> str:

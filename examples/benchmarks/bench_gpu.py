@@ -12,7 +12,9 @@
    thin.compiler.compile_model with
    the formats' reference encoder running on the GPU: the same bytes as on the CPU (the formats'
    own CPU/CUDA test checks that), in seconds instead of minutes;
-3. runs `thin-exec bench --json` on each artifact, one process at a time;
+3. runs `thin-exec bench --json` on each artifact, one process at a time; for the formats in --profile
+   with `--profile`: the captured decode step's replays by section and by kernel (device time and the
+   idle gap before each launch, runtime/step_profile.py), printed as tables before the main one;
 4. runs transformers on the same checkpoint (bf16, static cache; `compile` adds torch.compile);
 5. prints one markdown table last. Logs and JSON go to --out.
 """
@@ -111,7 +113,8 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=512)
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--runs", type=int, default=5)
-    ap.add_argument("--profile", default="bf16,int4", help="formats whose decode step is broken down by kernel")
+    ap.add_argument("--profile", default="bf16,int4",
+                    help="formats whose captured decode step is broken down by kernel and section (bench --profile)")
     ap.add_argument("--parallel", type=int, default=3, help="compiles at once")
     ap.add_argument("--deadline", type=float, default=540, help="seconds; optional stages are skipped after it")
     ap.add_argument("--cleanup", action="store_true", help="delete each artifact once benchmarked")
@@ -216,11 +219,7 @@ def print_table(name, results, baselines, args) -> None:
     base = baselines.get("static", {}).get("decode_tokens_per_second")
     compiled = baselines.get("compile", {}).get("decode_tokens_per_second")
     for fmt, r in results.items():
-        if r.get("kernels"):
-            print(f"\n{fmt}: one eager decode step by kernel (GPU time)")
-            print("| kernel | calls | us/step | share |\n| --- | ---: | ---: | ---: |")
-            for k in r["kernels"]:
-                print(f"| {k['kernel']} | {k['calls']} | {k['us']:.1f} | {100 * k['share']:.1f}% |")
+        print_profile(fmt, r)
     bw = next((r["bandwidth_bytes_per_second"] for r in results.values() if "bandwidth_bytes_per_second" in r), 0)
     print(f"\n{name}, {args.prompt_len}-token prompt, {args.gen} new tokens, median of {args.runs}; "
           f"copy bandwidth {bw / 1e9:.0f} GB/s")
@@ -251,6 +250,27 @@ def print_table(name, results, baselines, args) -> None:
               f"{100 * rate / roof if roof else float('nan'):.1f}% | {rate / base if base else float('nan'):.2f}x | "
               f"{rate / compiled if compiled else float('nan'):.2f}x | {b['prefill_tokens_per_second']:.0f} | "
               f"{b['peak_vram_bytes'] / 2**30:.1f} GiB |")
+
+
+def print_profile(fmt: str, r: dict) -> None:
+    """bench --profile's breakdown of the captured decode step (runtime/step_profile.py) as markdown."""
+    if r.get("profile_error"):
+        print(f"\n{fmt}: no profile: {r['profile_error']}")
+    p = r.get("step_profile")
+    if not p:
+        return
+    print(f"\n{fmt}: the CUDA graph's decode step, {p['replays']} replays under torch.profiler: "
+          f"{p['wall_us']:.1f} us first start to last end = {p['busy_us']:.1f} us busy + {p['gap_us']:.1f} us idle "
+          f"gaps, {p['between_us'] or 0:.1f} us between replays; measured step {p['step_us'] or 0:.1f} us"
+          + ("" if p["attribution"] == "position" else f" (sections by {p['attribution']})"))
+    print("| section | calls | us/step | gap us/step | share |\n| --- | ---: | ---: | ---: | ---: |")
+    for k in r["sections"]:
+        print(f"| {k['section']} | {k['calls']:g} | {k['us']:.1f} | {k['gap_us']:.1f} | {100 * k['share']:.1f}% |")
+    print("| kernel | sections | calls | us/step | us/call | gap us/step | share |\n"
+          "| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for k in r["kernels"]:
+        print(f"| {k['kernel']} | {', '.join(k['sections'])} | {k['calls']:g} | {k['us']:.1f} | {k['mean_us']:.2f} | "
+              f"{k['gap_us']:.1f} | {100 * k['share']:.1f}% |")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,236 @@
+"""Where a captured decode step's time goes: each kernel's time inside the CUDA graph's replays and
+the idle gap before it, by kernel name and by section (qkv, attention, ...).
+
+`thin-exec bench --profile` replays the captured step under torch.profiler (CUPTI reports every
+kernel of a graph launch with device timestamps, all carrying the launch's correlation id) and
+profiles one eager step with the engine's sections marked, which says which section launched each
+kernel: the graph holds the same launches in the same order, so the eager step's sections map onto
+the replays by position (by kernel name where the two orders differ). Everything here but
+`profile_step` is pure, so it is tested on synthetic events.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+
+
+class ProfileError(RuntimeError):
+    """The profiler recorded nothing usable (no kernels of the graph replays)."""
+
+
+@dataclass(frozen=True)
+class DeviceOp:
+    """A kernel, copy or fill the device ran; `launch` is the correlation id of the host call that
+    launched it (every kernel of one graph launch carries the graph launch's)."""
+    name: str
+    start_ns: int
+    end_ns: int
+    launch: int
+
+
+@dataclass(frozen=True)
+class HostRange:
+    """A host-side event: a marked section, or a launch call (correlation id `id`)."""
+    name: str
+    start_ns: int
+    end_ns: int
+    id: int = 0
+
+
+def split_replays(ops: list[DeviceOp], graph_launches: set[int] | None = None) -> list[list[DeviceOp]]:
+    """The device ops of each graph replay, replays in time order, each by start time. A replay is the
+    ops sharing a correlation id in `graph_launches` (the host's graph-launch calls); without those,
+    every id that more than one op shares (a kernel launch or copy has one op to its id)."""
+    groups: dict[int, list[DeviceOp]] = defaultdict(list)
+    for op in ops:
+        groups[op.launch].append(op)
+    keep = [g for launch, g in groups.items()
+            if (launch in graph_launches if graph_launches else len(g) > 1)]
+    replays = [sorted(g, key=lambda op: (op.start_ns, op.end_ns)) for g in keep]
+    return sorted(replays, key=lambda r: r[0].start_ns)
+
+
+def eager_sections(ops: list[DeviceOp], launches: list[HostRange], sections: list[HostRange]) -> list[tuple[str, str]]:
+    """(kernel name, section) of each op of an eager step, in device order: the section is the
+    innermost marked host range around the call that launched the op ("?" where none is, or the
+    launch call was not recorded)."""
+    launched_at = {call.id: call.start_ns for call in launches}
+    out = []
+    for op in sorted(ops, key=lambda op: (op.start_ns, op.end_ns)):
+        at = launched_at.get(op.launch)
+        around = [s for s in sections if at is not None and s.start_ns <= at <= s.end_ns]
+        out.append((op.name, max(around, key=lambda s: s.start_ns).name if around else "?"))
+    return out
+
+
+@dataclass
+class StepProfile:
+    replays: int
+    launches: float  # device ops per step
+    wall_us: float  # first op's start to the last one's end, mean over the replays
+    busy_us: float  # time some op runs (wall = busy + gap)
+    gap_us: float  # time no op runs, between the first op and the last
+    kernel_us: float  # the ops' durations summed (above busy where ops overlap: a dependent launch waiting)
+    between_us: float | None  # from one replay's last op to the next replay's first
+    step_us: float | None  # the measured decode step (1 / decode tok/s)
+    attribution: str  # how ops got sections: "position", "name" or "none"
+    kernels: list[dict] = field(default_factory=list)
+    sections: list[dict] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def summarize(replays: list[list[DeviceOp]], eager: list[tuple[str, str]] | None = None,
+              step_us: float | None = None) -> StepProfile:
+    """Per kernel name and per section: launches, device time and the gap before each launch, per step
+    (means over `replays`); `eager` is eager_sections' list of one step (None: sections unknown)."""
+    if not replays:
+        raise ProfileError("the profiler recorded no kernels of the CUDA graph's replays")
+    by_name: dict[str, set[str]] = defaultdict(set)
+    for name, section in eager or []:
+        by_name[name].add(section)
+    kernels: dict[str, dict] = {}
+    sections: dict[str, dict] = {}
+    totals = defaultdict(float)
+    used = set()
+    for replay in replays:
+        names = [op.name for op in replay]
+        if eager is not None and names == [name for name, _ in eager]:
+            labels, how = [section for _, section in eager], "position"
+        elif eager is not None:
+            labels, how = ["/".join(sorted(by_name[n])) or "?" for n in names], "name"
+        else:
+            labels, how = ["?"] * len(names), "none"
+        used.add(how)
+        reach = replay[0].start_ns
+        for i, (op, section) in enumerate(zip(replay, labels)):
+            gap = max(0, op.start_ns - reach) if i else 0
+            busy = max(0, op.end_ns - max(op.start_ns, reach))
+            reach = max(reach, op.end_ns)
+            for table, key in ((kernels, op.name), (sections, section)):
+                row = table.setdefault(key, {"calls": 0, "ns": 0, "gap_ns": 0, "sections": set()})
+                row["calls"] += 1
+                row["ns"] += op.end_ns - op.start_ns
+                row["gap_ns"] += gap
+                row["sections"].add(section)
+            totals["busy"] += busy
+            totals["gap"] += gap
+            totals["kernel"] += op.end_ns - op.start_ns
+        totals["wall"] += reach - replay[0].start_ns
+    n = len(replays)
+    wall = totals["wall"] / n / 1e3
+    between = [b[0].start_ns - max(op.end_ns for op in a) for a, b in zip(replays, replays[1:])]
+
+    def rows(table: dict, label: str) -> list[dict]:
+        out = []
+        for key, row in table.items():
+            entry = {label: key, "calls": row["calls"] / n, "us": row["ns"] / n / 1e3,
+                     "mean_us": row["ns"] / row["calls"] / 1e3, "gap_us": row["gap_ns"] / n / 1e3,
+                     "share": row["ns"] / n / 1e3 / wall if wall else 0.0}
+            if label == "kernel":
+                entry["sections"] = sorted(row["sections"])
+            out.append(entry)
+        return sorted(out, key=lambda r: -(r["us"] + r["gap_us"]))
+
+    return StepProfile(
+        replays=n, launches=sum(map(len, replays)) / n, wall_us=wall, busy_us=totals["busy"] / n / 1e3,
+        gap_us=totals["gap"] / n / 1e3, kernel_us=totals["kernel"] / n / 1e3,
+        between_us=statistics.median(between) / 1e3 if between else None, step_us=step_us,
+        attribution=min(used, key=["none", "name", "position"].index),
+        kernels=rows(kernels, "kernel"), sections=rows(sections, "section"))
+
+
+def render(p: StepProfile) -> list[str]:
+    """The profile as text lines (thin-exec bench's table)."""
+    lines = [f"decode step, CUDA graph replayed x{p.replays} under torch.profiler (device timestamps, means per step):",
+             f"  replay {p.wall_us:.1f} us first start to last end = {p.busy_us:.1f} us busy + {p.gap_us:.1f} us idle "
+             f"gaps; {p.launches:g} launches, their durations sum to {p.kernel_us:.1f} us"]
+    if p.between_us is not None:
+        lines.append(f"  {p.between_us:.1f} us from one replay's last end to the next one's first start")
+    if p.step_us is not None:
+        lines.append(f"  measured step {p.step_us:.1f} us (1 / decode tok/s)")
+    if p.attribution != "position":
+        lines.append("  sections " + ("unknown (no eager step)" if p.attribution == "none" else
+                                      "by kernel name: the eager step's launches differ from the graph's"))
+    lines.append(f"  {'section':<26} {'calls':>6} {'us/step':>9} {'gap us':>8} {'share':>6}")
+    for r in p.sections:
+        lines.append(f"  {r['section'][:26]:<26} {r['calls']:>6g} {r['us']:>9.1f} {r['gap_us']:>8.1f} "
+                     f"{100 * r['share']:>5.1f}%")
+    lines.append(f"  {'kernel':<40} {'calls':>6} {'us/step':>9} {'us/call':>8} {'gap us':>8} {'share':>6}  sections")
+    for r in p.kernels:
+        lines.append(f"  {r['kernel'][:40]:<40} {r['calls']:>6g} {r['us']:>9.1f} {r['mean_us']:>8.2f} "
+                     f"{r['gap_us']:>8.1f} {100 * r['share']:>5.1f}%  {', '.join(r['sections'])}")
+    return lines
+
+
+def prepare() -> None:
+    """Start CUPTI before any graph is captured: a graph captured before the profiler's first use may
+    replay without kernel records (torch's own workaround, torch.profiler._utils._init_for_cuda_graphs)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+        pass
+
+
+def profile_step(engine, cache, sampler, replays: int = 20, step_us: float | None = None) -> StepProfile:
+    """Profile `replays` replays of the decode step `engine` captured against `cache` for `sampler`
+    (decode_n_tokens, as bench runs it) and one eager step with its sections marked; both decode right
+    after the prompt again, so `cache` must hold positions for `replays` more tokens."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    if not engine.use_graphs:
+        raise ProfileError("--profile breaks down the CUDA graph's replays; this engine decodes without one")
+    activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+    marked: set[str] = set()
+
+    def mark(name: str):
+        marked.add(name)
+        return record_function(name)
+
+    def restart() -> None:  # decode steps move only the device position: back to just after the prompt
+        engine.pos.fill_(cache.length)
+        engine.step.fill_(1)
+
+    restart()
+    unmarked, engine._mark = engine._mark, mark
+    try:
+        with profile(activities=activities) as prof:
+            engine.decode_one_token(cache, sampler)
+            torch.cuda.synchronize(engine.device)
+    finally:
+        engine._mark = unmarked
+    ops, calls, ranges = _events(prof, marked)
+    eager = eager_sections(ops, calls, ranges)
+    restart()
+    with profile(activities=activities) as prof:
+        for _ in engine.decode_n_tokens(cache, replays, sampler, graph=True):
+            pass
+        torch.cuda.synchronize(engine.device)
+    ops, calls, _ = _events(prof, set())
+    graph_launches = {call.id for call in calls if "GraphLaunch" in call.name}
+    found = split_replays(ops, graph_launches)
+    if not found:
+        raise ProfileError(f"torch.profiler recorded {len(ops)} device ops and {len(graph_launches)} graph launches "
+                           "but no kernel of a graph replay (no CUPTI?)")
+    return summarize(found, eager or None, step_us)
+
+
+def _events(prof, marked: set[str]) -> tuple[list[DeviceOp], list[HostRange], list[HostRange]]:
+    """torch.profiler's events as (device ops, host launch calls, host ranges of the `marked` sections)."""
+    from torch.autograd import DeviceType
+
+    ops, calls, ranges = [], [], []
+    for e in prof.events():
+        start, end = round(e.time_range.start * 1e3), round(e.time_range.end * 1e3)  # us -> ns
+        if e.device_type == DeviceType.CUDA:
+            if e.name not in marked:  # not a section's device-side span
+                ops.append(DeviceOp(e.name, start, end, e.id))
+        elif e.name in marked:
+            ranges.append(HostRange(e.name, start, end))
+        elif e.name.startswith("cu"):  # runtime and driver calls: cudaLaunchKernel, cuLaunchKernelEx, cudaGraphLaunch
+            calls.append(HostRange(e.name, start, end, e.id))
+    return ops, calls, ranges

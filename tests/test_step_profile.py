@@ -1,0 +1,126 @@
+"""bench --profile's arithmetic on synthetic profiler events: replays split by graph launch, sections from
+the eager step, durations and the idle gaps before each launch, per kernel name and per section."""
+
+import json
+
+import pytest
+
+from thin.runtime.bench import BenchResult
+from thin.runtime.step_profile import (
+    DeviceOp,
+    HostRange,
+    ProfileError,
+    StepProfile,
+    eager_sections,
+    render,
+    split_replays,
+    summarize,
+)
+
+# One step: matvec (qkv) 0-10, attention 12-20, matvec (o) 25-30 (ns offsets, x1000 below = us).
+STEP = [("matvec", 0, 10), ("attention", 12, 20), ("matvec", 25, 30)]
+EAGER = [("matvec", "qkv"), ("attention", "attention"), ("matvec", "o")]
+
+
+def replay(launch: int, at: int, step=STEP, stretch: int = 1) -> list[DeviceOp]:
+    return [DeviceOp(name, (at + stretch * s) * 1000, (at + stretch * e) * 1000, launch) for name, s, e in step]
+
+
+def test_replays_are_the_ops_of_each_graph_launch_in_time_order():
+    first, second = replay(7, 0), replay(9, 100)
+    copy = DeviceOp("Memcpy DtoH (Device -> Pinned)", 40_000, 41_000, 8)  # the token read back: its own launch
+    fill = DeviceOp("fill", 99_000, 99_500, 3)
+    ops = [*second[::-1], copy, fill, *first[::-1]]
+    assert split_replays(ops, {9, 7}) == [first, second]
+    # Without the host's launch calls: every id shared by more than one op.
+    assert split_replays(ops) == [first, second]
+    assert split_replays([copy, fill], set()) == []
+
+
+def test_eager_ops_take_the_innermost_section_around_their_launch_call():
+    ops = [DeviceOp("matvec", 5000, 6000, 11), DeviceOp("attention", 7000, 8000, 12),
+           DeviceOp("copy", 9000, 9500, 13), DeviceOp("orphan", 9600, 9700, 14)]
+    calls = [HostRange("cuLaunchKernelEx", 100, 110, 11), HostRange("cuLaunchKernelEx", 300, 310, 12),
+             HostRange("cudaMemcpyAsync", 350, 360, 13)]
+    sections = [HostRange("qkv", 50, 200), HostRange("attention", 250, 400), HostRange("inner", 340, 380)]
+    assert eager_sections(ops[::-1], calls, sections) == [
+        ("matvec", "qkv"), ("attention", "attention"), ("copy", "inner"), ("orphan", "?")]
+
+
+def test_durations_and_gaps_per_kernel_and_section():
+    # Two replays, the second twice as slow; gaps before attention 2 (4) and before the o matvec 5 (10).
+    p = summarize([replay(1, 0), replay(2, 1000, stretch=2)], EAGER, step_us=50.0)
+    assert p.replays == 2 and p.attribution == "position" and p.launches == 3
+    assert p.wall_us == pytest.approx((30 + 60) / 2)
+    assert p.gap_us == pytest.approx((7 + 14) / 2)
+    assert p.busy_us == p.kernel_us == pytest.approx((23 + 46) / 2)
+    assert p.wall_us == pytest.approx(p.busy_us + p.gap_us)
+    assert p.between_us == pytest.approx(1000 - 30)
+    kernels = {r["kernel"]: r for r in p.kernels}
+    assert kernels["matvec"]["calls"] == 2 and kernels["matvec"]["sections"] == ["o", "qkv"]
+    assert kernels["matvec"]["us"] == pytest.approx((15 + 30) / 2)
+    assert kernels["matvec"]["mean_us"] == pytest.approx(45 / 4)
+    assert kernels["matvec"]["gap_us"] == pytest.approx((5 + 10) / 2)
+    assert kernels["attention"]["gap_us"] == pytest.approx(3)
+    sections = {r["section"]: r for r in p.sections}
+    assert sections["qkv"]["us"] == pytest.approx(15) and sections["qkv"]["gap_us"] == 0
+    assert sections["o"]["us"] == pytest.approx(7.5) and sections["o"]["gap_us"] == pytest.approx(7.5)
+    assert sum(r["us"] + r["gap_us"] for r in p.sections) == pytest.approx(p.wall_us)
+    assert sum(r["share"] for r in p.kernels) == pytest.approx(p.kernel_us / p.wall_us)
+
+
+def test_overlapping_launches_have_no_gap_and_count_busy_time_once():
+    # A dependent launch starting before the previous kernel ends (PDL): its wait is in its duration.
+    step = [("a", 0, 10), ("b", 5, 15), ("c", 14, 16), ("d", 20, 21)]
+    p = summarize([replay(1, 0, step)], None)
+    assert p.wall_us == pytest.approx(21) and p.busy_us == pytest.approx(17) and p.gap_us == pytest.approx(4)
+    assert p.kernel_us == pytest.approx(23)
+    assert {r["kernel"]: r["gap_us"] for r in p.kernels} == pytest.approx({"a": 0, "b": 0, "c": 0, "d": 4})
+    assert p.attribution == "none" and p.between_us is None and {r["section"] for r in p.sections} == {"?"}
+
+
+def test_sections_by_name_where_the_eager_step_launched_differently():
+    p = summarize([replay(1, 0)], [*EAGER, ("memset", "sample")])
+    assert p.attribution == "name"
+    assert {r["section"] for r in p.sections} == {"o/qkv", "attention"}
+    assert {r["section"] for r in summarize([replay(1, 0)], EAGER[:2]).sections} == {"qkv", "attention"}
+
+
+def test_nothing_recorded_is_an_error_not_an_empty_table():
+    with pytest.raises(ProfileError, match="no kernels"):
+        summarize([], EAGER)
+
+
+def test_bench_result_carries_the_profile_through_json_and_its_table():
+    p = summarize([replay(1, 0), replay(2, 100)], EAGER, step_us=120.0)
+    summary = {k: v for k, v in p.to_dict().items() if k not in ("kernels", "sections")}
+    result = BenchResult(model="m.thin", device="H200", formats={"int4": 3}, prompt_tokens=8, new_tokens=4, runs=1,
+                         prefill_tokens_per_second=1.0, decode_tokens_per_second=1.0, decode_min=1.0, decode_max=1.0,
+                         bytes_per_token=1, bandwidth_bytes_per_second=1.0, roofline_tokens_per_second=1.0,
+                         roofline_fraction=1.0, peak_vram_bytes=1, graph=True, kernels=p.kernels,
+                         sections=p.sections, step_profile=summary)
+    loaded = json.loads(json.dumps(result.to_dict()))
+    assert [k["kernel"] for k in loaded["kernels"]] == ["matvec", "attention"]
+    text = result.render()
+    assert "CUDA graph replayed x2" in text and "measured step 120.0 us" in text
+    assert render(StepProfile(**loaded["step_profile"], kernels=loaded["kernels"], sections=loaded["sections"])) \
+        == text.splitlines()[-len(render(p)):]
+    failed = BenchResult(**{**result.to_dict(), "kernels": [], "sections": [], "step_profile": None,
+                            "profile_error": "torch.profiler recorded 0 device ops"})
+    lines = failed.render().splitlines()
+    assert lines[-1] == "profile        torch.profiler recorded 0 device ops" and "kernel" not in lines[-1]
+
+
+def test_profiler_events_come_back_as_host_ranges_on_the_cpu():
+    """The torch.profiler glue against the installed torch: a marked range is a section, CPU ops are not
+    device ops, and a profile without a GPU has no device ops (so bench would say so in one line)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    from thin.runtime.step_profile import _events
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof, record_function("qkv"):
+        torch.ones(4).add_(1)
+    ops, calls, ranges = _events(prof, {"qkv"})
+    assert ops == [] and [r.name for r in ranges] == ["qkv"] and ranges[0].end_ns > ranges[0].start_ns
+    assert all(c.name.startswith("cu") for c in calls)
