@@ -41,26 +41,31 @@ class HostRange:
 
 def split_replays(ops: list[DeviceOp], graph_launches: set[int] | None = None) -> list[list[DeviceOp]]:
     """The device ops of each graph replay, replays in time order, each by start time. A replay is the
-    ops sharing a correlation id in `graph_launches` (the host's graph-launch calls); without those,
+    ops sharing a correlation id in `graph_launches` (the host's graph-launch calls); where none does,
     every id that more than one op shares (a kernel launch or copy has one op to its id)."""
     groups: dict[int, list[DeviceOp]] = defaultdict(list)
     for op in ops:
         groups[op.launch].append(op)
-    keep = [g for launch, g in groups.items()
-            if (launch in graph_launches if graph_launches else len(g) > 1)]
+    keep = [g for launch, g in groups.items() if launch in (graph_launches or ())]
+    keep = keep or [g for g in groups.values() if len(g) > 1]
     replays = [sorted(g, key=lambda op: (op.start_ns, op.end_ns)) for g in keep]
     return sorted(replays, key=lambda r: r[0].start_ns)
 
 
-def eager_sections(ops: list[DeviceOp], launches: list[HostRange], sections: list[HostRange]) -> list[tuple[str, str]]:
+def eager_sections(ops: list[DeviceOp], launches: list[HostRange], sections: list[HostRange],
+                   spans: list[HostRange] = ()) -> list[tuple[str, str]]:
     """(kernel name, section) of each op of an eager step, in device order: the section is the
-    innermost marked host range around the call that launched the op ("?" where none is, or the
-    launch call was not recorded)."""
+    innermost marked host range around the call that launched the op; where that call was not
+    recorded, the innermost of the sections' device-side `spans` (first kernel's start to the last
+    one's end) holding the whole op; else "?"."""
     launched_at = {call.id: call.start_ns for call in launches}
     out = []
     for op in sorted(ops, key=lambda op: (op.start_ns, op.end_ns)):
         at = launched_at.get(op.launch)
-        around = [s for s in sections if at is not None and s.start_ns <= at <= s.end_ns]
+        if at is not None:
+            around = [s for s in sections if s.start_ns <= at <= s.end_ns]
+        else:
+            around = [s for s in spans if s.start_ns <= op.start_ns and op.end_ns <= s.end_ns]
         out.append((op.name, max(around, key=lambda s: s.start_ns).name if around else "?"))
     return out
 
@@ -203,14 +208,14 @@ def profile_step(engine, cache, sampler, replays: int = 20, step_us: float | Non
             torch.cuda.synchronize(engine.device)
     finally:
         engine._mark = unmarked
-    ops, calls, ranges = _events(prof, marked)
-    eager = eager_sections(ops, calls, ranges)
+    ops, calls, ranges, spans = _events(prof, marked)
+    eager = eager_sections(ops, calls, ranges, spans)
     restart()
     with profile(activities=activities) as prof:
         for _ in engine.decode_n_tokens(cache, replays, sampler, graph=True):
             pass
         torch.cuda.synchronize(engine.device)
-    ops, calls, _ = _events(prof, set())
+    ops, calls, _, _ = _events(prof, set())
     graph_launches = {call.id for call in calls if "GraphLaunch" in call.name}
     found = split_replays(ops, graph_launches)
     if not found:
@@ -219,18 +224,21 @@ def profile_step(engine, cache, sampler, replays: int = 20, step_us: float | Non
     return summarize(found, eager or None, step_us)
 
 
-def _events(prof, marked: set[str]) -> tuple[list[DeviceOp], list[HostRange], list[HostRange]]:
-    """torch.profiler's events as (device ops, host launch calls, host ranges of the `marked` sections)."""
+def _events(prof, marked: set[str]) -> tuple[list[DeviceOp], list[HostRange], list[HostRange], list[HostRange]]:
+    """torch.profiler's events as (device ops, host launch calls, host ranges of the `marked` sections,
+    the sections' device-side spans)."""
     from torch.autograd import DeviceType
 
-    ops, calls, ranges = [], [], []
+    ops, calls, ranges, spans = [], [], [], []
     for e in prof.events():
         start, end = round(e.time_range.start * 1e3), round(e.time_range.end * 1e3)  # us -> ns
         if e.device_type == DeviceType.CUDA:
-            if e.name not in marked:  # not a section's device-side span
+            if e.name in marked:
+                spans.append(HostRange(e.name, start, end))
+            else:
                 ops.append(DeviceOp(e.name, start, end, e.id))
         elif e.name in marked:
             ranges.append(HostRange(e.name, start, end))
         elif e.name.startswith("cu"):  # runtime and driver calls: cudaLaunchKernel, cuLaunchKernelEx, cudaGraphLaunch
             calls.append(HostRange(e.name, start, end, e.id))
-    return ops, calls, ranges
+    return ops, calls, ranges, spans

@@ -34,6 +34,8 @@ def test_replays_are_the_ops_of_each_graph_launch_in_time_order():
     assert split_replays(ops, {9, 7}) == [first, second]
     # Without the host's launch calls: every id shared by more than one op.
     assert split_replays(ops) == [first, second]
+    # Launch calls recorded, but no op carries their ids: the shared ids again.
+    assert split_replays(ops, {42}) == [first, second]
     assert split_replays([copy, fill], set()) == []
 
 
@@ -45,6 +47,10 @@ def test_eager_ops_take_the_innermost_section_around_their_launch_call():
     sections = [HostRange("qkv", 50, 200), HostRange("attention", 250, 400), HostRange("inner", 340, 380)]
     assert eager_sections(ops[::-1], calls, sections) == [
         ("matvec", "qkv"), ("attention", "attention"), ("copy", "inner"), ("orphan", "?")]
+    # A launch call missing from the trace: the section whose device-side span holds the op.
+    spans = [HostRange("qkv", 5000, 6000), HostRange("attention", 6500, 9650), HostRange("late", 9650, 9800)]
+    assert eager_sections(ops, calls[:1], sections, spans) == [
+        ("matvec", "qkv"), ("attention", "attention"), ("copy", "attention"), ("orphan", "?")]
 
 
 def test_durations_and_gaps_per_kernel_and_section():
@@ -121,6 +127,6 @@ def test_profiler_events_come_back_as_host_ranges_on_the_cpu():
 
     with profile(activities=[ProfilerActivity.CPU]) as prof, record_function("qkv"):
         torch.ones(4).add_(1)
-    ops, calls, ranges = _events(prof, {"qkv"})
-    assert ops == [] and [r.name for r in ranges] == ["qkv"] and ranges[0].end_ns > ranges[0].start_ns
+    ops, calls, ranges, spans = _events(prof, {"qkv"})
+    assert ops == spans == [] and [r.name for r in ranges] == ["qkv"] and ranges[0].end_ns > ranges[0].start_ns
     assert all(c.name.startswith("cu") for c in calls)
