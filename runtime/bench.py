@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import statistics
 import time
+import traceback
 from dataclasses import asdict, dataclass, field
 
 import torch
@@ -224,6 +225,10 @@ def run(model, *, prompt_len: int = 512, new_tokens: int = 128, runs: int = 5, p
                      "step_profile": {k: v for k, v in p.to_dict().items() if k not in ("kernels", "sections")}}
         except ProfileError as e:
             found = {"profile_error": str(e)}
+        except Exception as e:  # the profile is an addition: keep the measurement, name the failure in one line
+            where = traceback.extract_tb(e.__traceback__)[-1]
+            first = (str(e).splitlines() or [""])[0]
+            found = {"profile_error": f"failed: {type(e).__name__}: {first} ({where.filename}:{where.lineno})"}
     bandwidth = copy_bandwidth(device)
     weight_bytes = bytes_per_token(model.artifact, model.ffn_level)
     counts: dict[str, int] = {}
