@@ -20,7 +20,7 @@ import torch
 
 from .errors import RunError
 from .sampling import GenerationOptions
-from .step_profile import ProfileError, StepProfile, prepare, profile_step, render
+from .step_profile import ProfileError, StepProfile, profile_step, render
 
 
 class BenchCheckError(RunError, RuntimeError):
@@ -171,8 +171,6 @@ def run(model, *, prompt_len: int = 512, new_tokens: int = 128, runs: int = 5, p
         raise ValueError("bench needs --gen of at least 2 tokens")
     if profile and not engine.use_graphs:
         raise BenchCheckError("--profile breaks down the captured decode step's replays: drop --no-graph")
-    if profile:
-        prepare()  # before the step is captured
     device = engine.device
     prompt = torch.randint(0, model.ir.vocab_size, (prompt_len,), generator=torch.Generator().manual_seed(seed))
     options = GenerationOptions(max_new_tokens=new_tokens, stop_token_ids=())
@@ -219,7 +217,7 @@ def run(model, *, prompt_len: int = 512, new_tokens: int = 128, runs: int = 5, p
     median = statistics.median(rates)
     found: dict = {}
     if profile:
-        try:  # as many replays as the runs reserved positions for, from just after the prompt
+        try:  # after the measurement (CUPTI must not slow it), within the positions the runs reserved
             p = profile_step(engine, cache, sampler, replays=min(20, steps), step_us=1e6 / median)
             found = {"kernels": p.kernels, "sections": p.sections,
                      "step_profile": {k: v for k, v in p.to_dict().items() if k not in ("kernels", "sections")}}

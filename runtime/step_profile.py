@@ -171,19 +171,12 @@ def render(p: StepProfile) -> list[str]:
     return lines
 
 
-def prepare() -> None:
-    """Start CUPTI before any graph is captured: a graph captured before the profiler's first use may
-    replay without kernel records (torch's own workaround, torch.profiler._utils._init_for_cuda_graphs)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
-        pass
-
-
 def profile_step(engine, cache, sampler, replays: int = 20, step_us: float | None = None) -> StepProfile:
-    """Profile `replays` replays of the decode step `engine` captured against `cache` for `sampler`
-    (decode_n_tokens, as bench runs it) and one eager step with its sections marked; both decode right
-    after the prompt again, so `cache` must hold positions for `replays` more tokens."""
+    """Profile one eager decode step of `engine` with its sections marked, then `replays` replays of the
+    step captured against `cache` for `sampler` (decode_n_tokens, as bench runs it). The step is captured
+    again inside that profile (its first step runs eagerly and captures; those kernels are no graph
+    launch's): a graph captured before CUPTI starts may replay without kernel records. Both decode
+    right after the prompt again, so `cache` must hold positions for `replays` + 1 more tokens."""
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
@@ -211,8 +204,9 @@ def profile_step(engine, cache, sampler, replays: int = 20, step_us: float | Non
     ops, calls, ranges, spans = _events(prof, marked)
     eager = eager_sections(ops, calls, ranges, spans)
     restart()
+    cache.graphs.clear()
     with profile(activities=activities) as prof:
-        for _ in engine.decode_n_tokens(cache, replays, sampler, graph=True):
+        for _ in engine.decode_n_tokens(cache, replays + 1, sampler, graph=True):
             pass
         torch.cuda.synchronize(engine.device)
     ops, calls, _, _ = _events(prof, set())
