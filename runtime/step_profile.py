@@ -5,12 +5,13 @@ the idle gap before it, by kernel name and by section (qkv, attention, ...).
 kernel of a graph launch with device timestamps, all carrying the launch's correlation id) and
 profiles one eager step with the engine's sections marked, which says which section launched each
 kernel: the graph holds the same launches in the same order, so the eager step's sections map onto
-the replays by position (by kernel name where the two orders differ). Everything here but
+the replays by position (aligned by kernel name where the two differ). Everything here but
 `profile_step` is pure, so it is tested on synthetic events.
 """
 
 from __future__ import annotations
 
+import difflib
 import statistics
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -80,12 +81,37 @@ class StepProfile:
     kernel_us: float  # the ops' durations summed (above busy where ops overlap: a dependent launch waiting)
     between_us: float | None  # from one replay's last op to the next replay's first
     step_us: float | None  # the measured decode step (1 / decode tok/s)
-    attribution: str  # how ops got sections: "position", "name" or "none"
+    attribution: str  # how ops got sections: "position", "aligned" (label_sections) or "none"
     kernels: list[dict] = field(default_factory=list)
     sections: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def label_sections(names: list[str], eager: list[tuple[str, str]] | None) -> tuple[list[str], str]:
+    """The section of each of a replay's ops (kernel `names`, in order) from the eager step's (name,
+    section) list, and how: "position" where the two name lists are equal; else "aligned": matched by
+    a diff of the names, a run of the replay's ops that replaces a run of the eager step's taking the
+    sections of that run (joined by "/" if several), an op the eager step lacks taking the sections its
+    name has there (or "?"); "none" without an eager step."""
+    if eager is None:
+        return ["?"] * len(names), "none"
+    eager_names = [name for name, _ in eager]
+    if names == eager_names:
+        return [section for _, section in eager], "position"
+    by_name: dict[str, set[str]] = defaultdict(set)
+    for name, section in eager:
+        by_name[name].add(section)
+    labels: list[str] = []
+    for tag, i1, i2, j1, j2 in difflib.SequenceMatcher(None, eager_names, names, autojunk=False).get_opcodes():
+        if tag == "equal":
+            labels += [section for _, section in eager[i1:i2]]
+        elif tag == "replace":
+            labels += ["/".join(sorted({section for _, section in eager[i1:i2]}))] * (j2 - j1)
+        elif tag == "insert":
+            labels += ["/".join(sorted(by_name[name])) or "?" for name in names[j1:j2]]
+    return labels, "aligned"
 
 
 def summarize(replays: list[list[DeviceOp]], eager: list[tuple[str, str]] | None = None,
@@ -94,21 +120,12 @@ def summarize(replays: list[list[DeviceOp]], eager: list[tuple[str, str]] | None
     (means over `replays`); `eager` is eager_sections' list of one step (None: sections unknown)."""
     if not replays:
         raise ProfileError("the profiler recorded no kernels of the CUDA graph's replays")
-    by_name: dict[str, set[str]] = defaultdict(set)
-    for name, section in eager or []:
-        by_name[name].add(section)
     kernels: dict[str, dict] = {}
     sections: dict[str, dict] = {}
     totals = defaultdict(float)
     used = set()
     for replay in replays:
-        names = [op.name for op in replay]
-        if eager is not None and names == [name for name, _ in eager]:
-            labels, how = [section for _, section in eager], "position"
-        elif eager is not None:
-            labels, how = ["/".join(sorted(by_name[n])) or "?" for n in names], "name"
-        else:
-            labels, how = ["?"] * len(names), "none"
+        labels, how = label_sections([op.name for op in replay], eager)
         used.add(how)
         reach = replay[0].start_ns
         for i, (op, section) in enumerate(zip(replay, labels)):
@@ -144,7 +161,7 @@ def summarize(replays: list[list[DeviceOp]], eager: list[tuple[str, str]] | None
         replays=n, launches=sum(map(len, replays)) / n, wall_us=wall, busy_us=totals["busy"] / n / 1e3,
         gap_us=totals["gap"] / n / 1e3, kernel_us=totals["kernel"] / n / 1e3,
         between_us=statistics.median(between) / 1e3 if between else None, step_us=step_us,
-        attribution=min(used, key=["none", "name", "position"].index),
+        attribution=min(used, key=["none", "aligned", "position"].index),
         kernels=rows(kernels, "kernel"), sections=rows(sections, "section"))
 
 
@@ -159,7 +176,7 @@ def render(p: StepProfile) -> list[str]:
         lines.append(f"  measured step {p.step_us:.1f} us (1 / decode tok/s)")
     if p.attribution != "position":
         lines.append("  sections " + ("unknown (no eager step)" if p.attribution == "none" else
-                                      "by kernel name: the eager step's launches differ from the graph's"))
+                                      "aligned by kernel name: the eager step's launches differ from the graph's"))
     lines.append(f"  {'section':<26} {'calls':>6} {'us/step':>9} {'gap us':>8} {'share':>6}")
     for r in p.sections:
         lines.append(f"  {r['section'][:26]:<26} {r['calls']:>6g} {r['us']:>9.1f} {r['gap_us']:>8.1f} "

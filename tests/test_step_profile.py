@@ -12,6 +12,7 @@ from thin.runtime.step_profile import (
     ProfileError,
     StepProfile,
     eager_sections,
+    label_sections,
     render,
     split_replays,
     summarize,
@@ -85,11 +86,17 @@ def test_overlapping_launches_have_no_gap_and_count_busy_time_once():
     assert p.attribution == "none" and p.between_us is None and {r["section"] for r in p.sections} == {"?"}
 
 
-def test_sections_by_name_where_the_eager_step_launched_differently():
-    p = summarize([replay(1, 0)], [*EAGER, ("memset", "sample")])
-    assert p.attribution == "name"
-    assert {r["section"] for r in p.sections} == {"o/qkv", "attention"}
-    assert {r["section"] for r in summarize([replay(1, 0)], EAGER[:2]).sections} == {"qkv", "attention"}
+def test_sections_aligned_by_name_where_the_eager_step_launched_differently():
+    p = summarize([replay(1, 0)], [*EAGER, ("memset", "sample")])  # an eager op the graph lacks
+    assert p.attribution == "aligned" and [r["section"] for r in p.sections] == ["qkv", "attention", "o"]
+    names = ["embed", "matvec", "gemm_b", "attention", "fill", "matvec", "gemm_b", "head"]
+    eager = [("embed", "embed"), ("matvec", "qkv"), ("gemm_a", "qkv"), ("attention", "attention"), ("matvec", "o"),
+             ("gemm_c", "o"), ("norm", "norm"), ("head", "lm head")]
+    # gemm_b replaces gemm_a (qkv), then gemm_c and norm (o, norm); fill is the graph's own.
+    assert label_sections(names, eager) == (
+        ["embed", "qkv", "qkv", "attention", "?", "o", "norm/o", "lm head"], "aligned")
+    assert label_sections(names, None) == (["?"] * 8, "none")
+    assert label_sections(["a", "b"], [("a", "x"), ("b", "y")]) == (["x", "y"], "position")
 
 
 def test_nothing_recorded_is_an_error_not_an_empty_table():
