@@ -244,7 +244,7 @@ def _events(prof, marked: set[str]) -> tuple[list[DeviceOp], list[HostRange], li
     for e in prof.events():
         start, end = round(e.time_range.start * 1e3), round(e.time_range.end * 1e3)  # us -> ns
         if e.device_type == DeviceType.CUDA:
-            if e.name in marked:
+            if e.name in marked or getattr(e, "is_user_annotation", False):  # not a kernel: a section's span
                 spans.append(HostRange(e.name, start, end))
             else:
                 ops.append(DeviceOp(e.name, start, end, e.id))

@@ -137,3 +137,91 @@ def test_profiler_events_come_back_as_host_ranges_on_the_cpu():
     ops, calls, ranges, spans = _events(prof, {"qkv"})
     assert ops == spans == [] and [r.name for r in ranges] == ["qkv"] and ranges[0].end_ns > ranges[0].start_ns
     assert all(c.name.startswith("cu") for c in calls)
+
+
+class _FakeEvent:
+    def __init__(self, name, device, start_us, end_us, id):
+        from types import SimpleNamespace
+
+        self.name, self.device_type, self.id = name, device, id
+        self.time_range = SimpleNamespace(start=start_us, end=end_us)
+
+
+def test_profile_step_wires_the_eager_marks_and_the_graph_launches(monkeypatch):
+    """profile_step against a fake torch.profiler and engine: the eager step's marked sections label the
+    replays, the first decode step (eager, capturing) is not a replay, the marks are undone."""
+    import contextlib
+    from types import SimpleNamespace
+
+    import torch
+    import torch.profiler
+    from torch.autograd import DeviceType
+
+    from thin.runtime.step_profile import profile_step
+
+    events, clock, ids = [], [0.0], [100]
+
+    def tick(us=1.0):
+        clock[0] += us
+        return clock[0]
+
+    class Profile:
+        def __init__(self, activities):
+            pass
+
+        def __enter__(self):
+            events.clear()
+            return self
+
+        def __exit__(self, *exc):
+            self.recorded = list(events)
+
+        def events(self):
+            return self.recorded
+
+    class Mark:
+        def __init__(self, name):
+            self.name = name
+
+        def __enter__(self):
+            self.start = tick()
+
+        def __exit__(self, *exc):
+            events.append(_FakeEvent(self.name, DeviceType.CPU, self.start, tick(), 0))
+
+    class Engine:
+        use_graphs, device = True, "cpu"
+
+        def __init__(self):
+            self.pos, self.step = torch.zeros(1), torch.zeros(1)
+            self._mark = lambda name: contextlib.nullcontext()
+
+        def decode_one_token(self, cache, sampler):
+            for section, kernel in (("qkv", "_matvec"), ("attention", "_attend"), ("o", "_matvec")):
+                with self._mark(section):
+                    ids[0] += 1
+                    at = tick()
+                    events.append(_FakeEvent("cuLaunchKernelEx", DeviceType.CPU, at, at + 0.5, ids[0]))
+                    events.append(_FakeEvent(kernel, DeviceType.CUDA, 1e4 + at, 1e4 + at + 3, ids[0]))
+
+        def decode_n_tokens(self, cache, n, sampler, graph):
+            assert graph and cache.graphs == {}  # captured again inside the profile
+            self.decode_one_token(cache, sampler)
+            yield 0
+            for i in range(n - 1):
+                ids[0] += 1
+                events.append(_FakeEvent("cudaGraphLaunch", DeviceType.CPU, tick(), tick(), ids[0]))
+                for j, kernel in enumerate(("_matvec", "_attend", "_matvec")):
+                    start = 2e4 + 100 * i + 10 * j
+                    events.append(_FakeEvent(kernel, DeviceType.CUDA, start, start + 8, ids[0]))
+                yield 0
+
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    monkeypatch.setattr(torch.profiler, "record_function", Mark)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    engine, cache = Engine(), SimpleNamespace(length=5, graphs={"old": None})
+    p = profile_step(engine, cache, None, replays=3, step_us=120.0)
+    assert p.replays == 3 and p.attribution == "position" and p.wall_us == pytest.approx(28)
+    assert p.gap_us == pytest.approx(4) and p.between_us == pytest.approx(72)
+    assert {r["section"]: r["us"] for r in p.sections} == pytest.approx({"qkv": 8, "attention": 8, "o": 8})
+    assert isinstance(engine._mark("qkv"), contextlib.nullcontext) and engine.pos.item() == 5
