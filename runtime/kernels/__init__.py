@@ -11,6 +11,8 @@ Everything else a decode step runs:
     rope.py         q/k norm + RoPE (every kind, via the cos/sin tables) + paged KV append
     attention.py    split-KV decode attention over the paged cache (GQA, window, softcap, sinks),
                     prefill attention through scaled_dot_product_attention
+    attention_append.py  the decode attention's split kernel with rope.py's work inside (the engine
+                    times it against rope_append + attention at warm-up)
     activation.py   the IR's activations, and act(gate) * up for prefill
     experts.py      mixture of experts: router top-k, the chosen experts' gate/up + activation and
                     weighted down, reading each expert's packed bytes (indices stay on the device)

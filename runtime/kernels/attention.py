@@ -8,6 +8,7 @@ positions is read from the device (pos + 1, bounded by a sliding window), so a c
 step attends to exactly the tokens there are. Logit softcap (Gemma-2) and sinks (GPT-OSS: a
 per-head logit that joins the softmax's denominator only) are constexpr options. The merge can
 also record how many positions head 0 attended, for the benchmark's check of that number.
+(attention_append.py: the same split kernel making q, and appending the new key and value, itself.)
 
 Prefill (many query tokens): the keys and values are gathered from the cache and multiplied with
 torch's scaled_dot_product_attention (the executor's masks and GQA stacking); with a softcap or
@@ -56,6 +57,24 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, o_ptr, m_ptr, l_ptr,
     d = tl.arange(0, BLOCK_D)
     head = h * G + g
     q = tl.load(q_ptr + head[:, None] * D + d[None, :], mask=(g < G)[:, None] & (d < D)[None, :], other=0.0)
+    m, denom, acc = online_softmax(q, k_ptr, v_ptr, table_ptr, begin, end, h, scale, softcap, HKV, D, GP, BS, BT,
+                                   BLOCK_D, SOFTCAP, IEEE)
+    out = (s * HQ + head)
+    tl.store(o_ptr + out[:, None] * D + d[None, :], acc, mask=(g < G)[:, None] & (d < D)[None, :])
+    tl.store(m_ptr + out, m, mask=g < G)
+    tl.store(l_ptr + out, denom, mask=g < G)
+    if h == 0:
+        tl.store(n_ptr + s, tl.maximum(end - begin, 0))
+
+
+@triton.jit
+def online_softmax(q, k_ptr, v_ptr, table_ptr, begin, end, h, scale, softcap, HKV, D, GP: tl.constexpr,
+                   BS: tl.constexpr, BT: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
+                   IEEE: tl.constexpr):
+    """The online softmax of query heads q [GP, BLOCK_D] (kv head h's) over cached positions begin ..
+    end - 1, BT a step, each position's slot found through the block table: (max [GP], denominator
+    [GP], probability-weighted values [GP, BLOCK_D]), float32. (attention_append.py's kernel too.)"""
+    d = tl.arange(0, BLOCK_D)
     m = tl.full([GP], float("-inf"), dtype=tl.float32)
     denom = tl.zeros([GP], dtype=tl.float32)
     acc = tl.zeros([GP, BLOCK_D], dtype=tl.float32)
@@ -70,9 +89,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, o_ptr, m_ptr, l_ptr,
             scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
         else:
             scores = tl.dot(q, tl.trans(k))
-        scores = scores * scale
-        if SOFTCAP:
-            scores = _tanh(scores / softcap) * softcap
+        scores = capped(scores * scale, softcap, SOFTCAP)
         scores = tl.where(valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=1))
         alpha = tl.exp(m - m_new)
@@ -85,12 +102,15 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, o_ptr, m_ptr, l_ptr,
             pv = tl.dot(p.to(v.dtype), v)
         acc = acc * alpha[:, None] + pv
         m = m_new
-    out = (s * HQ + head)
-    tl.store(o_ptr + out[:, None] * D + d[None, :], acc, mask=(g < G)[:, None] & (d < D)[None, :])
-    tl.store(m_ptr + out, m, mask=g < G)
-    tl.store(l_ptr + out, denom, mask=g < G)
-    if h == 0:
-        tl.store(n_ptr + s, tl.maximum(end - begin, 0))
+    return m, denom, acc
+
+
+@triton.jit
+def capped(scores, softcap, SOFTCAP: tl.constexpr):
+    """Gemma-2's tanh softcap on attention logits, where the model has one."""
+    if SOFTCAP:
+        scores = _tanh(scores / softcap) * softcap
+    return scores
 
 
 @triton.jit
@@ -151,9 +171,6 @@ class DecodeAttention:
 
         With rows > 1: q [rows, num_heads, head_dim], pos [>= rows], block_table [>= rows, blocks]
         (sequence r at pos[r] through block_table[r]) -> out [rows, num_heads * head_dim]."""
-        block_d = next_power_of_2(self.head_dim)
-        gp = max(16, next_power_of_2(self.group))
-        ieee = q.dtype == torch.float32 or _interpreting()
         if self.rows > 1 and (block_table.dim() != 2 or q.numel() != self.rows * self.num_heads * self.head_dim):
             raise ValueError(f"a decode attention over {self.rows} sequences takes q [{self.rows}, heads, dim] and a "
                              "block table of one row per sequence")
@@ -161,14 +178,24 @@ class DecodeAttention:
         _decode_kernel[(self.num_kv_heads, self.splits, self.rows)](
             q, k_cache, v_cache, block_table, pos, self.o, self.m, self.l, self.n, float(scale),
             float(softcap or 1.0), int(window or 0), self.num_heads, self.num_kv_heads, self.head_dim, self.splits,
-            table_stride, G=self.group, GP=gp, BS=k_cache.shape[2], BT=self.tile, BLOCK_D=block_d,
-            SOFTCAP=softcap is not None, WINDOW=window is not None, IEEE=ieee, num_warps=4)
+            table_stride, G=self.group, GP=max(16, next_power_of_2(self.group)), BS=k_cache.shape[2], BT=self.tile,
+            BLOCK_D=next_power_of_2(self.head_dim), SOFTCAP=softcap is not None, WINDOW=window is not None,
+            IEEE=self.ieee(q.dtype), num_warps=4)
+        self.merge(out, sinks, log, step)
+
+    def merge(self, out, sinks: torch.Tensor | None = None, log: torch.Tensor | None = None,
+              step: torch.Tensor | None = None) -> None:
+        """The second launch: the splits' partial outputs (written by the split kernel) -> out."""
         _merge_kernel[(self.num_heads, self.rows)](
             self.o, self.m, self.l, self.n, sinks if sinks is not None else self.m, out,
             log if log is not None else self.n, step if step is not None else self.n, self.num_heads, self.head_dim,
-            self.splits, SP=next_power_of_2(self.splits), BLOCK_D=block_d, SINKS=sinks is not None,
-            LOG=log is not None, num_warps=4)
+            self.splits, SP=next_power_of_2(self.splits), BLOCK_D=next_power_of_2(self.head_dim),
+            SINKS=sinks is not None, LOG=log is not None, num_warps=4)
 
+    @staticmethod
+    def ieee(dtype: torch.dtype) -> bool:
+        """Whether the split kernel's products run in float32 (IEEE) rather than on tensor cores."""
+        return dtype == torch.float32 or _interpreting()
 
 def _interpreting() -> bool:
     from . import interpreting
