@@ -25,6 +25,12 @@ source weights, the rest of the model as planned, so what no better expert forma
 at that plan). `--error-scales A,B,...` adds, per budget, a row per scale a (not a rotation either):
 every routed expert at source + a (decode(W) - source), the plan's own expert error shrunk to a of
 its size (layer error a^2), which says how much smaller the expert error has to be for a target KLD.
+`trellis2` and `trellis` (not a rotation of the plan's format: another code, trellis.py): every routed
+expert projection rotated as in `all`, then coded by a bitshift trellis (QTIP-like, L-bit states,
+`--trellis-L`, `--trellis-codebook`) with GPTQ's error feedback a block of 16 columns at a time, one
+float16 scale per row; `trellis2` at k = 2 bits per weight everywhere (fewer bits than any q2 choice),
+`trellis` with as many 16-column blocks at k = 3 as the plan's bytes for that tensor allow. Their
+bits-per-weight column counts the trellis bytes in place of the plan's for those tensors.
 
 Columns: bits per weight of the stored program, mean KLD, top-1 and perplexity against the float32
 source, and `layer error`: the rotated experts' GPTQ objective, sum over them of trace((W - W_hat)
@@ -43,7 +49,8 @@ import time
 from pathlib import Path
 
 VARIANTS = {"none": (), "gate/up": ("moe.expert.gate", "moe.expert.up"),
-            "all": ("moe.expert.gate", "moe.expert.up", "moe.expert.down"), "exact": ()}
+            "all": ("moe.expert.gate", "moe.expert.up", "moe.expert.down"), "exact": (),
+            "trellis2": (), "trellis": ()}
 
 
 def hadamard(n: int):
@@ -118,6 +125,64 @@ def rotated_weights(program, ctx, quantized, roles, seed: int, block: str = "ful
             err_rot += output_error(w, effective, stats["hessian"].double())
             err_plain += output_error(w, plain, stats["hessian"].double())
     return out, err_rot, err_plain
+
+
+def trellis_weights(program, ctx, quantized, seed: int, L: int, book: str, mixed: bool):
+    """({name: effective weight, float32}, trellis GPTQ objective, plan's GPTQ objective, stored bytes of the
+    trellis-coded experts minus the plan's bytes for them) for every quantized routed expert projection:
+    W R (the `all` variant's rotations) trellis-coded by trellis.py's trellis_gptq under R^T S R, L-bit
+    states and the `book` codebook, every column block at k = 2 bits (`mixed` False) or, per tensor, as
+    many 16-column blocks at k = 3 as the plan's bytes for the tensor allow, the rest at k = 2; the k = 3
+    blocks are those whose columns carry the largest GPTQ weights d_j = 1 / U_jj^2 (the share of the
+    objective a column's error costs once the later columns have absorbed what they can)."""
+    import torch
+    import trellis
+
+    from thin.ir import formats
+    from thin.passes.calibrate_inputs import load_statistics
+    from thin.passes.gptq import inverse_cholesky, output_error
+
+    books = {k: trellis.codebook(L, book, k, seed) for k in (2, 3)}
+    source = program.model.tensor_map()
+    batches: dict = {}
+    for rec in quantized.model.tensors:
+        fmt = formats.get(rec.encoding.format)
+        if rec.expert is None or fmt.dense:
+            continue
+        src = source[rec.name]
+        w = formats.get(src.encoding.format).decode(program.load(rec.name), src.shape, src.encoding.params,
+                                                    torch.float32).double()
+        r = rotation(rec.shape[1], seed + 2 * rec.layer + (rec.role == "moe.expert.down"))
+        stats = load_statistics(ctx, program, rec.name)
+        hessian = stats["hessian"].double() if stats is not None else None
+        # No statistics: no error feedback (identity second moment), as quantize_weights rounds to nearest.
+        upper, _ = inverse_cholesky(r.T @ hessian @ r) if hessian is not None else (
+            torch.eye(rec.shape[1]), None)
+        rows, cols = rec.shape
+        blocks = cols // trellis.TILE
+        plan_bytes = formats.nbytes(rec.encoding.format, rec.shape, rec.encoding.params)
+        # bytes = rows * (cols * 2 + threes * TILE) / 8 + 2 * rows (float16 scales) <= plan_bytes
+        threes = max(0, min(blocks, int((8 * (plan_bytes - 2 * rows) / rows - 2 * cols) // trellis.TILE)))
+        ks = torch.full((blocks,), 2)
+        if mixed and threes:
+            weight = (1 / torch.diagonal(upper).double() ** 2).reshape(blocks, trellis.TILE).sum(1)
+            ks[torch.argsort(weight, descending=True)[:threes]] = 3
+        batch = batches.setdefault(tuple(rec.shape), [])
+        batch.append((rec.name, w, r, hessian, upper.float(), ks, plan_bytes,
+                      fmt.decode(quantized.load(rec.name), rec.shape, rec.encoding.params, torch.float32).double()))
+    out, err_new, err_plain, delta = {}, 0.0, 0.0, 0
+    for shape, batch in batches.items():
+        w_hat = trellis.trellis_gptq(torch.stack([(w @ r).float() for _, w, r, *_ in batch]),
+                                     torch.stack([u for *_, u, _, _, _ in batch]), books,
+                                     torch.stack([ks for *_, ks, _, _ in batch]), L)
+        for (name, w, r, hessian, _, ks, plan_bytes, plain), wh in zip(batch, w_hat):
+            effective = wh.double() @ r.T
+            out[name] = effective.float()
+            delta += shape[0] * (shape[1] * 2 + int((ks == 3).sum()) * trellis.TILE) // 8 + 2 * shape[0] - plan_bytes
+            if hessian is not None:
+                err_new += output_error(w, effective, hessian)
+                err_plain += output_error(w, plain, hessian)
+    return out, err_new, err_plain, delta
 
 
 def source_experts(program, quantized) -> dict:
@@ -206,6 +271,9 @@ def main() -> None:
                         help="rotation block: 'full' (default: the largest power of two dividing the input), "
                              "'group' (each tensor's quantization group size: the rotation mixes only inside "
                              "a group), or a number of columns")
+    parser.add_argument("--trellis-L", type=int, default=12, help="trellis variants: bits of state (default 12)")
+    parser.add_argument("--trellis-codebook", default="hash", choices=("hash", "gauss", "lloyd"),
+                        help="trellis variants: codebook (default hash, see trellis.py)")
     parser.add_argument("--tokens", type=int, default=4224)
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--stride", type=int, default=128)
@@ -272,8 +340,13 @@ def main() -> None:
         session = evaluator.session(quantized)
         for variant in variants:
             t1 = time.perf_counter()
+            delta = 0
             if variant == "exact":
                 weights, err_rot, err_plain = source_experts(scored, quantized), 0.0, 1.0
+            elif variant.startswith("trellis"):
+                weights, err_rot, err_plain, delta = trellis_weights(scored, each, quantized, args.seed,
+                                                                     args.trellis_L, args.trellis_codebook,
+                                                                     variant == "trellis")
             elif variant not in VARIANTS:  # "x<scale>", from --error-scales
                 scale = float(variant[1:])
                 weights, err_rot, err_plain = scaled_errors(scored, quantized, scale), scale ** 2, 1.0
@@ -282,7 +355,7 @@ def main() -> None:
                                                              args.block)
             with session.overriding(weights):
                 result = compare(reference, session, ids, context=args.context, stride=args.stride)
-            rows.append({"bpw_budget": budget, "variant": variant, "bits_per_weight": 8 * stored / parameters,
+            rows.append({"bpw_budget": budget, "variant": variant, "bits_per_weight": 8 * (stored + delta) / parameters,
                          "rotated": len(weights), "layer_error": err_rot / err_plain if err_plain else 1.0,
                          **result.to_plain()})
             print(f"--bpw {budget} {variant}: {rows[-1]['bits_per_weight']:.3f} bpw, {len(weights)} replaced, layer "
