@@ -32,6 +32,7 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from .engine_plans import (
+    appending_layers,
     block_table,
     check_supported,
     level_rows,
@@ -54,9 +55,15 @@ class DecodeEngine:
     `finish_norm`: whether o's and down's matvecs (int8, fp8_e4m3) add their partial sums into the
     residual and norm it in their own last program instead of an add_rmsnorm launch: None (default)
     times both ways in `warm_up` on a GPU and keeps the faster per kind of weight; True every op that
-    can (the tests); False none."""
+    can (the tests); False none.
 
-    def __init__(self, executor, *, graphs: bool = True, finish_norm: bool | None = None):
+    `fused_attention`: whether a layer's q/k norm, RoPE and KV append run inside its decode attention's
+    split kernel (kernels/attention_append.py: two launches, not rope_append's three): None (default)
+    times both ways in `warm_up` on a GPU and keeps the faster per kind of layer; True every layer;
+    False none."""
+
+    def __init__(self, executor, *, graphs: bool = True, finish_norm: bool | None = None,
+                 fused_attention: bool | None = None):
         check_supported(executor)
         from .kernels import attention, norm, rope, sampling  # noqa: F401  (imports triton)
 
@@ -110,6 +117,9 @@ class DecodeEngine:
         self.finish_norm = finish_norm
         self.counter = new(1, dtype=torch.int32)
         self._finishing: set[int] = set()
+        self.fused_attention = fused_attention
+        # {layer index: append_attend's repeat} of the layers whose attention appends (warm_up times it).
+        self._appending = appending_layers(executor, timed=False) if fused_attention else {}
         if finish_norm:
             self._choose_finishing(timed=False)
 
@@ -209,6 +219,7 @@ class DecodeEngine:
     def decode_one_token(self, cache: PagedKVCache, sampler) -> None:
         """Feed self.token at position self.pos; leave the next token in self.token (and in
         cache.out_tokens[step]), then advance pos and step. Reads nothing from the host."""
+        from .kernels.attention_append import append_attend
         from .kernels.norm import add_rmsnorm
         from .kernels.rope import rope_append
 
@@ -224,13 +235,18 @@ class DecodeEngine:
             with mark("qkv"):
                 self._project(a.qkv, self.normed, self.qkv)
                 self._whole_qk_norm(a, self.qkv[None])
-            with mark("qk norm + rope + append"):
-                rope_append(self.qkv, self.q, k_cache, v_cache, table, self.pos, self.num_heads,
-                            self.num_kv_heads, self.head_dim, rope=rope_tables(a), **qk_norm_args(a))
-            with mark("attention"):
-                cache.attention(self.q, k_cache, v_cache, table, self.pos, self.attn, scale=a.scale,
-                                window=a.sliding_window, softcap=a.logit_softcap, sinks=getattr(a, "sinks", None),
-                                log=cache.attended if index == 0 else None, step=self.step)
+            options = dict(scale=a.scale, window=a.sliding_window, softcap=a.logit_softcap,
+                           sinks=getattr(a, "sinks", None), log=cache.attended if index == 0 else None, step=self.step)
+            if index in self._appending:  # chosen in warm_up
+                with mark("attention + qk norm + rope + append"):
+                    append_attend(cache.attention, self.qkv, k_cache, v_cache, table, self.pos, self.attn,
+                                  rope=rope_tables(a), **qk_norm_args(a), repeat=self._appending[index], **options)
+            else:
+                with mark("qk norm + rope + append"):
+                    rope_append(self.qkv, self.q, k_cache, v_cache, table, self.pos, self.num_heads,
+                                self.num_kv_heads, self.head_dim, rope=rope_tables(a), **qk_norm_args(a))
+                with mark("attention"):
+                    cache.attention(self.q, k_cache, v_cache, table, self.pos, self.attn, **options)
             self._add_norm(a.o, self.attn, "o", layer.attn_post_norm, layer.ffn_norm)
             following = layers[index + 1].attn_norm if index + 1 < len(layers) else self.ex.final_norm
             if index in self.moe:
@@ -341,6 +357,8 @@ class DecodeEngine:
             op.config(mode, *prefix)
         if self.finish_norm is None and self.device.type == "cuda":
             self._choose_finishing(timed=True)
+        if self.fused_attention is None and self.device.type == "cuda":
+            self._appending = appending_layers(self.ex, timed=True)
 
     def _level_uses(self) -> list[tuple]:
         """(op, mode, rows, cols) of the matvecs over a prefix that the decode step runs at the

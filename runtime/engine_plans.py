@@ -80,3 +80,28 @@ def qk_norm_args(a) -> dict:
     if a.q_norm is None or not a.qk_norm_per_head:
         return {}
     return {"q_norm": norm_args(a.q_norm), "k_norm": norm_args(a.k_norm)}
+
+
+def appending_layers(executor, timed: bool) -> dict[int, bool]:
+    """{layer index: `repeat`} of the layers whose decode attention runs rope_append's work inside its
+    split kernel (kernels/attention_append.py); the others keep rope_append + split + merge. Timed
+    (attention_append.choose_appending, once per kind of layer: rotary dims, q/k norms, window, softcap,
+    sinks; on the first such layer's tables and weights), else every layer with the first variant."""
+    from .kernels.attention_append import VARIANTS, choose_appending
+
+    kinds: dict[tuple, list[int]] = {}
+    for index, layer in enumerate(executor.layers):
+        a = layer.attention
+        rope = rope_tables(a)
+        key = (None if rope is None else rope[0].shape[-1], bool(qk_norm_args(a)), a.sliding_window,
+               a.logit_softcap, getattr(a, "sinks", None) is None)
+        kinds.setdefault(key, []).append(index)
+    chosen = {}
+    for indices in kinds.values():
+        a = executor.layers[indices[0]].attention
+        repeat = VARIANTS[0] if not timed else choose_appending(
+            a.num_heads, a.num_kv_heads, a.head_dim, executor.dtype, executor.device, scale=a.scale,
+            rope=rope_tables(a), **qk_norm_args(a), window=a.sliding_window, softcap=a.logit_softcap,
+            sinks=getattr(a, "sinks", None))
+        chosen |= {index: repeat for index in indices if repeat is not None}
+    return chosen

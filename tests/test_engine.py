@@ -6,7 +6,7 @@ these tests only), without CUDA graphs; with a GPU the same tests run on it, gra
 
 import pytest
 import torch
-from kernel_support import DEVICE, HAS_CUDA
+from kernel_support import DEVICE, HAS_CUDA, rel_err
 
 from thin.compiler import compile_model
 from thin.runtime import ConversationCache, generate, load
@@ -112,6 +112,25 @@ def test_matvecs_that_finish_the_residual_norm(models, quant):
     assert _engine_tokens(plain, prompt, 6) == want and not plain._finishing
     if not HAS_CUDA:
         assert torch.equal(finishing.logits, plain.logits)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "phi3"])
+def test_attention_that_appends_in_its_split_kernel(models, family):
+    """fused_attention=True (the q/k norm, RoPE and KV append inside the split kernel on every layer,
+    kernels/attention_append.py) against False (rope_append + split + merge): the executor's tokens, the
+    positions attended at every step (graphed on a GPU), and under the interpreter the same logits."""
+    model = models(family)
+    prompt = _prompt(seed=5)
+    fused, plain = _engine(model, fused_attention=True), _engine(model, fused_attention=False)
+    assert fused._appending == dict.fromkeys(range(len(model.executor.layers)), False) and not plain._appending
+    want = _executor_tokens(model, prompt, 8)
+    cache = fused.new_cache(64)
+    assert _engine_tokens(fused, prompt, 8, cache=cache) == want
+    window = model.executor.layers[0].attention.sliding_window or 10 ** 9  # the log is layer 0's
+    assert cache.attended[1:8].tolist() == [min(len(prompt) + i, window) for i in range(1, 8)]
+    assert _engine_tokens(plain, prompt, 8) == want
+    if not HAS_CUDA:
+        assert rel_err(fused.logits, plain.logits) < 1e-5
 
 
 def test_conversation_cache_prefills_only_the_new_turn(models):
