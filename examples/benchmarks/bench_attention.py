@@ -56,6 +56,22 @@ def time_graph(launch, launches: int = 20, replays: int = 7) -> float:
     return statistics.median(times)
 
 
+def layer_args(shape: str, max_len: int, dev: torch.device, gen: torch.Generator):
+    """(RoPE tables, q/k norms, attention options) of one layer of `shape`, random where weights."""
+    heads, _, dim, opts = SHAPES[shape]
+    t = torch.arange(max_len + 1, dtype=torch.float32, device=dev)[:, None]
+    freq = 500000.0 ** (-torch.arange(0, dim, 2, device=dev).float() / dim)
+    angles = torch.cat([t * freq, t * freq], dim=1)
+    rope = (angles.cos().to(torch.bfloat16), angles.sin().to(torch.bfloat16))
+    norms = {}
+    if opts.get("norm"):
+        norms = {"q_norm": (1 + 0.1 * torch.randn(dim, generator=gen, device=dev), 1e-6),
+                 "k_norm": (1 + 0.1 * torch.randn(dim, generator=gen, device=dev), 1e-6)}
+    options = {"window": opts.get("window"), "softcap": opts.get("softcap"),
+               "sinks": torch.randn(heads, generator=gen, device=dev) if opts.get("sinks") else None}
+    return rope, norms, options
+
+
 def case(shape: str, length: int, max_len: int, dev: torch.device) -> dict:
     from thin.runtime.kernels.attention import DecodeAttention
     from thin.runtime.kernels.attention_append import VARIANTS, append_attend
@@ -70,16 +86,7 @@ def case(shape: str, length: int, max_len: int, dev: torch.device) -> dict:
     cache.keys.normal_(generator=gen)
     cache.values.normal_(generator=gen)
     qkv = torch.randn((heads + 2 * kv_heads) * dim, generator=gen, device=dev).to(dtype)
-    t = torch.arange(max_len + 1, dtype=torch.float32, device=dev)[:, None]
-    freq = 500000.0 ** (-torch.arange(0, dim, 2, device=dev).float() / dim)
-    angles = torch.cat([t * freq, t * freq], dim=1)
-    rope = (angles.cos().to(dtype), angles.sin().to(dtype))
-    norms = {}
-    if opts.get("norm"):
-        norms = {"q_norm": (1 + 0.1 * torch.randn(dim, generator=gen, device=dev), 1e-6),
-                 "k_norm": (1 + 0.1 * torch.randn(dim, generator=gen, device=dev), 1e-6)}
-    options = {"window": opts.get("window"), "softcap": opts.get("softcap"),
-               "sinks": torch.randn(heads, generator=gen, device=dev) if opts.get("sinks") else None}
+    rope, norms, options = layer_args(shape, max_len, dev, gen)
     pos = torch.tensor([length - 1], dtype=torch.int32, device=dev)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else 4
     attention = DecodeAttention(heads, kv_heads, dim, max_len, dev, sms)
@@ -160,8 +167,10 @@ def main(argv=None) -> int:
         logging.basicConfig(level=logging.INFO, format="%(message)s")
         for shape in shapes:
             heads, kv_heads, dim, opts = SHAPES[shape]
-            picked = choose_appending(heads, kv_heads, dim, torch.bfloat16, torch.device("cuda"), scale=dim ** -0.5,
-                                      window=opts.get("window"), softcap=opts.get("softcap"))
+            dev = torch.device("cuda")
+            rope, norms, options = layer_args(shape, 8192, dev, torch.Generator(device=dev).manual_seed(0))
+            picked = choose_appending(heads, kv_heads, dim, torch.bfloat16, dev, scale=dim ** -0.5, rope=rope,
+                                      **norms, **options)
             print(f"{shape}: the engine would take " + ("rope_append + split + merge" if picked is None
                                                         else f"the fused split kernel, repeat={picked}"))
     print("ALL OK" if not bad else f"FAILED: {bad}")
