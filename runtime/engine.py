@@ -53,8 +53,9 @@ class DecodeEngine:
     under Triton's interpreter, without graphs, which is how the test suite runs it).
 
     `finish_norm`: whether o's and down's matvecs (int8, fp8_e4m3) add their partial sums into the
-    residual and norm it in their own last program instead of an add_rmsnorm launch: None (default)
-    times both ways in `warm_up` on a GPU and keeps the faster per kind of weight; True every op that
+    residual and norm it in their own last program instead of an add_rmsnorm launch, and where o's does
+    not, a mixture-of-experts layer's router does (norm_router.py): None (default) times both ways in
+    `warm_up` on a GPU and keeps the faster per kind of weight or layer; True every op and router that
     can (the tests); False none.
 
     `fused_attention`: whether a layer's q/k norm, RoPE and KV append run inside its decode attention's
@@ -122,6 +123,7 @@ class DecodeEngine:
         self._appending = appending_layers(executor, timed=False) if fused_attention else {}
         if finish_norm:
             self._choose_finishing(timed=False)
+            self._choose_norm_routers(timed=False)
 
     # ---- caches ----------------------------------------------------------------------------------
 
@@ -220,7 +222,7 @@ class DecodeEngine:
         """Feed self.token at position self.pos; leave the next token in self.token (and in
         cache.out_tokens[step]), then advance pos and step. Reads nothing from the host."""
         from .kernels.attention_append import append_attend
-        from .kernels.norm import add_rmsnorm
+        from .kernels.norm import Finish, add_rmsnorm
         from .kernels.rope import rope_append
 
         mark = self._mark
@@ -247,11 +249,19 @@ class DecodeEngine:
                                 self.num_kv_heads, self.head_dim, rope=rope_tables(a), **qk_norm_args(a))
                 with mark("attention"):
                     cache.attention(self.q, k_cache, v_cache, table, self.pos, self.attn, **options)
-            self._add_norm(a.o, self.attn, "o", layer.attn_post_norm, layer.ffn_norm)
+            moe = self.moe.get(index)
+            if moe is None or moe.norm_router is None:
+                self._add_norm(a.o, self.attn, "o", layer.attn_post_norm, layer.ffn_norm)
+            else:  # the router adds o's partial sums into the residual and norms it (no add_rmsnorm launch)
+                with mark("o"):
+                    parts, bias = self._partial_sums(a.o, self.attn)
+                with mark("residual + norm + router"):
+                    moe.route_norm(Finish(self.counter, self.residual, self.normed, bias,
+                                          norm_args(layer.attn_post_norm), norm_args(layer.ffn_norm)), parts)
             following = layers[index + 1].attn_norm if index + 1 < len(layers) else self.ex.final_norm
-            if index in self.moe:
+            if moe is not None:
                 with mark("router + experts"):
-                    parts = self.moe[index](self.normed, self.partials)
+                    parts = moe(self.normed, self.partials, routed=moe.norm_router is not None)
                 with mark("residual + norm"):
                     add_rmsnorm(self.residual, self.normed, partials=parts, post=norm_args(layer.ffn_post_norm),
                                 norm=norm_args(following))
@@ -357,6 +367,7 @@ class DecodeEngine:
             op.config(mode, *prefix)
         if self.finish_norm is None and self.device.type == "cuda":
             self._choose_finishing(timed=True)
+            self._choose_norm_routers(timed=True)
         if self.fused_attention is None and self.device.type == "cuda":
             self._appending = appending_layers(self.ex, timed=True)
 
@@ -472,6 +483,30 @@ class DecodeEngine:
                 op.finish_config = config
                 if config is not None:
                     self._finishing.add(id(op))
+
+    def _choose_norm_routers(self, timed: bool) -> None:
+        """Which MoE layers' routers add o's partial sums into the residual and norm it themselves
+        (norm_router.py), where o's matvec does not: timed (norm_router.choose, once per kind of layer:
+        router shape and bias, partial rows, o's bias, post-norm), else every one."""
+        from .kernels import norm_router
+
+        kinds: dict[tuple, list] = {}
+        for index, kernels in self.moe.items():
+            kernels.norm_router = None
+            layer = self.ex.layers[index]
+            o = layer.attention.o
+            if id(o) in self._finishing:
+                continue
+            parts = min(o.split, self.partials.shape[0]) if hasattr(o, "matvec") and o.out_features == self.hidden \
+                else 1
+            key = (kernels.num_experts, kernels.hidden, kernels.router_bias is not None, parts, o.bias is not None,
+                   layer.attn_post_norm is not None)
+            kinds.setdefault(key, []).append(kernels)
+        for (*_, parts, bias, post), group in kinds.items():
+            config = norm_router.choose(group, parts, post, bias) if timed else \
+                norm_router.candidates(group[0].num_experts, group[0].hidden)[0]
+            for kernels in group:
+                kernels.norm_router = config
 
     def _mlp(self, mlp: MLPPlan, x: torch.Tensor) -> int:
         """act(gate(x)) * up(x) (or act(up(x))) into self.mlp; returns its width. At an elastic FFN level

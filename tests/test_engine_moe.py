@@ -88,6 +88,31 @@ def test_decode_step_logits_match_the_executor(models):
     assert torch.allclose(got, want.cpu(), rtol=1e-3, atol=1e-3 * want.abs().max().item())
 
 
+@pytest.mark.parametrize("family,quant", [("mixtral", "int4"), ("qwen3_moe", None), ("gpt_oss", None)])
+def test_routers_that_run_the_residual_norm(models, family, quant):
+    """The MoE layers' routers adding o's partial sums into the residual and norming it (finish_norm=True:
+    every layer; norm_router.py) instead of an add_rmsnorm launch: the executor's tokens (GPT-OSS: o's
+    and the router's biases), the arrival counter back at zero after every step, and under the
+    interpreter the very logits of the separate launches."""
+    from thin.runtime.engine import DecodeEngine
+
+    model = models(family, quant)
+    fused = DecodeEngine(model.executor, finish_norm=True)
+    plain = DecodeEngine(model.executor, finish_norm=False)
+    assert fused.moe and all(k.norm_router is not None for k in fused.moe.values())
+    assert all(k.norm_router is None for k in plain.moe.values())
+    prompt = _prompt(9, seed=5)
+    want = _tokens(model, prompt, 6)
+    assert _tokens(model, prompt, 6, fused) == want and int(fused.counter) == 0
+    assert _tokens(model, prompt, 6, plain) == want
+    if not HAS_CUDA:
+        assert torch.equal(fused.logits, plain.logits)
+    else:  # the timed choice (norm_router.choose), whichever way it goes
+        timed = DecodeEngine(model.executor)
+        timed.warm_up()
+        assert _tokens(model, prompt, 6, timed) == want
+
+
 def test_two_plane_expert_formats_match_the_executor(models):
     """int5 experts (a 4-bit and a 1-bit code plane) through the engine."""
     from thin.runtime.engine import DecodeEngine

@@ -12,6 +12,11 @@ tiles are the ones the engine's load would pick (timed), named by ExpertConfig.l
 rows x groups (whole-word tilings: chunks of 32 columns) / warps, +pf prefetching, +words whole-word
 reads, +pairs bf16 pairs. `--device cpu` runs it once through Triton's
 interpreter at any shape given by --hidden/--inter/--experts/--top-k/--layers (a smoke test).
+
+A second table times what comes before the experts in the decode step, the residual norm then the
+router, both ways (the first format's layers, in one graph): add_rmsnorm of `--parts` split-K partial
+rows (o's) then the router, against the router that runs the norm itself (kernels/norm_router.py), each
+of its tilings; the engine's warm-up picks between them by a shorter timing of the same launches.
 """
 
 from __future__ import annotations
@@ -70,12 +75,46 @@ def step(kernels, x, partials, part: str) -> None:
                 k._down(i, partials, k.config(i, "down"))
 
 
+def norm_rows(kernels, parts: int) -> list[tuple[str, float]]:
+    """(what, us per layer) of add_rmsnorm of `parts` partial rows then the router, and of each tiling of
+    the norming router (norm_router.candidates), over every layer in one graph."""
+    from thin.runtime.kernels import norm_router
+    from thin.runtime.kernels.norm import Finish, add_rmsnorm
+
+    first = kernels[0]
+    hidden, device, dtype = first.hidden, first.device, first.dtype
+    residual, normed = torch.randn(hidden, device=device).to(dtype), torch.empty(hidden, dtype=dtype, device=device)
+    partials = torch.randn(parts, hidden, device=device)
+    finish = Finish(torch.zeros(1, dtype=torch.int32, device=device), residual, normed, None, None,
+                    (torch.ones(hidden, device=device), 1e-5))
+
+    def separate():
+        for k in kernels:
+            add_rmsnorm(residual, normed, partials=partials, norm=finish.norm)
+            k.route(normed)
+
+    def fused():
+        for k in kernels:
+            k.route_norm(finish, partials)
+
+    rows = [(f"add_rmsnorm + router {first.router_config().label()}", 1e6 * time_graph([separate], reps=20)
+             / len(kernels))]
+    for config in norm_router.candidates(first.num_experts, hidden):
+        for k in kernels:
+            k.norm_router = config
+        rows.append((f"norming router {config.label()}", 1e6 * time_graph([fused], reps=20) / len(kernels)))
+    for k in kernels:
+        k.norm_router = None
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="moe-a3b")
     ap.add_argument("--formats", default="bf16,int4,mxfp4")
     ap.add_argument("--group-size", type=int, default=None, help="int4's group (default 128, 64 for 2880 columns)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    ap.add_argument("--parts", type=int, default=4, help="partial rows the residual norm adds (o's split-K)")
     for name in ("hidden", "inter", "experts", "top-k", "layers"):
         ap.add_argument(f"--{name}", type=int, default=None, help="override the shape's")
     args = ap.parse_args()
@@ -89,7 +128,7 @@ def main() -> None:
         raise SystemExit("no CUDA device here (--device cpu with TRITON_INTERPRET=1 for a smoke run)")
     dtype = torch.bfloat16
     group = args.group_size or (128 if hidden % 128 == 0 and inter % 128 == 0 else 64)
-    rows = []
+    rows, norm = [], []
     for fmt in args.formats.split(","):
         params = {"group_size": group} if fmt.startswith("int") and fmt != "int8" else {}
         began = time.perf_counter()
@@ -106,6 +145,8 @@ def main() -> None:
             step(kernels, x, partials, "all")
             print(f"{fmt}: ran {layers} layers through the interpreter (setup {setup:.1f} s)")
             continue
+        if not norm:
+            norm = norm_rows(kernels, args.parts)
         ms = {part: 1e3 * time_graph([lambda p=part, k=kernels, x=x, out=partials: step(k, x, out, p)], reps=20)
               for part in ("router", "gate_up", "down", "all")}
         per = {p: 1e3 * t / layers for p, t in ms.items()}
@@ -124,6 +165,10 @@ def main() -> None:
     for fmt, per, bw, nbytes, _, rt, gu, dn in rows:
         cells = " | ".join(f"{per[p]:.1f} ({bw[p]:.0f})" for p in ("router", "gate_up", "down", "all"))
         print(f"| {fmt} | {nbytes / 1e6:.1f} | {cells} | {rt.label()}; {gu.label()}; {dn.label()} |")
+    print(f"\nresidual norm ({args.parts} partial rows) then router, us per layer")
+    print("| launches | us |\n| --- | ---: |")
+    for what, us in norm:
+        print(f"| {what} | {us:.2f} |")
 
 
 if __name__ == "__main__":

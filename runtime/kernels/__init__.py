@@ -19,6 +19,8 @@ Everything else a decode step runs:
     expert_rows.py  one expert's rows in any weight format, found through per-format offset tables
     expert_words.py grouped-int experts' rows read as whole words (the dense int4 matvec's chunk scheme)
     expert_tiles.py the expert kernels' launch tiles: candidates the load-time timing picks from
+    norm_router.py  the router with the residual norm before its MoE layer inside (the engine times it
+                    against add_rmsnorm + router at warm-up)
     grouped_int_batch.py  int4 weights times a few rows of activations (the batched decode step)
     sampling.py     greedy argmax and temperature / top-k / top-p / min-p draws on the device
     prefill.py      the prefill matmuls' tilings and their choice per prompt-length bucket (TiledPrefill)

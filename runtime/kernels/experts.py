@@ -3,7 +3,9 @@ weighted down projection, each expert read from its own packed bytes where they 
 
 Per MoE layer and token, three launches, none of which needs the host:
 
-    _router_kernel   logits[E] = x @ router.T (+ bias), float32 (programs over experts)
+    _router_kernel   logits[E] = x @ router.T (+ bias), float32 (programs over experts); or, where the
+                     engine's timing prefers it, norm_router.py's, which also runs the residual norm
+                     that computes x (the add_rmsnorm launch before the layer)
     _gate_up_kernel  program (slot, row block): the top-k of the logits (every program recomputes
                      it: E <= 256 numbers in registers, cheaper than a launch; row block 0 also
                      stores it in `chosen` / `weights`), e = the slot's expert,
@@ -264,6 +266,9 @@ class MoEKernels:
         self.chosen = torch.zeros(self.top_k, dtype=torch.int32, device=self.device)
         self.weights = torch.zeros(self.top_k, dtype=torch.float32, device=self.device)
         self._configs: dict = {}
+        # The router's tiles when it also runs the residual norm before the layer (norm_router.py; the
+        # engine chooses, by timing): None while it does not.
+        self.norm_router: RouterConfig | None = None
 
     @staticmethod
     def _key(op, dtype) -> tuple:
@@ -446,10 +451,21 @@ class MoEKernels:
             G=g.group or config.groups, NG=config.groups if g.group else 1, BN=config.block_n,
             PREFETCH=config.prefetch, num_warps=config.num_warps, **self._common(g, config, n, self.inter, self.h))
 
-    def __call__(self, x: torch.Tensor, partials: torch.Tensor) -> torch.Tensor:
-        """partials[:top_k] = the k chosen experts' weighted outputs for x [hidden]; returns that view."""
+    def route_norm(self, finish, partials: torch.Tensor) -> None:
+        """add_rmsnorm(finish's residual and normed, `partials` [n, hidden] float32, its bias and norms), then
+        self.route(finish.normed), in one launch of the `norm_router` tiles (norm_router.py)."""
+        from .norm_router import norm_route
+
+        if self.norm_router is None:
+            raise ValueError("route_norm runs with chosen norm_router tiles")
+        norm_route(self, finish, partials, self.norm_router)
+
+    def __call__(self, x: torch.Tensor, partials: torch.Tensor, *, routed: bool = False) -> torch.Tensor:
+        """partials[:top_k] = the k chosen experts' weighted outputs for x [hidden]; returns that view.
+        `routed`: self.logits already hold x's router logits (route_norm), so the router is not launched."""
         out = partials[:self.top_k]
-        self.route(x)
+        if not routed:
+            self.route(x)
         for index in range(len(self.gate_up_groups)):
             self._gate_up(index, x, self.config(index, "gate_up"))
         for index in range(len(self.down_groups)):

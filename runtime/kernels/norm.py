@@ -46,11 +46,29 @@ def _add_rmsnorm_kernel(res_ptr, delta_ptr, bias_ptr, post_ptr, norm_ptr, out_pt
 def residual_norm_row(res_ptr, delta_ptr, bias_ptr, post_ptr, norm_ptr, out_ptr, row, H, n_parts, part_stride,
                       post_eps, eps, DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, POST: tl.constexpr,
                       NORM: tl.constexpr, BLOCK: tl.constexpr, N_PARTS: tl.constexpr, FRESH: tl.constexpr):
-    """Row `row` of add_rmsnorm. DELTA: 0 none, 1 float32 partials [n_parts, rows, H] (part_stride =
-    rows * H; the decode step's one row: [n_parts, H]), summed in split order, then the bias; 2 a dense
-    [rows, H] projection output. N_PARTS: n_parts when it is small (the loop unrolled), else 0. FRESH:
-    the partial sums were written by other programs of this same launch (a matvec's last program runs
-    this, `last_program`): loaded from L2, past this multiprocessor's L1.
+    """Row `row` of add_rmsnorm: `residual_norm_values`, stored (the residual in place, where DELTA)."""
+    res, out = residual_norm_values(res_ptr, delta_ptr, bias_ptr, post_ptr, norm_ptr, row, H, n_parts, part_stride,
+                                    post_eps, eps, DELTA, HAS_BIAS, POST, NORM, BLOCK, N_PARTS, FRESH)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < H
+    dtype = res_ptr.dtype.element_ty
+    if DELTA > 0:
+        tl.store(res_ptr + row * H + cols, res.to(dtype), mask=mask)
+    tl.store(out_ptr + row * H + cols, out.to(dtype), mask=mask)
+
+
+@triton.jit
+def residual_norm_values(res_ptr, delta_ptr, bias_ptr, post_ptr, norm_ptr, row, H, n_parts, part_stride,
+                         post_eps, eps, DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, POST: tl.constexpr,
+                         NORM: tl.constexpr, BLOCK: tl.constexpr, N_PARTS: tl.constexpr, FRESH: tl.constexpr):
+    """(new residual, out) of row `row` of add_rmsnorm, float32 [BLOCK] in registers (each holding values
+    of the compute dtype; out is not rounded yet), stored by nobody: `residual_norm_row` stores them, a
+    kernel that reads the old residual in several programs (norm_router.py) stores them from its last.
+    DELTA: 0 none, 1 float32 partials [n_parts, rows, H] (part_stride = rows * H; the decode step's one
+    row: [n_parts, H]), summed in split order, then the bias; 2 a dense [rows, H] projection output.
+    N_PARTS: n_parts when it is small (the loop unrolled), else 0. FRESH: the partial sums were written
+    by other programs of this same launch (a matvec's last program runs this, `last_program`): loaded
+    from L2, past this multiprocessor's L1.
 
     A chain of memory latencies, not a stream of bytes: the partial rows are loaded at once (not one a
     loop step, each waiting for the one before) and the norm weights before the row's sum of squares,
@@ -80,12 +98,11 @@ def residual_norm_row(res_ptr, delta_ptr, bias_ptr, post_ptr, norm_ptr, out_ptr,
         if POST:
             h = _rms(h, mask, post_w, H, post_eps).to(dtype).to(tl.float32)
         res = (res + h).to(dtype).to(tl.float32)
-        tl.store(res_ptr + row * H + cols, res.to(dtype), mask=mask)
     if NORM:  # noqa: SIM108  (constexpr branches: only one is compiled)
         out = _rms(res, mask, norm_w, H, eps)
     else:
         out = res
-    tl.store(out_ptr + row * H + cols, out.to(dtype), mask=mask)
+    return res, out
 
 
 @triton.jit
