@@ -32,6 +32,9 @@ _CACHE_MAX_BYTES = 64 << 20
 # write in the same timestamp tick (coarse filesystem clocks), which would make the cache lie.
 _RACY_NS = 3_000_000_000
 _CHUNK = 8 << 20
+# Files hashed at once (threads): a checkpoint's shards, bounded so a folder of many files doesn't
+# open them all together.
+_HASH_THREADS = min(8, os.cpu_count() or 1)
 
 
 def default_hash_cache() -> Path:
@@ -93,12 +96,14 @@ def hash_files(paths, *, hash_cache: Path | None = None,
 
     `expected` maps str(path) to the identity the caller saw when it read the file (see `_identity`);
     a file whose identity differs now raises SourceChangedError, so the key never describes bytes
-    other than the ones the caller read."""
+    other than the ones the caller read. Files not in the cache are hashed in parallel threads (one
+    sha256 is sequential, but a sharded checkpoint's shards are independent, and hashlib and file
+    reads release the GIL): the digests are the same, the wall time that of the largest shard."""
     cache_path = Path(hash_cache) if hash_cache is not None else default_hash_cache()
     cache = _load_cache(cache_path)
     expected = expected or {}
-    changed = False
-    out = {}
+    out: dict[str, str | None] = {}
+    todo: list[tuple[str, str, list[int]]] = []  # (name, resolved path, identity) of files to hash
     for p in paths:
         resolved = str(Path(p).resolve())
         ident = _identity(os.stat(resolved))
@@ -110,14 +115,29 @@ def hash_files(paths, *, hash_cache: Path | None = None,
         if hit is not None and hit["id"] == ident:
             out[str(p)] = hit["sha256"]
             continue
+        out[str(p)] = None  # keeps the order of `paths`
+        todo.append((str(p), resolved, ident))
+
+    def digest(name: str, resolved: str, ident: list[int]) -> tuple[str, int]:
         started = time.time_ns()
-        digest = _hash_file(Path(resolved), ident)
+        value = _hash_file(Path(resolved), ident)
         if _identity(os.stat(resolved)) != ident:
-            raise SourceChangedError(f"{p} changed while it was being hashed; let the download or copy finish")
-        out[str(p)] = digest
+            raise SourceChangedError(f"{name} changed while it was being hashed; let the download or copy finish")
+        return value, started
+
+    if len(todo) > 1:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=min(len(todo), _HASH_THREADS)) as pool:
+            results = list(pool.map(lambda t: digest(*t), todo))
+    else:
+        results = [digest(*t) for t in todo]
+    changed = False
+    for (name, resolved, ident), (value, started) in zip(todo, results):
+        out[name] = value
         if ident[1] < started - _RACY_NS:
             cache.pop(resolved, None)
-            cache[resolved] = {"id": ident, "sha256": digest}
+            cache[resolved] = {"id": ident, "sha256": value}
             changed = True
     if changed:
         _save_cache(cache_path, cache)

@@ -144,6 +144,22 @@ def test_hash_files_and_refusals(ckpt):
         _key(d, cache, inputs=[d / "config.json"])
 
 
+def test_several_files_hash_in_parallel_to_each_files_own_digest(tmp_path):
+    """Uncached files are hashed in threads: each digest is its own file's, in the order given, and a
+    failure in one thread (a file that is not a regular file) still refuses the whole key."""
+    import hashlib
+    files = [tmp_path / f"shard-{i}.bin" for i in range(5)]
+    for i, f in enumerate(files):
+        f.write_bytes(os.urandom(1000 + 7919 * i))
+    digests = hash_files(list(reversed(files)), hash_cache=tmp_path / "cache.json")
+    assert list(digests) == [str(f) for f in reversed(files)]
+    assert digests == {str(f): hashlib.sha256(f.read_bytes()).hexdigest() for f in files}
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(SourceChangedError):
+        hash_files([*files, fifo], hash_cache=tmp_path / "other.json")
+
+
 def test_a_file_changed_since_it_was_read_is_refused(ckpt):
     """The compiler passes the identity it saw when reading each file: a later change is not hashed
     into a key for bytes the compile never read."""
