@@ -120,7 +120,9 @@ def calibrate_inputs(program: Program, ctx: PassContext) -> Program:
             slot["weight2"] += x.shape[0]
         else:  # a routed expert's error reaches the layer output scaled by its routing weight
             slot["hessian"].addmm_(x.T, x * (g * g).unsqueeze(1))
-            slot["weight2"] += float((g * g).sum())
+            # Summed in float64 on the device (the same additions as a Python float), so the forward
+            # pass doesn't wait for the device at every expert of every layer; read once at the end.
+            slot["weight2"] = slot["weight2"] + (g * g).sum().double()
         slot["sum"] += x.sum(0)
         slot["abssum"] += x.abs().sum(0)
         slot["absmax"] = torch.maximum(slot["absmax"], x.abs().amax(0))
@@ -133,6 +135,10 @@ def calibrate_inputs(program: Program, ctx: PassContext) -> Program:
             session.forward(w)
     ctx.report("calibrate", len(windows), len(windows))
     del session
+    summed = [slot for slot in sums.values() if torch.is_tensor(slot["weight2"])]
+    if summed:
+        for slot, value in zip(summed, torch.stack([slot["weight2"] for slot in summed]).tolist()):
+            slot["weight2"] = value
     unreached = sorted(k for k in leaders if k not in sums)
     routed = routed_counts(program.model, sums)
     weights = routing_weights(program.model, sums)
@@ -144,7 +150,9 @@ def calibrate_inputs(program: Program, ctx: PassContext) -> Program:
     frequency = torch.bincount(used, minlength=program.model.vocab_size)[:program.model.vocab_size]
     ctx.scratch.save("calibration/token_frequency", {"frequency": frequency.double() / total})
     for key in leaders:
-        slot = sums.get(key)
+        # Taken out of `sums` as it is saved: the running sums go as their scaled copies are kept (on a
+        # CPU compile both are host memory, and gpt-oss-20b's are ~52 GB each).
+        slot = sums.pop(key, None)
         if slot is None:  # an expert no calibration token was routed to
             continue
         count = max(slot["count"], 1)
