@@ -31,6 +31,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+from .engine_moe import choose_finishing_downs, choose_norm_routers
 from .engine_plans import (
     appending_layers,
     block_table,
@@ -54,9 +55,10 @@ class DecodeEngine:
 
     `finish_norm`: whether o's and down's matvecs (int8, fp8_e4m3) add their partial sums into the
     residual and norm it in their own last program instead of an add_rmsnorm launch, and where o's does
-    not, a mixture-of-experts layer's router does (norm_router.py): None (default) times both ways in
-    `warm_up` on a GPU and keeps the faster per kind of weight or layer; True every op and router that
-    can (the tests); False none.
+    not, a mixture-of-experts layer's router does (norm_router.py), and likewise the residual norm after
+    such a layer, in its expert down launch's last program (expert_finish.py, a layer of one down
+    format): None (default) times both ways in `warm_up` on a GPU and keeps the faster per kind of weight
+    or layer; True every op, router and down launch that can (the tests); False none.
 
     `fused_attention`: whether a layer's q/k norm, RoPE and KV append run inside its decode attention's
     split kernel (kernels/attention_append.py: two launches, not rope_append's three): None (default)
@@ -123,7 +125,8 @@ class DecodeEngine:
         self._appending = appending_layers(executor, timed=False) if fused_attention else {}
         if finish_norm:
             self._choose_finishing(timed=False)
-            self._choose_norm_routers(timed=False)
+            choose_norm_routers(self, timed=False)
+            choose_finishing_downs(self, timed=False)
 
     # ---- caches ----------------------------------------------------------------------------------
 
@@ -259,7 +262,12 @@ class DecodeEngine:
                     moe.route_norm(Finish(self.counter, self.residual, self.normed, bias,
                                           norm_args(layer.attn_post_norm), norm_args(layer.ffn_norm)), parts)
             following = layers[index + 1].attn_norm if index + 1 < len(layers) else self.ex.final_norm
-            if moe is not None:
+            if moe is not None and moe.finish_down is not None:  # down's last program runs the residual norm
+                with mark("router + experts + residual + norm"):
+                    moe(self.normed, self.partials, routed=moe.norm_router is not None,
+                        finish=Finish(self.counter, self.residual, self.normed, None, norm_args(layer.ffn_post_norm),
+                                      norm_args(following)))
+            elif moe is not None:
                 with mark("router + experts"):
                     parts = moe(self.normed, self.partials, routed=moe.norm_router is not None)
                 with mark("residual + norm"):
@@ -367,7 +375,8 @@ class DecodeEngine:
             op.config(mode, *prefix)
         if self.finish_norm is None and self.device.type == "cuda":
             self._choose_finishing(timed=True)
-            self._choose_norm_routers(timed=True)
+            choose_norm_routers(self, timed=True)
+            choose_finishing_downs(self, timed=True)
         if self.fused_attention is None and self.device.type == "cuda":
             self._appending = appending_layers(self.ex, timed=True)
 
@@ -483,30 +492,6 @@ class DecodeEngine:
                 op.finish_config = config
                 if config is not None:
                     self._finishing.add(id(op))
-
-    def _choose_norm_routers(self, timed: bool) -> None:
-        """Which MoE layers' routers add o's partial sums into the residual and norm it themselves
-        (norm_router.py), where o's matvec does not: timed (norm_router.choose, once per kind of layer:
-        router shape and bias, partial rows, o's bias, post-norm), else every one."""
-        from .kernels import norm_router
-
-        kinds: dict[tuple, list] = {}
-        for index, kernels in self.moe.items():
-            kernels.norm_router = None
-            layer = self.ex.layers[index]
-            o = layer.attention.o
-            if id(o) in self._finishing:
-                continue
-            parts = min(o.split, self.partials.shape[0]) if hasattr(o, "matvec") and o.out_features == self.hidden \
-                else 1
-            key = (kernels.num_experts, kernels.hidden, kernels.router_bias is not None, parts, o.bias is not None,
-                   layer.attn_post_norm is not None)
-            kinds.setdefault(key, []).append(kernels)
-        for (*_, parts, bias, post), group in kinds.items():
-            config = norm_router.choose(group, parts, post, bias) if timed else \
-                norm_router.candidates(group[0].num_experts, group[0].hidden)[0]
-            for kernels in group:
-                kernels.norm_router = config
 
     def _mlp(self, mlp: MLPPlan, x: torch.Tensor) -> int:
         """act(gate(x)) * up(x) (or act(up(x))) into self.mlp; returns its width. At an elastic FFN level

@@ -90,17 +90,18 @@ def test_decode_step_logits_match_the_executor(models):
 
 @pytest.mark.parametrize("family,quant", [("mixtral", "int4"), ("qwen3_moe", None), ("gpt_oss", None)])
 def test_routers_that_run_the_residual_norm(models, family, quant):
-    """The MoE layers' routers adding o's partial sums into the residual and norming it (finish_norm=True:
-    every layer; norm_router.py) instead of an add_rmsnorm launch: the executor's tokens (GPT-OSS: o's
-    and the router's biases), the arrival counter back at zero after every step, and under the
-    interpreter the very logits of the separate launches."""
+    """The MoE layers' routers adding o's partial sums into the residual and norming it, and their expert
+    down launches the residual norm after the layer (finish_norm=True: every layer; norm_router.py,
+    expert_finish.py) instead of add_rmsnorm launches: the executor's tokens (GPT-OSS: o's and the
+    router's biases), the arrival counter back at zero after every step, and under the interpreter the
+    very logits of the separate launches."""
     from thin.runtime.engine import DecodeEngine
 
     model = models(family, quant)
     fused = DecodeEngine(model.executor, finish_norm=True)
     plain = DecodeEngine(model.executor, finish_norm=False)
-    assert fused.moe and all(k.norm_router is not None for k in fused.moe.values())
-    assert all(k.norm_router is None for k in plain.moe.values())
+    assert fused.moe and all(k.norm_router is not None and k.finish_down is not None for k in fused.moe.values())
+    assert all(k.norm_router is None and k.finish_down is None for k in plain.moe.values())
     prompt = _prompt(9, seed=5)
     want = _tokens(model, prompt, 6)
     assert _tokens(model, prompt, 6, fused) == want and int(fused.counter) == 0
@@ -111,6 +112,27 @@ def test_routers_that_run_the_residual_norm(models, family, quant):
         timed = DecodeEngine(model.executor)
         timed.warm_up()
         assert _tokens(model, prompt, 6, timed) == want
+
+
+@pytest.mark.parametrize("family,quant", [("mixtral", "int4"), ("qwen3_moe", None), ("gpt_oss", None)])
+def test_expert_downs_that_run_the_residual_norm(models, family, quant):
+    """The down launches' last programs running the residual norm after each MoE layer alone (the routers
+    launched apart, add_rmsnorm before them; engine_moe.choose_finishing_downs untimed): the executor's
+    tokens, the counter back at zero, and under the interpreter the plain engine's very logits."""
+    from thin.runtime.engine import DecodeEngine
+    from thin.runtime.engine_moe import choose_finishing_downs
+
+    model = models(family, quant)
+    fused = DecodeEngine(model.executor, finish_norm=False)
+    choose_finishing_downs(fused, timed=False)
+    assert fused.moe and all(k.finish_down is not None and k.norm_router is None for k in fused.moe.values())
+    plain = DecodeEngine(model.executor, finish_norm=False)
+    prompt = _prompt(7, seed=11)
+    want = _tokens(model, prompt, 5)
+    assert _tokens(model, prompt, 5, fused) == want and int(fused.counter) == 0
+    assert _tokens(model, prompt, 5, plain) == want
+    if not HAS_CUDA:
+        assert torch.equal(fused.logits, plain.logits)
 
 
 def test_two_plane_expert_formats_match_the_executor(models):

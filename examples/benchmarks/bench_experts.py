@@ -17,6 +17,10 @@ A second table times what comes before the experts in the decode step, the resid
 router, both ways (the first format's layers, in one graph): add_rmsnorm of `--parts` split-K partial
 rows (o's) then the router, against the router that runs the norm itself (kernels/norm_router.py), each
 of its tilings; the engine's warm-up picks between them by a shorter timing of the same launches.
+
+A third table times what comes after the experts, per format: the chosen down launch then add_rmsnorm
+of its top_k rows, against the down launch whose last program runs that norm itself
+(kernels/expert_finish.py), each of its tilings; again the warm-up's choice, timed longer.
 """
 
 from __future__ import annotations
@@ -108,6 +112,36 @@ def norm_rows(kernels, parts: int) -> list[tuple[str, float]]:
     return rows
 
 
+def finish_rows(kernels, fmt: str) -> list[tuple[str, float]]:
+    """(what, us per layer) of the chosen down launch then add_rmsnorm of its rows, and of each tiling of
+    the finishing down launch (expert_finish.candidates), over every layer in one graph (their routings
+    and intermediates as the last step left them)."""
+    from thin.runtime.kernels import expert_finish
+    from thin.runtime.kernels.norm import Finish, add_rmsnorm
+
+    first = kernels[0]
+    hidden, device, dtype = first.hidden, first.device, first.dtype
+    residual, normed = torch.randn(hidden, device=device).to(dtype), torch.empty(hidden, dtype=dtype, device=device)
+    out = torch.zeros(first.top_k, hidden, dtype=torch.float32, device=device)
+    finish = Finish(torch.zeros(1, dtype=torch.int32, device=device), residual, normed, None, None,
+                    (torch.ones(hidden, device=device), 1e-5))
+
+    def separate():
+        for k in kernels:
+            k._down(0, out, k.config(0, "down"))
+            add_rmsnorm(residual, normed, partials=out, norm=finish.norm)
+
+    rows = [(f"{fmt}: down {first.config(0, 'down').label()} + add_rmsnorm",
+             1e6 * time_graph([separate], reps=20) / len(kernels))]
+    for config in expert_finish.candidates(first):
+        def fused(config=config):
+            for k in kernels:
+                k._down(0, out, config, finish=finish)
+
+        rows.append((f"{fmt}: finishing down {config.label()}", 1e6 * time_graph([fused], reps=20) / len(kernels)))
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="moe-a3b")
@@ -128,7 +162,7 @@ def main() -> None:
         raise SystemExit("no CUDA device here (--device cpu with TRITON_INTERPRET=1 for a smoke run)")
     dtype = torch.bfloat16
     group = args.group_size or (128 if hidden % 128 == 0 and inter % 128 == 0 else 64)
-    rows, norm = [], []
+    rows, norm, after = [], [], []
     for fmt in args.formats.split(","):
         params = {"group_size": group} if fmt.startswith("int") and fmt != "int8" else {}
         began = time.perf_counter()
@@ -154,6 +188,7 @@ def main() -> None:
                 "all": up_bytes + down_bytes + router_bytes}
         rows.append((fmt, per, {p: read[p] / (per[p] * 1e-6) / 1e9 for p in per}, up_bytes + down_bytes, setup,
                      kernels[0].router_config(), kernels[0].config(0, "gate_up"), kernels[0].config(0, "down")))
+        after += finish_rows(kernels, fmt)
         kernels.clear()
         torch.cuda.empty_cache()
     if not rows:
@@ -168,6 +203,10 @@ def main() -> None:
     print(f"\nresidual norm ({args.parts} partial rows) then router, us per layer")
     print("| launches | us |\n| --- | ---: |")
     for what, us in norm:
+        print(f"| {what} | {us:.2f} |")
+    print(f"\nexpert down then the residual norm of its {top_k} rows, us per layer")
+    print("| launches | us |\n| --- | ---: |")
+    for what, us in after:
         print(f"| {what} | {us:.2f} |")
 
 

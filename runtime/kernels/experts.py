@@ -13,7 +13,8 @@ Per MoE layer and token, three launches, none of which needs the host:
                      (alpha, limit, the offset added to up)
     _down_kernel     program (slot, row block): e and w from `chosen` / `weights`,
                      partials[slot] = w * (down_e h[slot] + b), float32; the fused residual norm
-                     adds the k rows (norm.add_rmsnorm)
+                     adds the k rows (norm.add_rmsnorm), or, where the engine's timing prefers it,
+                     the launch's last program does (expert_finish.py)
 
 So expert indices never leave the device and a captured decode step holds the whole layer. The
 weights stay as the executor loaded them; how a program finds and decodes its expert's rows (a
@@ -44,6 +45,7 @@ from .common import ACTIVATION_CODES, MAGIC_BITS, compile_launches, median_ms_or
 from .expert_rows import FORMAT_CODES, GINT, MXFP4, SUPPORTED, ExpertGroup, row_bias, rows_dot, weight_parts
 from .expert_tiles import ExpertConfig, RouterConfig, expert_candidates, router_candidates, routings
 from .expert_words import words_dot
+from .norm import l2_prefetch, last_program, residual_norm_row
 from .pairs import PAIR_MAGIC, zero_pair
 from .tiles import activate, glu_halves
 
@@ -166,9 +168,21 @@ def _down_kernel(base, table, member_ptr, chosen_ptr, weights_ptr, h_ptr, out_pt
                  FMT: tl.constexpr, SUB: tl.constexpr, G: tl.constexpr, NG: tl.constexpr, BN: tl.constexpr,
                  ASYM: tl.constexpr, HAS_BIAS: tl.constexpr, PREFETCH: tl.constexpr, WORDS: tl.constexpr,
                  PACKED: tl.constexpr, ZERO_BITS: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                 ASM: tl.constexpr, EVERY: tl.constexpr):
+                 ASM: tl.constexpr, EVERY: tl.constexpr, counter_ptr=None, res_ptr=None, finish_bias_ptr=None,
+                 post_ptr=None, norm_ptr=None, normed_ptr=None, post_eps=0.0, eps=0.0, FINISH: tl.constexpr = False,
+                 FINISH_BIAS: tl.constexpr = False, POST: tl.constexpr = False, NORM: tl.constexpr = False,
+                 H_BLOCK: tl.constexpr = 1, N_PARTS: tl.constexpr = 0, NORM_PREFETCH: tl.constexpr = False):
     """Program (slot, i): out[slot, i*BN..] = w_slot * (down h[slot] + bias), float32, each factor
-    rounded to h's dtype as the torch path rounds it. WORDS: as _gate_up_kernel's."""
+    rounded to h's dtype as the torch path rounds it. WORDS: as _gate_up_kernel's. FINISH: the launch's
+    last program (norm.last_program) also adds the top_k rows of `out` into the residual and norms it
+    (norm.Finish: add_rmsnorm's arithmetic, the rows read past L1), so no residual-norm launch follows;
+    NORM_PREFETCH: program (0, 0) first asks L2 for the norm weights that program reads."""
+    if NORM_PREFETCH:  # noqa: SIM102  (a constexpr condition, then a run-time one)
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            if NORM:
+                l2_prefetch(norm_ptr, 4 * n)
+            if POST:
+                l2_prefetch(post_ptr, 4 * n)
     slot = tl.program_id(0)
     expert = tl.load(chosen_ptr + slot)
     weight = tl.load(weights_ptr + slot)
@@ -189,6 +203,11 @@ def _down_kernel(base, table, member_ptr, chosen_ptr, weights_ptr, h_ptr, out_pt
         y = (y + row_bias(base, offs, rows, row_mask, HAS_BIAS, dtype)).to(dtype).to(tl.float32)
         w = weight.to(dtype).to(tl.float32)
         tl.store(out_ptr + slot * n + rows, (y * w).to(dtype).to(tl.float32), mask=row_mask)
+    if FINISH:  # noqa: SIM102  (every program arrives, member of the group or not)
+        if last_program(counter_ptr):
+            residual_norm_row(res_ptr, out_ptr, finish_bias_ptr, post_ptr, norm_ptr, normed_ptr, 0, n,
+                              tl.num_programs(0), n, post_eps, eps, 1, FINISH_BIAS, POST, NORM, H_BLOCK, N_PARTS,
+                              True)
 
 
 # ---- launchers --------------------------------------------------------------------------------------------
@@ -269,6 +288,9 @@ class MoEKernels:
         # The router's tiles when it also runs the residual norm before the layer (norm_router.py; the
         # engine chooses, by timing): None while it does not.
         self.norm_router: RouterConfig | None = None
+        # The down kernel's tiles when its last program also runs the residual norm after the layer
+        # (expert_finish.py; the engine chooses, by timing; one down group only): None while it does not.
+        self.finish_down: ExpertConfig | None = None
 
     @staticmethod
     def _key(op, dtype) -> tuple:
@@ -441,15 +463,25 @@ class MoEKernels:
             FUSED=self.fused, PREFETCH=config.prefetch, num_warps=config.num_warps,
             **self._common(g, config, n, self.hidden, x))
 
-    def _down(self, index: int, out: torch.Tensor, config: ExpertConfig, chosen=None, weights=None) -> None:
+    def _down(self, index: int, out: torch.Tensor, config: ExpertConfig, chosen=None, weights=None,
+              finish=None) -> None:
+        """Group `index`'s down launch into out [top_k, hidden]; with `finish` (a norm.Finish, the layer's one
+        down group) its last program also adds out's rows into the residual and norms it."""
         g = self.down_groups[index]
         n = self.hidden
         grid = (self.top_k, -(-n // config.block_n))
+        extra = {}
+        if finish is not None:
+            if len(self.down_groups) != 1 or out.shape != (self.top_k, n) or not out.is_contiguous():
+                raise ValueError("a finishing down launch writes every one of the top_k rows [top_k, hidden] itself")
+            extra = finish.launch_args(self.top_k, n)
+            extra["NORM_PREFETCH"] = extra.pop("PREFETCH")
         _down_kernel[grid](
             self.base, g.down_table, g.member, self.chosen if chosen is None else chosen,
             self.weights if weights is None else weights, self.h, out, self.inter, n,
             G=g.group or config.groups, NG=config.groups if g.group else 1, BN=config.block_n,
-            PREFETCH=config.prefetch, num_warps=config.num_warps, **self._common(g, config, n, self.inter, self.h))
+            PREFETCH=config.prefetch, num_warps=config.num_warps, **self._common(g, config, n, self.inter, self.h),
+            **extra)
 
     def route_norm(self, finish, partials: torch.Tensor) -> None:
         """add_rmsnorm(finish's residual and normed, `partials` [n, hidden] float32, its bias and norms), then
@@ -460,14 +492,21 @@ class MoEKernels:
             raise ValueError("route_norm runs with chosen norm_router tiles")
         norm_route(self, finish, partials, self.norm_router)
 
-    def __call__(self, x: torch.Tensor, partials: torch.Tensor, *, routed: bool = False) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, partials: torch.Tensor, *, routed: bool = False, finish=None) -> torch.Tensor:
         """partials[:top_k] = the k chosen experts' weighted outputs for x [hidden]; returns that view.
-        `routed`: self.logits already hold x's router logits (route_norm), so the router is not launched."""
+        `routed`: self.logits already hold x's router logits (route_norm), so the router is not launched.
+        `finish` (a norm.Finish): the down launch of the `finish_down` tiles also runs add_rmsnorm of those
+        rows (expert_finish.py), so the caller launches none."""
         out = partials[:self.top_k]
         if not routed:
             self.route(x)
         for index in range(len(self.gate_up_groups)):
             self._gate_up(index, x, self.config(index, "gate_up"))
+        if finish is not None:
+            if self.finish_down is None:
+                raise ValueError("a finishing down launch runs with chosen finish_down tiles")
+            self._down(0, out, self.finish_down, finish=finish)
+            return out
         for index in range(len(self.down_groups)):
             self._down(index, out, self.config(index, "down"))
         return out
