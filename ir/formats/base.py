@@ -274,13 +274,18 @@ class Format:
         import torch
 
         parts = self.parts(tuple(shape), params)
-        blob = torch.zeros(parts[-1].offset + parts[-1].nbytes, dtype=torch.uint8)
+        # Uninitialised, then every byte written once: each part's, and zeros in the alignment gaps
+        # (zeroing the whole blob first cost as much as copying the parts: a loaded expert's blob is MBs).
+        blob = torch.empty(parts[-1].offset + parts[-1].nbytes, dtype=torch.uint8)
+        end = 0
         for part in parts:
             data = arrays[part.name].contiguous()
             if tuple(data.shape) != part.shape or str(data.dtype) != f"torch.{part.dtype}":
                 raise ValueError(f"{self.name} part {part.name}: expected {part.dtype} {part.shape}, "
                                  f"got {data.dtype} {tuple(data.shape)}")
+            blob[end:part.offset] = 0
             blob[part.offset:part.offset + part.nbytes] = data.reshape(-1).view(torch.uint8)
+            end = part.offset + part.nbytes
         return blob
 
     def quantizer(self, shape: tuple[int, ...], params=()):
