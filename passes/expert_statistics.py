@@ -54,11 +54,12 @@ class RoutingWeights:
             g = self.last.pop((layer, expert), None)
             return g if g is not None and g.shape[0] == x.shape[0] else None
         moe = self.program.model.layers[layer].ffn
-        if layer not in self.routers:
+        if layer not in self.routers:  # decoded once, kept on the device (not copied there per expert)
             bias = _decode(self.program, moe.router.bias)
-            self.routers[layer] = (_decode(self.program, moe.router.weight), bias)
+            self.routers[layer] = (_decode(self.program, moe.router.weight).to(x.device),
+                                   None if bias is None else bias.to(x.device))
         weight, bias = self.routers[layer]
-        probs = torch.softmax(F.linear(x, weight.to(x.device), None if bias is None else bias.to(x.device)), dim=-1)
+        probs = torch.softmax(F.linear(x, weight, bias), dim=-1)
         top, chosen = torch.topk(probs, moe.top_k, dim=-1)
         if moe.normalize_top_k:
             top = top / top.sum(dim=-1, keepdim=True)
