@@ -337,6 +337,10 @@ def main() -> None:
         each = dataclasses.replace(ctx, config=config)
         quantized = quantize_weights(plan_precision(check_budget(scored, each), each), each)
         stored = sum(formats.nbytes(t.encoding.format, t.shape, t.encoding.params) for t in quantized.model.tensors)
+        experts = [t for t in quantized.model.tensors
+                   if t.expert is not None and not formats.get(t.encoding.format).dense]
+        expert_bytes = sum(formats.nbytes(t.encoding.format, t.shape, t.encoding.params) for t in experts)
+        expert_weights = sum(torch.Size(t.shape).numel() for t in experts)
         session = evaluator.session(quantized)
         for variant in variants:
             t1 = time.perf_counter()
@@ -356,16 +360,20 @@ def main() -> None:
             with session.overriding(weights):
                 result = compare(reference, session, ids, context=args.context, stride=args.stride)
             rows.append({"bpw_budget": budget, "variant": variant, "bits_per_weight": 8 * (stored + delta) / parameters,
+                         "expert_bits_per_weight": 8 * (expert_bytes + delta) / max(expert_weights, 1),
                          "rotated": len(weights), "layer_error": err_rot / err_plain if err_plain else 1.0,
                          **result.to_plain()})
-            print(f"--bpw {budget} {variant}: {rows[-1]['bits_per_weight']:.3f} bpw, {len(weights)} replaced, layer "
+            print(f"--bpw {budget} {variant}: {rows[-1]['bits_per_weight']:.3f} bpw (quantized experts "
+                  f"{rows[-1]['expert_bits_per_weight']:.3f}), {len(weights)} replaced, layer "
                   f"error x{rows[-1]['layer_error']:.3f}, {result.summary()} ({time.perf_counter() - t1:.0f}s)",
                   flush=True)
     print()
-    print("| --bpw | variant (experts replaced) | bits per weight | mean KLD | top-1 | ppl (source) | layer error |")
+    print("| --bpw | variant (experts replaced) | bits per weight (quantized experts) | mean KLD | top-1 "
+          "| ppl (source) | layer error |")
     print("| ---: | --- | ---: | ---: | ---: | ---: | ---: |")
     for r in rows:
-        print(f"| {r['bpw_budget']} | {r['variant']} ({r['rotated']}) | {r['bits_per_weight']:.3f} | "
+        print(f"| {r['bpw_budget']} | {r['variant']} ({r['rotated']}) | {r['bits_per_weight']:.3f} "
+              f"({r['expert_bits_per_weight']:.3f}) | "
               f"{r['mean_kld']:.5f} | {100 * r['top1_agreement']:.1f}% | {r['perplexity_candidate']:.3f} "
               f"({r['perplexity_reference']:.3f}) | {r['layer_error']:.3f} |")
     groups = (by_group_size(scored, ctx, args.expert_formats.split(",")[0], args.seed, args.block)
