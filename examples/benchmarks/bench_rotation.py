@@ -142,7 +142,7 @@ def trellis_weights(program, ctx, quantized, seed: int, L: int, book: str, mixed
     from thin.passes.calibrate_inputs import load_statistics
     from thin.passes.gptq import inverse_cholesky, output_error
 
-    books = {k: trellis.codebook(L, book, k, seed) for k in (2, 3)}
+    books = {k: trellis.codebook(L, book, k, seed) for k in ((2, 3) if mixed else (2,))}
     source = program.model.tensor_map()
     batches: dict = {}
     for rec in quantized.model.tensors:
@@ -294,6 +294,10 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"unknown variant {unknown[0]!r}; variants are {', '.join(VARIANTS)}")
     variants += [f"x{a}" for a in scales]
+    for variant, ks in (("trellis2", (2,)), ("trellis", (2, 3))):
+        if variant in variants and any(args.trellis_L % k or args.trellis_L <= k for k in ks):
+            raise SystemExit(f"--trellis-L {args.trellis_L}: the {variant} variant needs a state of more bits "
+                             f"than, and a multiple of, each of k = {', '.join(map(str, ks))}")
     if args.block not in ("full", "group") and not (args.block.isdigit() and int(args.block) > 0
                                                     and int(args.block) & (int(args.block) - 1) == 0):
         raise SystemExit(f"--block takes full, group or a power of two, got {args.block!r}")
