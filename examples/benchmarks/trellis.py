@@ -196,7 +196,8 @@ def gaussian_table(Ls, kinds, ks, rows: int, cols: int, seed: int) -> list[dict]
     out = []
     for k in ks:
         for L in Ls:
-            if L % k:
+            if L % k or k >= L:
+                print(f"skipped L={L}, k={k}: the state must be a multiple of k bits, larger than k", flush=True)
                 continue
             for kind in kinds:
                 values = codebook(L, kind, k, seed)
