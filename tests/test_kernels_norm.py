@@ -95,3 +95,31 @@ def test_rows_with_a_dense_delta_and_without_a_norm():
 @pytest.mark.gpu
 def test_real_shape_on_gpu():
     test_partials_bias_post_norm(torch.bfloat16, True)
+
+
+def test_fastest_fused_keeps_the_separate_launches_unless_a_fused_one_beats_them(monkeypatch):
+    """norm.fastest_fused, the choice behind the finishing matvec, the norming router and the finishing
+    expert down: every fused candidate compiled first, one that does not compile skipped, None when the
+    separate launches are as fast."""
+    from thin.runtime.kernels import common
+    from thin.runtime.kernels.norm import fastest_fused
+
+    compiled = []
+    monkeypatch.setattr(common, "compile_launches", lambda jobs, report=True: compiled.extend(jobs))
+
+    def timed(launch, **timing):
+        if launch.ms is None:
+            raise RuntimeError("PassManager::run failed")  # what a tiling Triton rejects raises
+        return launch.ms
+
+    monkeypatch.setattr(common, "median_ms", timed)
+
+    def launch(ms):
+        run = lambda: None  # noqa: E731
+        run.ms = ms
+        return run
+
+    fused = [("a", launch(3.0)), ("broken", launch(None)), ("b", launch(1.5)), ("c", launch(2.0))]
+    assert fastest_fused("cpu", launch(2.5), fused, "test") == ("b", 1.5, 2.5)
+    assert [job[1] for job in compiled] == [f for _, f in fused]
+    assert fastest_fused("cpu", launch(1.0), fused, "test") == (None, 1.0, 1.0)

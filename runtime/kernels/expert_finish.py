@@ -26,7 +26,7 @@ import torch
 from . import interpreting
 from .common import next_power_of_2
 from .expert_tiles import ExpertConfig, routings
-from .norm import Finish, add_rmsnorm
+from .norm import Finish, add_rmsnorm, fastest_fused
 
 
 def holds_row(config: ExpertConfig, hidden: int, post: bool = False) -> bool:
@@ -65,8 +65,6 @@ def choose(layers: list, post: bool, norm: bool, eps: float = 1e-5) -> ExpertCon
     decode step's graph runs them: a post-norm when `post`, the next norm when `norm`, each launch on the
     next layer in turn and each routing to other experts (expert_tiles.routings), so the weights come
     from DRAM, not L2."""
-    from .common import compile_launches, median_ms, median_ms_or_inf
-
     first = layers[0]
     configs = candidates(first, post)
     if not configs:
@@ -96,13 +94,7 @@ def choose(layers: list, post: bool, norm: bool, eps: float = 1e-5) -> ExpertCon
     launches = [(config, in_turn(lambda k, c, w, config=config: k._down(0, out, config, chosen=c, weights=w,
                                                                          finish=finish)))
                 for config in configs]
-    compile_launches([(device, launch) for _, launch in launches], report=False)  # on host threads
-    best, best_ms = None, median_ms(in_turn(separate))
-    separate_ms = best_ms
-    for config, launch in launches:
-        ms = median_ms_or_inf(launch, "finishing expert down")
-        if ms < best_ms:
-            best, best_ms = config, ms
+    best, best_ms, separate_ms = fastest_fused(device, in_turn(separate), launches, "finishing expert down")
     how = f"in the down launch's last program ({best.label()})" if best is not None else "a launch of its own"
     logging.getLogger("thin.runtime").info(
         f"expert down {first.inter}->{H} x top-{first.top_k}: residual norm {how}: {1e3 * best_ms:.1f} us, down "

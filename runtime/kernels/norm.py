@@ -211,6 +211,23 @@ class Finish:
                     H_BLOCK=next_power_of_2(H), N_PARTS=parts if parts <= MAX_UNROLLED else 0)
 
 
+def fastest_fused(device, separate, launches, what: str):
+    """(config, ms, separate's ms): the fastest of `launches` ((config, launch) pairs: one launch that
+    also does the residual norm, compiled first on host threads), or None for config when none beats
+    `separate` (the same work in launches of their own); a candidate that does not compile is skipped
+    (`median_ms_or_inf`, named by `what` in the log)."""
+    from .common import compile_launches, median_ms, median_ms_or_inf
+
+    compile_launches([(device, launch) for _, launch in launches], report=False)
+    best, best_ms = None, median_ms(separate)
+    separate_ms = best_ms
+    for config, launch in launches:
+        ms = median_ms_or_inf(launch, what)
+        if ms < best_ms:
+            best, best_ms = config, ms
+    return best, best_ms, separate_ms
+
+
 def choose_finish(ops, max_split: int, post: bool, norm: bool, eps: float = 1e-5):
     """The configuration among `finish_candidates(max_split)` of `ops` (weights of one format and shape,
     e.g. every layer's o) with which their matvec plus the finishing residual norm (`matvec_finish`) runs
@@ -219,7 +236,7 @@ def choose_finish(ops, max_split: int, post: bool, norm: bool, eps: float = 1e-5
     graph runs them: back to back, each launch on the next of `ops` in turn, so that (with enough of
     them) the weights come from DRAM, not L2. Weights the tuner does not time (too small,
     common._small, or not to be tuned, LinearOp.tune) keep the separate launches."""
-    from .common import _small, compile_launches, median_ms, median_ms_or_inf
+    from .common import _small
 
     op = ops[0]
     if _small(op) or not op.tune:
@@ -247,13 +264,7 @@ def choose_finish(ops, max_split: int, post: bool, norm: bool, eps: float = 1e-5
 
     finish = Finish(torch.zeros(1, dtype=torch.int32, device=device), residual, normed, None, post_norm, final)
     launches = [(c, in_turn(lambda o, c=c: finishing(o, c))) for c in op.finish_candidates(max_split)]
-    compile_launches([(device, launch) for _, launch in launches], report=False)  # on host threads
-    best, best_ms = None, median_ms(in_turn(separate))
-    separate_ms = best_ms
-    for candidate, launch in launches:
-        ms = median_ms_or_inf(launch)
-        if ms < best_ms:
-            best, best_ms = candidate, ms
+    best, best_ms, separate_ms = fastest_fused(device, in_turn(separate), launches, "finishing matvec")
     how = f"in the matvec's last program ({best})" if best is not None else "a launch of its own"
     logging.getLogger("thin.runtime").info(
         f"{op.format} {op.out_features}x{op.in_features}: residual norm {how}: {1e3 * best_ms:.1f} us, partial sums "

@@ -26,7 +26,7 @@ import triton.language as tl
 from . import interpreting
 from .common import next_power_of_2
 from .expert_tiles import RouterConfig
-from .norm import MAX_UNROLLED, Finish, add_rmsnorm, last_program, residual_norm_values
+from .norm import MAX_UNROLLED, Finish, add_rmsnorm, fastest_fused, last_program, residual_norm_values
 
 
 @triton.jit
@@ -102,8 +102,6 @@ def choose(layers: list, parts: int, post: bool, bias: bool, eps: float = 1e-5) 
     chosen) route and norm fastest in one launch on this device, if that beats add_rmsnorm then their
     router; else None. Timed on scratch rows as the decode step's graph runs them: `parts` partial rows
     (plus a bias when `bias`, a post-norm when `post`), each launch on the next layer's router in turn."""
-    from .common import compile_launches, median_ms, median_ms_or_inf
-
     first = layers[0]
     H, device, dtype = first.hidden, first.device, first.dtype
     residual, normed = torch.randn(H, device=device).to(dtype), torch.empty(H, dtype=dtype, device=device)
@@ -123,13 +121,7 @@ def choose(layers: list, parts: int, post: bool, bias: bool, eps: float = 1e-5) 
 
     launches = [(c, in_turn(lambda k, c=c: norm_route(k, finish, partials, c)))
                 for c in candidates(first.num_experts, H)]
-    compile_launches([(device, launch) for _, launch in launches], report=False)  # on host threads
-    best, best_ms = None, median_ms(in_turn(separate))
-    separate_ms = best_ms
-    for candidate, launch in launches:
-        ms = median_ms_or_inf(launch, "norming router")
-        if ms < best_ms:
-            best, best_ms = candidate, ms
+    best, best_ms, separate_ms = fastest_fused(device, in_turn(separate), launches, "norming router")
     how = f"in the router ({best.label()})" if best is not None else "a launch of its own"
     logging.getLogger("thin.runtime").info(
         f"router of {first.num_experts} experts x {H}: residual norm {how}: {1e3 * best_ms:.1f} us, add_rmsnorm "
