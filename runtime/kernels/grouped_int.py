@@ -10,6 +10,8 @@ add, one fused multiply-add a code and plane), and applies the group scale once 
 (asymmetric: offset * sum of the chunk's x as well). Symmetric int4 under bfloat16 activations has a
 second arithmetic the launch tuner may pick (MatvecConfig.packed): two weights an instruction as
 bfloat16 pairs, the chunk's sums in bf16 (pairs.py, which also says what that costs in precision).
+A split-K matvec may also finish the residual add + RMSNorm in its last program (`matvec_finish`, as
+rowwise8's: norm.Finish), also over an elastic prefix of the columns.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from .common import (
     sm_count,
 )
 from .grouped_int_batch import _codes
+from .norm import l2_prefetch, last_program, residual_norm_row
 from .pairs import PAIR_MAGIC, pair_sum, word_dot, x_pairs, zero_pair
 from .prefill import MatmulConfig, TiledPrefill, matmul_blocks, tile_candidates, token_bucket
 from .tiles import (
@@ -152,16 +155,34 @@ def _matvec_kernel(low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, level_ptr
                    WL: tl.constexpr, WH: tl.constexpr, MID: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr,
                    C: tl.constexpr, BN: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr,
                    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, PACKED: tl.constexpr,
-                   ZERO_BITS: tl.constexpr, AHEAD: tl.constexpr, LEVEL: tl.constexpr):
+                   ZERO_BITS: tl.constexpr, AHEAD: tl.constexpr, LEVEL: tl.constexpr, counter_ptr=None,
+                   res_ptr=None, finish_bias_ptr=None, post_ptr=None, norm_ptr=None, normed_ptr=None, post_eps=0.0,
+                   eps=0.0, FINISH: tl.constexpr = False, FINISH_BIAS: tl.constexpr = False,
+                   POST: tl.constexpr = False, NORM: tl.constexpr = False, H_BLOCK: tl.constexpr = 1,
+                   N_PARTS: tl.constexpr = 0, PREFETCH: tl.constexpr = False):
     """Program (i, s): output rows i*BN.., chunks of split s. With ACT >= 0 the weight is [gate; up]
     and the tile holds both rows of each output (gate row r, up row n + r), one pass over x; LEVEL:
-    the product times level_ptr[r] (an elastic FFN level's scale, instead of a launch of its own)."""
+    the product times level_ptr[r] (an elastic FFN level's scale, instead of a launch of its own).
+    FINISH (with PARTIAL): the launch's last program also adds the partial sums into the residual and
+    norms it (norm.Finish), so no residual-norm launch follows; PREFETCH: program (0, 0) first asks L2
+    for the norm weights that program reads (as rowwise8's matvec)."""
+    if PREFETCH:  # noqa: SIM102  (a constexpr condition, then a run-time one)
+        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+            if NORM:
+                l2_prefetch(norm_ptr, 4 * n)
+            if POST:
+                l2_prefetch(post_ptr, 4 * n)
     total = _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K, split_chunks, magic, WL, WH, MID, ASYM,
                       G, C, BN, ACT >= 0, EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS, AHEAD)
     if LEVEL:
         store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL, level_ptr)
     else:
         store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL)
+    if FINISH:  # noqa: SIM102  (a constexpr condition, then a run-time one)
+        if last_program(counter_ptr):
+            residual_norm_row(res_ptr, out_ptr, finish_bias_ptr, post_ptr, norm_ptr, normed_ptr, 0, n,
+                              tl.num_programs(1), n, post_eps, eps, 1, FINISH_BIAS, POST, NORM, H_BLOCK, N_PARTS,
+                              True)
 
 
 @triton.jit
@@ -382,7 +403,28 @@ class GroupedIntLinear(TiledPrefill, KernelLinear):
         return (base + packed + [replace(c, ahead=1) for c in steps]
                 + [replace(c, ahead=2) for c in steps if c.block_n * rows <= 8])
 
-    def _matvec(self, x, out, config, act, partial, rows=None, cols=None, scale=None):
+    # The configuration of `matvec_finish` (norm.choose_finish), None until chosen.
+    finish_config: MatvecConfig | None = None
+
+    def matvec_finish(self, x: torch.Tensor, partials: torch.Tensor, finish, cols: int | None = None) -> None:
+        """matvec(x, partials=partials, cols=cols) with `finish_config`, whose last program then adds the
+        partial sums into the residual and norms it (`finish`, a norm.Finish): add_rmsnorm without a
+        launch. `cols`: over the first cols columns (x is [cols]), the split cut to divide them as
+        `_matvec`'s prefix does."""
+        config = self.finish_config
+        if config is None or partials.shape[0] < config.split:
+            raise ValueError("matvec_finish runs with a chosen finish_config and room for its partial sums")
+        self._matvec(x.reshape(-1), partials[:config.split], config, -1, True, cols=cols, finish=finish)
+
+    def finish_candidates(self, max_split: int, cols: int | None = None) -> list[MatvecConfig]:
+        """Split-K configurations whose matvec can also finish the residual norm (`matvec_finish`, over
+        the first `cols` columns when given): the partial-sum candidates of at most `max_split` splits
+        with threads enough to hold the row (the last program keeps the out_features-long row in
+        registers: at most 32 values a thread, so 4 warps at 4096, as rowwise8's)."""
+        return [c for c in self.candidates("partial", None, cols)
+                if c.num_warps * 32 * 32 >= self.out_features and c.split <= max_split]
+
+    def _matvec(self, x, out, config, act, partial, rows=None, cols=None, scale=None, finish=None):
         n, programs, config = prefix_rows(self, config, act, rows)
         config, launch = chunk_prefix(config, self.in_features, cols)
         bias = self.bias if self.bias is not None else x
@@ -400,7 +442,7 @@ class GroupedIntLinear(TiledPrefill, KernelLinear):
             BN=config.block_n, EVEN_N=n % config.block_n == 0, EVEN_K=launch.even, ASM=launch.asm, ACT=act,
             HAS_BIAS=self.bias is not None, PARTIAL=partial, PACKED=config.packed,
             ZERO_BITS=zero_pair(self.mid) if config.packed else 0, AHEAD=config.ahead, LEVEL=scale is not None,
-            num_warps=config.num_warps)
+            num_warps=config.num_warps, **(finish.launch_args(config.split, n) if finish is not None else {}))
         return config.split
 
     def matmul_candidates(self, T: int, K: int) -> list[MatmulConfig]:
