@@ -53,7 +53,7 @@ class DecodeEngine:
     """Prefill and graph-captured decode for `executor`'s model on its device (CUDA; also the CPU
     under Triton's interpreter, without graphs, which is how the test suite runs it).
 
-    `finish_norm`: whether o's and down's matvecs (int8, fp8_e4m3) add their partial sums into the
+    `finish_norm`: whether o's and down's matvecs (int8, fp8_e4m3, grouped int) add their partial sums into the
     residual and norm it in their own last program instead of an add_rmsnorm launch, and where o's does
     not, a mixture-of-experts layer's router does (norm_router.py), and likewise the residual norm after
     such a layer, in its expert down launch's last program (expert_finish.py, a layer of one down
@@ -469,13 +469,15 @@ class DecodeEngine:
     def _choose_finishing(self, timed: bool) -> None:
         """Which o and down matvecs finish the residual norm themselves (`_add_norm`): timed (norm.choose_finish,
         once per kind of weight: format, shape, norms, over all the weights of that kind), else every one
-        that can."""
+        that can. Down only in a model without elastic FFN levels: a level runs a prefix of down's columns,
+        which finishes nowhere (`_add_norm`), so finishing at keep 1.0 alone would skew the levels' speeds."""
         from .kernels.norm import choose_finish
 
         kinds: dict[tuple, list] = {}
+        levels = bool(self._level_uses())
         for layer in self.ex.layers:
             ops = [(layer.attention.o, layer.attn_post_norm, layer.ffn_norm)]
-            if isinstance(layer.ffn, MLPPlan):
+            if isinstance(layer.ffn, MLPPlan) and not levels:
                 ops.append((layer.ffn.down, layer.ffn_post_norm, True))
             for op, post, norm in ops:
                 if hasattr(op, "matvec_finish") and op.out_features == self.hidden:

@@ -91,7 +91,7 @@ def test_quantized_greedy_tokens_match_the_executor(models, quant):
     assert _engine_tokens(_engine(model), prompt, 6) == _executor_tokens(model, prompt, 6)
 
 
-@pytest.mark.parametrize("quant", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("quant", ["int8", "fp8_e4m3", "int4"])
 def test_matvecs_that_finish_the_residual_norm(models, quant):
     """o and down finishing the residual norm in their last program (finish_norm=True, every such op)
     instead of add_rmsnorm launches: the executor's tokens, graphed and eager alike (the arrival counter

@@ -263,3 +263,35 @@ def test_the_kernels_and_the_decode_engine_run_each_level_like_the_executor(comp
     finally:
         if added:
             linear.unregister("int4", "cpu", "triton")
+
+
+def test_a_levels_model_finishes_the_residual_norm_in_o_only(compiled):
+    """finish_norm=True on a model with levels: o's matvecs finish the residual norm, down's do not (a
+    level runs a prefix of down's columns, which does not finish: finishing at keep 1.0 alone would skew
+    the levels' relative speed); tokens and (under the interpreter) logits as the separate launches give,
+    at a level and at every channel."""
+    from thin.runtime import linear, load
+    from thin.runtime.engine import DecodeEngine
+    from thin.runtime.engine import generate as engine_generate
+    from thin.runtime.sampling import GenerationOptions
+
+    _, out, _ = compiled
+    added = DEVICE.type == "cpu"
+    if added:
+        linear.register("int4", "cpu", linear.Implementation("triton", "thin.runtime.kernels.grouped_int:make"))
+    try:
+        model = load(out, device=DEVICE.type)
+        finishing = DecodeEngine(model.executor, finish_norm=True)
+        plain = DecodeEngine(model.executor, finish_norm=False)
+        assert finishing._finishing == {id(layer.attention.o) for layer in model.executor.layers}
+        prompt = model.encode(TEXT)[:12]
+        opts = GenerationOptions(max_new_tokens=4, stop_token_ids=())
+        for keep in (0.5, 1.0):
+            model.set_ffn_keep(keep)
+            tokens = list(engine_generate(finishing, prompt, opts))
+            assert tokens == list(engine_generate(plain, prompt, opts)), keep
+            if DEVICE.type == "cpu":
+                assert torch.equal(finishing.logits, plain.logits), keep
+    finally:
+        if added:
+            linear.unregister("int4", "cpu", "triton")
