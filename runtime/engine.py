@@ -120,6 +120,8 @@ class DecodeEngine:
         self.finish_norm = finish_norm
         self.counter = new(1, dtype=torch.int32)
         self._finishing: set[int] = set()
+        # (id, cols) of the downs whose matvec finishes the residual norm over an elastic FFN level's prefix.
+        self._finishing_prefixes: set[tuple[int, int]] = set()
         self.fused_attention = fused_attention
         # {layer index: append_attend's repeat} of the layers whose attention appends (warm_up times it).
         self._appending = appending_layers(executor, timed=False) if fused_attention else {}
@@ -451,12 +453,16 @@ class DecodeEngine:
         finishes the norm itself (chosen in warm_up)."""
         from .kernels.norm import Finish, add_rmsnorm
 
-        finish = id(op) in self._finishing and cols is None
-        if finish:
+        if cols == op.in_features:
+            cols = None
+        if (id(op) in self._finishing) if cols is None else ((id(op), cols) in self._finishing_prefixes):
             bias = op.bias if shift is None else shift if op.bias is None else op.bias + shift
+            finish = Finish(self.counter, self.residual, self.normed, bias, norm_args(post), norm_args(norm))
             with self._mark(name):
-                op.matvec_finish(x, self.partials, Finish(self.counter, self.residual, self.normed, bias,
-                                                          norm_args(post), norm_args(norm)))
+                if cols is None:
+                    op.matvec_finish(x, self.partials, finish)
+                else:
+                    op.matvec_finish(x, self.partials, finish, cols=cols)
             return
         with self._mark(name):
             parts, bias = self._partial_sums(op, x, cols)
@@ -469,31 +475,44 @@ class DecodeEngine:
     def _choose_finishing(self, timed: bool) -> None:
         """Which o and down matvecs finish the residual norm themselves (`_add_norm`): timed (norm.choose_finish,
         once per kind of weight: format, shape, norms, over all the weights of that kind), else every one
-        that can. Down only in a model without elastic FFN levels: a level runs a prefix of down's columns,
-        which finishes nowhere (`_add_norm`), so finishing at keep 1.0 alone would skew the levels' speeds."""
+        that can. In a model with elastic FFN levels, a level's down (over a prefix of its columns) is timed
+        and chosen on its own, per prefix, where its kind of weight finishes over a prefix
+        (`finish_prefixes`); where not, down finishes at no level, the whole weight included, so that no
+        level is favoured."""
         from .kernels.norm import choose_finish
 
         kinds: dict[tuple, list] = {}
-        levels = bool(self._level_uses())
+        prefixes = [(op, cols) for op, mode, _, cols in self._level_uses() if mode == "partial"]
+        plain = {id(op) for op, _ in prefixes if not hasattr(op, "finish_prefixes")}
+        posts = {id(layer.ffn.down): layer.ffn_post_norm for layer in self.ex.layers if isinstance(layer.ffn, MLPPlan)}
+        uses = []
         for layer in self.ex.layers:
-            ops = [(layer.attention.o, layer.attn_post_norm, layer.ffn_norm)]
-            if isinstance(layer.ffn, MLPPlan) and not levels:
-                ops.append((layer.ffn.down, layer.ffn_post_norm, True))
-            for op, post, norm in ops:
-                if hasattr(op, "matvec_finish") and op.out_features == self.hidden:
-                    key = (type(op), op.format, op.out_features, op.in_features, post is not None, norm is not None)
-                    kinds.setdefault(key, []).append(op)
+            uses.append((layer.attention.o, layer.attn_post_norm, layer.ffn_norm, None))
+            if isinstance(layer.ffn, MLPPlan) and id(layer.ffn.down) not in plain:
+                uses.append((layer.ffn.down, layer.ffn_post_norm, True, None))
+        uses += [(op, posts[id(op)], True, cols) for op, cols in prefixes if id(op) not in plain]
+        for op, post, norm, cols in uses:
+            if hasattr(op, "matvec_finish") and op.out_features == self.hidden:
+                key = (type(op), op.format, op.out_features, op.in_features, cols, post is not None, norm is not None)
+                kinds.setdefault(key, []).append(op)
         self._finishing.clear()
-        for (*_, post, norm), ops in kinds.items():
+        self._finishing_prefixes.clear()
+        for (*_, cols, post, norm), ops in kinds.items():
+            prefix = {} if cols is None else {"cols": cols}
             if timed:
-                config = choose_finish(ops, self.partials.shape[0], post, norm)
+                config = choose_finish(ops, self.partials.shape[0], post, norm, **prefix)
             else:
-                candidates = ops[0].finish_candidates(self.partials.shape[0])
+                candidates = ops[0].finish_candidates(self.partials.shape[0], **prefix)
                 config = candidates[0] if candidates else None
             for op in ops:
-                op.finish_config = config
-                if config is not None:
-                    self._finishing.add(id(op))
+                if cols is None:
+                    op.finish_config = config
+                    if config is not None:
+                        self._finishing.add(id(op))
+                else:
+                    op.finish_prefixes = {**(op.finish_prefixes or {}), cols: config}
+                    if config is not None:
+                        self._finishing_prefixes.add((id(op), cols))
 
     def _mlp(self, mlp: MLPPlan, x: torch.Tensor) -> int:
         """act(gate(x)) * up(x) (or act(up(x))) into self.mlp; returns its width. At an elastic FFN level

@@ -265,11 +265,11 @@ def test_the_kernels_and_the_decode_engine_run_each_level_like_the_executor(comp
             linear.unregister("int4", "cpu", "triton")
 
 
-def test_a_levels_model_finishes_the_residual_norm_in_o_only(compiled):
-    """finish_norm=True on a model with levels: o's matvecs finish the residual norm, down's do not (a
-    level runs a prefix of down's columns, which does not finish: finishing at keep 1.0 alone would skew
-    the levels' relative speed); tokens and (under the interpreter) logits as the separate launches give,
-    at a level and at every channel."""
+def test_a_levels_model_finishes_the_residual_norm_at_every_level(compiled):
+    """finish_norm=True on a model with levels (int4 down: grouped-int finishes over a column prefix): o's
+    and down's matvecs finish the residual norm, down's at each level over its prefix with a configuration
+    of its own; tokens and (under the interpreter) logits as the separate launches give, at the levels and
+    at every channel."""
     from thin.runtime import linear, load
     from thin.runtime.engine import DecodeEngine
     from thin.runtime.engine import generate as engine_generate
@@ -283,10 +283,16 @@ def test_a_levels_model_finishes_the_residual_norm_in_o_only(compiled):
         model = load(out, device=DEVICE.type)
         finishing = DecodeEngine(model.executor, finish_norm=True)
         plain = DecodeEngine(model.executor, finish_norm=False)
-        assert finishing._finishing == {id(layer.attention.o) for layer in model.executor.layers}
+        layers = model.executor.layers
+        assert finishing._finishing == {id(op) for layer in layers for op in (layer.attention.o, layer.ffn.down)}
+        prefixes = {(id(layer.ffn.down), width) for level in model.executor.ffn_levels
+                    for layer, (width, _, _) in zip(layers, level) if width not in (None, layer.ffn.down.in_features)}
+        assert prefixes and finishing._finishing_prefixes == prefixes
+        assert all(layer.ffn.down.finish_prefixes[w] is not None for layer in layers for i, w in prefixes
+                   if i == id(layer.ffn.down))
         prompt = model.encode(TEXT)[:12]
         opts = GenerationOptions(max_new_tokens=4, stop_token_ids=())
-        for keep in (0.5, 1.0):
+        for keep in (0.5, 1.0, 0.75):
             model.set_ffn_keep(keep)
             tokens = list(engine_generate(finishing, prompt, opts))
             assert tokens == list(engine_generate(plain, prompt, opts)), keep

@@ -25,7 +25,10 @@ def _finish_case(fmt, asymmetric, shape, config, *, bias, post, cols=None, launc
     norm = (weight, 1e-6)
     want_res, want_out = residual.clone(), poisoned(shape[0], dtype=dtype)
     got_res, got_out = residual.clone(), poisoned(shape[0], dtype=dtype)
-    op.finish_config = config
+    if cols is None:
+        op.finish_config = config
+    else:  # a prefix's own configuration, the whole weight's unset
+        op.finish_prefixes = {cols: config}
     counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     counts = []
     for _ in range(launches):
@@ -93,3 +96,25 @@ def test_finishing_matvec_real_shapes_on_gpu(fmt, asymmetric):
                                              launches=2)
             assert torch.equal(got[0], want[0]), config
             assert rel_err(got[1], want[1]) < 1e-2 and counts == [0, 0], config
+
+
+def test_choose_finish_times_a_column_prefix(monkeypatch):
+    """norm.choose_finish over an elastic prefix (cols): both the separate launches and every finishing
+    candidate run over the prefix (each launch called, its result checked against the separate one's),
+    and the faster is kept (the timing replaced by a count of the calls: separate slower here)."""
+    from thin.runtime.kernels import common
+    from thin.runtime.kernels.norm import choose_finish
+
+    monkeypatch.setattr(common, "_small", lambda op: False)
+    monkeypatch.setattr(common, "compile_launches", lambda jobs, report=True: None)
+    ran = []
+
+    def timed(launch, **timing):
+        launch()
+        ran.append(launch)
+        return 2.0 if len(ran) == 1 else 1.0  # the separate launches first
+
+    monkeypatch.setattr(common, "median_ms", timed)
+    ops = [make_op("int4", (96, 256), {"group_size": 32}, dtype=torch.bfloat16, seed=s)[0] for s in (1, 2)]
+    config = choose_finish(ops, 8, False, True, cols=128)
+    assert config in ops[0].finish_candidates(8, 128) and len(ran) == 1 + len(ops[0].finish_candidates(8, 128))

@@ -403,15 +403,17 @@ class GroupedIntLinear(TiledPrefill, KernelLinear):
         return (base + packed + [replace(c, ahead=1) for c in steps]
                 + [replace(c, ahead=2) for c in steps if c.block_n * rows <= 8])
 
-    # The configuration of `matvec_finish` (norm.choose_finish), None until chosen.
+    # The configuration of `matvec_finish` (norm.choose_finish), None until chosen; over a prefix of the
+    # columns (an elastic FFN level's down) each prefix's own, by its columns.
     finish_config: MatvecConfig | None = None
+    finish_prefixes: dict[int, MatvecConfig | None] | None = None
 
     def matvec_finish(self, x: torch.Tensor, partials: torch.Tensor, finish, cols: int | None = None) -> None:
-        """matvec(x, partials=partials, cols=cols) with `finish_config`, whose last program then adds the
-        partial sums into the residual and norms it (`finish`, a norm.Finish): add_rmsnorm without a
-        launch. `cols`: over the first cols columns (x is [cols]), the split cut to divide them as
-        `_matvec`'s prefix does."""
-        config = self.finish_config
+        """matvec(x, partials=partials, cols=cols) with `finish_config` (or `finish_prefixes[cols]`), whose
+        last program then adds the partial sums into the residual and norms it (`finish`, a norm.Finish):
+        add_rmsnorm without a launch. `cols`: over the first cols columns (x is [cols]), the split cut to
+        divide them as `_matvec`'s prefix does."""
+        config = self.finish_config if cols is None else (self.finish_prefixes or {}).get(cols)
         if config is None or partials.shape[0] < config.split:
             raise ValueError("matvec_finish runs with a chosen finish_config and room for its partial sums")
         self._matvec(x.reshape(-1), partials[:config.split], config, -1, True, cols=cols, finish=finish)

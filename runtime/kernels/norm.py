@@ -228,10 +228,11 @@ def fastest_fused(device, separate, launches, what: str):
     return best, best_ms, separate_ms
 
 
-def choose_finish(ops, max_split: int, post: bool, norm: bool, eps: float = 1e-5):
+def choose_finish(ops, max_split: int, post: bool, norm: bool, eps: float = 1e-5, cols: int | None = None):
     """The configuration among `finish_candidates(max_split)` of `ops` (weights of one format and shape,
     e.g. every layer's o) with which their matvec plus the finishing residual norm (`matvec_finish`) runs
     fastest on this device, if that beats their split-K partial sums then an add_rmsnorm launch; else None.
+    `cols`: both over the first cols columns (an elastic FFN level's down: its own prefix configurations).
     Timed on scratch rows (random x, norm weights of ones when `post` / `norm`) as the decode step's CUDA
     graph runs them: back to back, each launch on the next of `ops` in turn, so that (with enough of
     them) the weights come from DRAM, not L2. Weights the tuner does not time (too small,
@@ -242,11 +243,12 @@ def choose_finish(ops, max_split: int, post: bool, norm: bool, eps: float = 1e-5
     if _small(op) or not op.tune:
         return None
     H, device = op.out_features, op.device
-    x = torch.randn(op.in_features, device=device).to(op.dtype)
+    x = torch.randn(op.in_features if cols is None else cols, device=device).to(op.dtype)
     residual, normed = torch.randn(H, device=device).to(op.dtype), torch.empty(H, dtype=op.dtype, device=device)
     ones = torch.ones(H, device=device)
     post_norm, final = (ones, eps) if post else None, (ones, eps) if norm else None
-    config = op.config("partial")
+    config = op.config("partial", None, cols)
+    prefix = {} if cols is None else {"cols": cols}
     parts = torch.empty(max(max_split, config.split), H, dtype=torch.float32, device=device)
     turn = itertools.count()
 
@@ -255,19 +257,20 @@ def choose_finish(ops, max_split: int, post: bool, norm: bool, eps: float = 1e-5
 
     def separate(o):
         view = parts[:config.split]
-        used = o._matvec(x, view, config, -1, True)
+        used = o._matvec(x, view, config, -1, True, **prefix)
         add_rmsnorm(residual, normed, partials=view if used is None else view[:used], bias=o.bias, post=post_norm,
                     norm=final)
 
     def finishing(o, c):
-        o._matvec(x, parts[:c.split], c, -1, True, finish=replace(finish, bias=o.bias))
+        o._matvec(x, parts[:c.split], c, -1, True, finish=replace(finish, bias=o.bias), **prefix)
 
     finish = Finish(torch.zeros(1, dtype=torch.int32, device=device), residual, normed, None, post_norm, final)
-    launches = [(c, in_turn(lambda o, c=c: finishing(o, c))) for c in op.finish_candidates(max_split)]
+    launches = [(c, in_turn(lambda o, c=c: finishing(o, c))) for c in op.finish_candidates(max_split, **prefix)]
     best, best_ms, separate_ms = fastest_fused(device, in_turn(separate), launches, "finishing matvec")
     how = f"in the matvec's last program ({best})" if best is not None else "a launch of its own"
     logging.getLogger("thin.runtime").info(
-        f"{op.format} {op.out_features}x{op.in_features}: residual norm {how}: {1e3 * best_ms:.1f} us, partial sums "
+        f"{op.format} {op.out_features}x{op.in_features}{'' if cols is None else f' (first {cols} columns)'}: "
+        f"residual norm {how}: {1e3 * best_ms:.1f} us, partial sums "
         f"then add_rmsnorm {1e3 * separate_ms:.1f} us (timed over {len(ops)} weights in turn)")
     return best
 
