@@ -31,7 +31,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .engine_moe import choose_finishing_downs, choose_norm_routers
+from .engine_fusions import choose_finishing, choose_finishing_downs, choose_norm_routers
 from .engine_plans import (
     appending_layers,
     block_table,
@@ -126,7 +126,7 @@ class DecodeEngine:
         # {layer index: append_attend's repeat} of the layers whose attention appends (warm_up times it).
         self._appending = appending_layers(executor, timed=False) if fused_attention else {}
         if finish_norm:
-            self._choose_finishing(timed=False)
+            choose_finishing(self, timed=False)
             choose_norm_routers(self, timed=False)
             choose_finishing_downs(self, timed=False)
 
@@ -376,7 +376,7 @@ class DecodeEngine:
         for op, mode, *prefix in uses:
             op.config(mode, *prefix)
         if self.finish_norm is None and self.device.type == "cuda":
-            self._choose_finishing(timed=True)
+            choose_finishing(self, timed=True)
             choose_norm_routers(self, timed=True)
             choose_finishing_downs(self, timed=True)
         if self.fused_attention is None and self.device.type == "cuda":
@@ -471,48 +471,6 @@ class DecodeEngine:
         with self._mark("residual + norm"):
             add_rmsnorm(self.residual, self.normed, partials=parts, bias=bias, post=norm_args(post),
                         norm=norm_args(norm))
-
-    def _choose_finishing(self, timed: bool) -> None:
-        """Which o and down matvecs finish the residual norm themselves (`_add_norm`): timed (norm.choose_finish,
-        once per kind of weight: format, shape, norms, over all the weights of that kind), else every one
-        that can. In a model with elastic FFN levels, a level's down (over a prefix of its columns) is timed
-        and chosen on its own, per prefix, where its kind of weight finishes over a prefix
-        (`finish_prefixes`); where not, down finishes at no level, the whole weight included, so that no
-        level is favoured."""
-        from .kernels.norm import choose_finish
-
-        kinds: dict[tuple, list] = {}
-        prefixes = [(op, cols) for op, mode, _, cols in self._level_uses() if mode == "partial"]
-        plain = {id(op) for op, _ in prefixes if not hasattr(op, "finish_prefixes")}
-        posts = {id(layer.ffn.down): layer.ffn_post_norm for layer in self.ex.layers if isinstance(layer.ffn, MLPPlan)}
-        uses = []
-        for layer in self.ex.layers:
-            uses.append((layer.attention.o, layer.attn_post_norm, layer.ffn_norm, None))
-            if isinstance(layer.ffn, MLPPlan) and id(layer.ffn.down) not in plain:
-                uses.append((layer.ffn.down, layer.ffn_post_norm, True, None))
-        uses += [(op, posts[id(op)], True, cols) for op, cols in prefixes if id(op) not in plain]
-        for op, post, norm, cols in uses:
-            if hasattr(op, "matvec_finish") and op.out_features == self.hidden:
-                key = (type(op), op.format, op.out_features, op.in_features, cols, post is not None, norm is not None)
-                kinds.setdefault(key, []).append(op)
-        self._finishing.clear()
-        self._finishing_prefixes.clear()
-        for (*_, cols, post, norm), ops in kinds.items():
-            prefix = {} if cols is None else {"cols": cols}
-            if timed:
-                config = choose_finish(ops, self.partials.shape[0], post, norm, **prefix)
-            else:
-                candidates = ops[0].finish_candidates(self.partials.shape[0], **prefix)
-                config = candidates[0] if candidates else None
-            for op in ops:
-                if cols is None:
-                    op.finish_config = config
-                    if config is not None:
-                        self._finishing.add(id(op))
-                else:
-                    op.finish_prefixes = {**(op.finish_prefixes or {}), cols: config}
-                    if config is not None:
-                        self._finishing_prefixes.add((id(op), cols))
 
     def _mlp(self, mlp: MLPPlan, x: torch.Tensor) -> int:
         """act(gate(x)) * up(x) (or act(up(x))) into self.mlp; returns its width. At an elastic FFN level

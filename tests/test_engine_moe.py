@@ -96,7 +96,7 @@ def test_routers_that_run_the_residual_norm(models, family, quant):
     router's biases), the arrival counter back at zero after every step, and under the interpreter the
     very logits of the separate launches."""
     from thin.runtime.engine import DecodeEngine
-    from thin.runtime.engine_moe import choose_norm_routers
+    from thin.runtime.engine_fusions import choose_norm_routers
 
     model = models(family, quant)
     fused = DecodeEngine(model.executor, finish_norm=True)
@@ -122,10 +122,10 @@ def test_routers_that_run_the_residual_norm(models, family, quant):
 @pytest.mark.parametrize("family,quant", [("mixtral", "int4"), ("qwen3_moe", None), ("gpt_oss", None)])
 def test_expert_downs_that_run_the_residual_norm(models, family, quant):
     """The down launches' last programs running the residual norm after each MoE layer alone (the routers
-    launched apart, add_rmsnorm before them; engine_moe.choose_finishing_downs untimed): the executor's
+    launched apart, add_rmsnorm before them; engine_fusions.choose_finishing_downs untimed): the executor's
     tokens, the counter back at zero, and under the interpreter the plain engine's very logits."""
     from thin.runtime.engine import DecodeEngine
-    from thin.runtime.engine_moe import choose_finishing_downs
+    from thin.runtime.engine_fusions import choose_finishing_downs
 
     model = models(family, quant)
     fused = DecodeEngine(model.executor, finish_norm=False)

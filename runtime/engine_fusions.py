@@ -1,0 +1,105 @@
+"""The decode engine's choices of launches that also run the residual add + RMSNorm beside their own
+work (engine.py), so that no add_rmsnorm launch is needed: o's and down's matvecs (kernels/norm.py
+`Finish`, the formats' `matvec_finish`), and in mixture-of-experts layers the router, the norm before
+the experts (kernels/norm_router.py), and the experts' down launch, the norm after them
+(kernels/expert_finish.py); each timed once per kind of weight or layer on a GPU against the separate
+launches, and kept only where faster."""
+
+from __future__ import annotations
+
+from .ffn import MLPPlan
+
+
+def choose_finishing(engine, timed: bool) -> None:
+    """Which o and down matvecs finish the residual norm themselves (engine.py `_add_norm`): timed (norm.choose_finish,
+    once per kind of weight: format, shape, norms, over all the weights of that kind), else every one
+    that can. In a model with elastic FFN levels, a level's down (over a prefix of its columns) is timed
+    and chosen on its own, per prefix, where its kind of weight finishes over a prefix
+    (`finish_prefixes`); where not, down finishes at no level, the whole weight included, so that no
+    level is favoured."""
+    from .kernels.norm import choose_finish
+
+    kinds: dict[tuple, list] = {}
+    prefixes = [(op, cols) for op, mode, _, cols in engine._level_uses() if mode == "partial"]
+    plain = {id(op) for op, _ in prefixes if not hasattr(op, "finish_prefixes")}
+    posts = {id(layer.ffn.down): layer.ffn_post_norm for layer in engine.ex.layers if isinstance(layer.ffn, MLPPlan)}
+    uses = []
+    for layer in engine.ex.layers:
+        uses.append((layer.attention.o, layer.attn_post_norm, layer.ffn_norm, None))
+        if isinstance(layer.ffn, MLPPlan) and id(layer.ffn.down) not in plain:
+            uses.append((layer.ffn.down, layer.ffn_post_norm, True, None))
+    uses += [(op, posts[id(op)], True, cols) for op, cols in prefixes if id(op) not in plain]
+    for op, post, norm, cols in uses:
+        if hasattr(op, "matvec_finish") and op.out_features == engine.hidden:
+            key = (type(op), op.format, op.out_features, op.in_features, cols, post is not None, norm is not None)
+            kinds.setdefault(key, []).append(op)
+    engine._finishing.clear()
+    engine._finishing_prefixes.clear()
+    for (*_, cols, post, norm), ops in kinds.items():
+        prefix = {} if cols is None else {"cols": cols}
+        if timed:
+            config = choose_finish(ops, engine.partials.shape[0], post, norm, **prefix)
+        else:
+            candidates = ops[0].finish_candidates(engine.partials.shape[0], **prefix)
+            config = candidates[0] if candidates else None
+        for op in ops:
+            if cols is None:
+                op.finish_config = config
+                if config is not None:
+                    engine._finishing.add(id(op))
+            else:
+                op.finish_prefixes = {**(op.finish_prefixes or {}), cols: config}
+                if config is not None:
+                    engine._finishing_prefixes.add((id(op), cols))
+
+
+
+def choose_norm_routers(engine, timed: bool) -> None:
+    """Which MoE layers' routers add o's partial sums into the residual and norm it themselves
+    (norm_router.py), where o's matvec does not: timed (norm_router.choose, once per kind of layer:
+    router shape and bias, partial rows, o's bias, post-norm), else every one."""
+    from .kernels import norm_router
+
+    kinds: dict[tuple, list] = {}
+    for index, kernels in engine.moe.items():
+        kernels.norm_router = None
+        layer = engine.ex.layers[index]
+        o = layer.attention.o
+        if id(o) in engine._finishing:
+            continue
+        parts = min(o.split, engine.partials.shape[0]) if hasattr(o, "matvec") and o.out_features == engine.hidden \
+            else 1
+        key = (kernels.num_experts, kernels.hidden, kernels.router_bias is not None, parts, o.bias is not None,
+               layer.attn_post_norm is not None)
+        kinds.setdefault(key, []).append(kernels)
+    for (*_, parts, bias, post), group in kinds.items():
+        config = norm_router.choose(group, parts, post, bias) if timed else \
+            norm_router.candidates(group[0].num_experts, group[0].hidden)[0]
+        for kernels in group:
+            kernels.norm_router = config
+
+
+def choose_finishing_downs(engine, timed: bool) -> None:
+    """Which MoE layers' down launches add their top_k rows into the residual and norm it in their last
+    program (expert_finish.py) instead of an add_rmsnorm launch: timed (expert_finish.choose, once per
+    kind of layer: the down group's shape and format, post-norm, next norm), else every one that can
+    (one down format)."""
+    from .kernels import expert_finish
+
+    layers = engine.ex.layers
+    kinds: dict[tuple, list] = {}
+    for index, kernels in engine.moe.items():
+        kernels.finish_down = None
+        if len(kernels.down_groups) != 1:
+            continue
+        following = layers[index + 1].attn_norm if index + 1 < len(layers) else engine.ex.final_norm
+        key = (kernels._shape(0, "down"), layers[index].ffn_post_norm is not None, following is not None)
+        kinds.setdefault(key, []).append(kernels)
+    for (_, post, norm), group in kinds.items():
+        if timed:
+            config = expert_finish.choose(group, post, norm)
+        else:
+            configs = expert_finish.candidates(group[0], post)
+            config = configs[0] if configs else None
+        for kernels in group:
+            kernels.finish_down = config
