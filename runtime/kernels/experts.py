@@ -45,7 +45,7 @@ from .common import ACTIVATION_CODES, MAGIC_BITS, compile_launches, median_ms_or
 from .expert_rows import FORMAT_CODES, GINT, MXFP4, SUPPORTED, ExpertGroup, row_bias, rows_dot, weight_parts
 from .expert_tiles import ExpertConfig, RouterConfig, expert_candidates, router_candidates, routings
 from .expert_words import words_dot
-from .norm import l2_prefetch, last_program, residual_norm_row
+from .norm import finish_partials, prefetch_norms
 from .pairs import PAIR_MAGIC, zero_pair
 from .tiles import activate, glu_halves
 
@@ -177,12 +177,8 @@ def _down_kernel(base, table, member_ptr, chosen_ptr, weights_ptr, h_ptr, out_pt
     last program (norm.last_program) also adds the top_k rows of `out` into the residual and norms it
     (norm.Finish: add_rmsnorm's arithmetic, the rows read past L1), so no residual-norm launch follows;
     NORM_PREFETCH: program (0, 0) first asks L2 for the norm weights that program reads."""
-    if NORM_PREFETCH:  # noqa: SIM102  (a constexpr condition, then a run-time one)
-        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-            if NORM:
-                l2_prefetch(norm_ptr, 4 * n)
-            if POST:
-                l2_prefetch(post_ptr, 4 * n)
+    if NORM_PREFETCH:
+        prefetch_norms(norm_ptr, post_ptr, n, NORM, POST)
     slot = tl.program_id(0)
     expert = tl.load(chosen_ptr + slot)
     weight = tl.load(weights_ptr + slot)
@@ -203,11 +199,9 @@ def _down_kernel(base, table, member_ptr, chosen_ptr, weights_ptr, h_ptr, out_pt
         y = (y + row_bias(base, offs, rows, row_mask, HAS_BIAS, dtype)).to(dtype).to(tl.float32)
         w = weight.to(dtype).to(tl.float32)
         tl.store(out_ptr + slot * n + rows, (y * w).to(dtype).to(tl.float32), mask=row_mask)
-    if FINISH:  # noqa: SIM102  (every program arrives, member of the group or not)
-        if last_program(counter_ptr):
-            residual_norm_row(res_ptr, out_ptr, finish_bias_ptr, post_ptr, norm_ptr, normed_ptr, 0, n,
-                              tl.num_programs(0), n, post_eps, eps, 1, FINISH_BIAS, POST, NORM, H_BLOCK, N_PARTS,
-                              True)
+    if FINISH:  # every program arrives, member of the group or not
+        finish_partials(counter_ptr, res_ptr, out_ptr, finish_bias_ptr, post_ptr, norm_ptr, normed_ptr, n,
+                        tl.num_programs(0), post_eps, eps, FINISH_BIAS, POST, NORM, H_BLOCK, N_PARTS)
 
 
 # ---- launchers --------------------------------------------------------------------------------------------

@@ -36,7 +36,7 @@ from .common import (
     sm_count,
 )
 from .grouped_int_batch import _codes
-from .norm import l2_prefetch, last_program, residual_norm_row
+from .norm import finish_partials, prefetch_norms
 from .pairs import PAIR_MAGIC, pair_sum, word_dot, x_pairs, zero_pair
 from .prefill import MatmulConfig, TiledPrefill, matmul_blocks, tile_candidates, token_bucket
 from .tiles import (
@@ -166,23 +166,17 @@ def _matvec_kernel(low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, level_ptr
     FINISH (with PARTIAL): the launch's last program also adds the partial sums into the residual and
     norms it (norm.Finish), so no residual-norm launch follows; PREFETCH: program (0, 0) first asks L2
     for the norm weights that program reads (as rowwise8's matvec)."""
-    if PREFETCH:  # noqa: SIM102  (a constexpr condition, then a run-time one)
-        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-            if NORM:
-                l2_prefetch(norm_ptr, 4 * n)
-            if POST:
-                l2_prefetch(post_ptr, 4 * n)
+    if PREFETCH:
+        prefetch_norms(norm_ptr, post_ptr, n, NORM, POST)
     total = _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K, split_chunks, magic, WL, WH, MID, ASYM,
                       G, C, BN, ACT >= 0, EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS, AHEAD)
     if LEVEL:
         store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL, level_ptr)
     else:
         store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL)
-    if FINISH:  # noqa: SIM102  (a constexpr condition, then a run-time one)
-        if last_program(counter_ptr):
-            residual_norm_row(res_ptr, out_ptr, finish_bias_ptr, post_ptr, norm_ptr, normed_ptr, 0, n,
-                              tl.num_programs(1), n, post_eps, eps, 1, FINISH_BIAS, POST, NORM, H_BLOCK, N_PARTS,
-                              True)
+    if FINISH:
+        finish_partials(counter_ptr, res_ptr, out_ptr, finish_bias_ptr, post_ptr, norm_ptr, normed_ptr, n,
+                        tl.num_programs(1), post_eps, eps, FINISH_BIAS, POST, NORM, H_BLOCK, N_PARTS)
 
 
 @triton.jit

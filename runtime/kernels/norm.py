@@ -131,6 +131,30 @@ def l2_prefetch(ptr, nbytes):
 
 
 @triton.jit
+def prefetch_norms(norm_ptr, post_ptr, n, NORM: tl.constexpr, POST: tl.constexpr):
+    """Program (0, 0) of a launch whose last program finishes the residual norm (`finish_partials`) asks
+    L2 for the n-long float32 norm weights that program reads (`l2_prefetch`, sm_90 on), so they are not a
+    DRAM latency at the end."""
+    if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
+        if NORM:
+            l2_prefetch(norm_ptr, 4 * n)
+        if POST:
+            l2_prefetch(post_ptr, 4 * n)
+
+
+@triton.jit
+def finish_partials(counter_ptr, res_ptr, parts_ptr, bias_ptr, post_ptr, norm_ptr, normed_ptr, n, n_parts, post_eps,
+                    eps, HAS_BIAS: tl.constexpr, POST: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
+                    N_PARTS: tl.constexpr):
+    """Called by every program of a launch after it stored its rows of the float32 partial sums
+    [n_parts, n] at parts_ptr: the last to arrive (`last_program`) runs add_rmsnorm's row over them
+    (`residual_norm_row`, the partials read past L1), so no residual-norm launch follows (norm.Finish)."""
+    if last_program(counter_ptr):
+        residual_norm_row(res_ptr, parts_ptr, bias_ptr, post_ptr, norm_ptr, normed_ptr, 0, n, n_parts, n, post_eps,
+                          eps, 1, HAS_BIAS, POST, NORM, BLOCK, N_PARTS, True)
+
+
+@triton.jit
 def last_program(counter_ptr):
     """True in the one program of this launch that arrives here last (each program calls it once, after
     its stores): that program then sees every other program's stores. The count goes back to zero, so

@@ -31,7 +31,7 @@ from .common import (
     prefix_rows,
     prefix_split,
 )
-from .norm import l2_prefetch, last_program, residual_norm_row
+from .norm import finish_partials, prefetch_norms
 from .prefill import matmul_blocks, matmul_prefix
 from .tiles import (
     dot_tile,
@@ -193,12 +193,8 @@ def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, split, flip
     PARTIAL): the launch's last program also adds the partial sums into the residual and norms it
     (norm.Finish), so no residual-norm launch follows; PREFETCH: program (0, 0) first asks L2 for the
     norm weights that program reads (bulk prefetches, sm_90), so they are not a DRAM latency at the end."""
-    if PREFETCH:  # noqa: SIM102  (a constexpr condition, then a run-time one)
-        if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
-            if NORM:
-                l2_prefetch(norm_ptr, 4 * n)
-            if POST:
-                l2_prefetch(post_ptr, 4 * n)
+    if PREFETCH:
+        prefetch_norms(norm_ptr, post_ptr, n, NORM, POST)
     rows, row_mask = tile_rows(tl.program_id(0), n, BN, ACT >= 0)
     if FP8 and AHEAD:  # v_ptr: int32 words; split and STEP in chunks of 8 columns
         starts = tile_starts(tl.program_id(0), n, K // 8, BN, ACT >= 0, ASM)
@@ -210,11 +206,9 @@ def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, split, flip
         total = _int8_dot(v_ptr, x_ptr, starts, row_mask, K, split, flip_lo, flip_hi, STEP, EVEN_N, EVEN_K, ASM)
     total *= tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
     store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL)
-    if FINISH:  # noqa: SIM102  (a constexpr condition, then a run-time one)
-        if last_program(counter_ptr):
-            residual_norm_row(res_ptr, out_ptr, finish_bias_ptr, post_ptr, norm_ptr, normed_ptr, 0, n,
-                              tl.num_programs(1), n, post_eps, eps, 1, FINISH_BIAS, POST, NORM, H_BLOCK, N_PARTS,
-                              True)
+    if FINISH:
+        finish_partials(counter_ptr, res_ptr, out_ptr, finish_bias_ptr, post_ptr, norm_ptr, normed_ptr, n,
+                        tl.num_programs(1), post_eps, eps, FINISH_BIAS, POST, NORM, H_BLOCK, N_PARTS)
 
 
 @triton.jit
