@@ -358,8 +358,9 @@ def formats_command():
     rows = [("format", "params (default)", "bits/weight", "description")]
     for fmt in formats.FORMATS.values():
         params = ", ".join(f"{k} {'/'.join(map(str, p.choices))} ({p.default})" for k, p in fmt.params.items())
+        only = " (routed experts only: --expert-formats)" if fmt.experts_only else ""
         rows.append((fmt.name, params or "-", f"{fmt.bits_per_weight((4096, 4096)):.3f}",
-                     fmt.description.splitlines()[0]))
+                     fmt.description.splitlines()[0] + only))
     widths = [max(len(r[i]) for r in rows) for i in range(3)]
     for r in rows:
         typer.echo("  ".join(c.ljust(w) for c, w in zip(r[:3], widths)) + "  " + r[3])

@@ -147,12 +147,11 @@ class CompileConfig:
             plan = groups.get("plan", {})
             if isinstance(plan.get("vram"), str):
                 plan["vram"] = parse_size(plan["vram"])
-            if "formats" in groups.get("score", {}):
-                groups["score"]["formats"] = tuple(groups["score"]["formats"])
-            if "expert_formats" in groups.get("score", {}):
-                value = groups["score"]["expert_formats"]
-                groups["score"]["expert_formats"] = tuple(
-                    f.strip() for f in (value.split(",") if isinstance(value, str) else value) if f.strip())
+            for key in ("formats", "expert_formats"):  # "q2,trellis" or a sequence of names
+                if key in groups.get("score", {}):
+                    value = groups["score"][key]
+                    groups["score"][key] = tuple(
+                        f.strip() for f in (value.split(",") if isinstance(value, str) else value) if f.strip())
             if groups.get("residency", {}).pop("stream", False):
                 if "vram" not in plan:
                     raise CompileOptionError("--stream-experts needs --vram SIZE: the device budget the experts "

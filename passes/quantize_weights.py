@@ -19,6 +19,9 @@ METHODS = ("gptq", "rtn")
 # (a sweep's steps are launch-bound: the fewer sweeps, the faster; the format's pack adds a few copies).
 GPTQ_SWEEP_BYTES = 32 << 30
 CPU_SWEEP_BYTES = 4 << 30
+# Batches per sweep in a format for routed experts only (trellis): its fits are Viterbi searches that
+# dominate the sweep, one weight at a time either way, so short sweeps cost nothing and report progress.
+SEARCH_SWEEP_BATCHES = 4
 
 
 def sweep_bytes(rows: int, cols: int) -> int:
@@ -65,10 +68,13 @@ class QuantizeOptions:
                 raise QuantizeOptionError("--group-size and --asymmetric need --quant FORMAT")
             return
         fmt = formats.FORMATS.get(self.format)
-        quantized = [f.name for f in formats.FORMATS.values() if not f.dense]
+        quantized = [f.name for f in formats.FORMATS.values() if not f.dense and not f.experts_only]
         if fmt is None or fmt.dense:
             raise QuantizeOptionError(f"--quant takes a quantized format ({', '.join(quantized)}), "
                                       f"got {self.format!r}")
+        if fmt.experts_only:
+            raise QuantizeOptionError(f"{fmt.name} is a format for routed experts only: give a budget and "
+                                      f"--expert-formats {fmt.name}, not --quant")
         if self.group_size is not None and "group_size" not in fmt.params:
             raise QuantizeOptionError(f"format {self.format} has no groups; drop --group-size")
         if self.asymmetric and "asymmetric" not in fmt.params:
@@ -203,8 +209,8 @@ def _sweeps(program, ctx, batches: list[list[str]], targets: dict[str, Encoding]
             options: QuantizeOptions) -> list[list[list[str]]]:
     """`batches` in runs that one GPTQ column sweep can take (gptq_many): batches of one encoding and
     one stacked shape, each with its own calibration statistics, up to the sweep's byte budget per
-    run (a layer's q/k/v next to other layers'). act_order, round-to-nearest, dense targets
-    and weights without statistics go one batch at a time, as before."""
+    run (a layer's q/k/v next to other layers'; SEARCH_SWEEP_BATCHES at most for trellis). act_order,
+    round-to-nearest, dense targets and weights without statistics go one batch at a time, as before."""
     records = program.model.tensor_map()
     inputs = program.annotations.get("calibration", {}).get("inputs", {})
     runs: dict[tuple, list[list[list[str]]]] = {}
@@ -221,7 +227,8 @@ def _sweeps(program, ctx, batches: list[list[str]], targets: dict[str, Encoding]
         shape = (sum(records[n].shape[0] for n in names), records[names[0]].shape[1])
         size = sweep_bytes(*shape)
         current = runs.setdefault((encoding, shape), [[]])
-        if current[-1] and (len(current[-1]) + 1) * size > budget:
+        full = formats.get(encoding.format).experts_only and len(current[-1]) >= SEARCH_SWEEP_BATCHES
+        if current[-1] and ((len(current[-1]) + 1) * size > budget or full):
             current.append([])
         current[-1].append(names)
     for group in runs.values():

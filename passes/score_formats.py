@@ -70,14 +70,20 @@ class ScoreOptions:
             raise ValueError(f"--expert-formats takes quantized formats ({', '.join(quantized)}), "
                              f"got {','.join(self.expert_formats)}")
 
+        if self.formats is not None:
+            only = [f for f in self.formats if formats.get(f).experts_only]
+            if only:
+                raise ValueError(f"{', '.join(only)} is a format for routed experts only: name it in "
+                                 "--expert-formats (with a budget), not in formats")
+        if type(self.probe_windows) is not int or self.probe_windows < 1:
+            raise ValueError(f"probe_windows must be a positive integer, got {self.probe_windows!r}")
+
     def allowed(self, record) -> tuple[tuple[str, ...] | None, bool]:
         """(formats `record` may take, strict): a routed expert under `expert_formats` may take only
         those (strict); any other tensor `formats` and its stored format."""
         if record.expert is not None and self.expert_formats is not None:
             return self.expert_formats, True
         return self.formats, False
-        if type(self.probe_windows) is not int or self.probe_windows < 1:
-            raise ValueError(f"probe_windows must be a positive integer, got {self.probe_windows!r}")
 
 
 def plannable(model: Model) -> list[str]:
@@ -91,12 +97,16 @@ def plannable(model: Model) -> list[str]:
 def candidates(record, allowed: tuple[str, ...] | None = None, strict: bool = False) -> list[Encoding]:
     """Every encoding `record` can be stored in: each quantized format with each combination of its
     parameters that fits the shape, plus the stored dense format and any narrower dense one. With
-    `allowed`, only those formats and the stored one; `strict`: only those."""
+    `allowed`, only those formats and the stored one; `strict`: only those. A format for routed
+    experts only (trellis) is a candidate only where `strict` names it for a routed expert (what
+    `ScoreOptions.allowed` gives under `--expert-formats`), never by default."""
     stored = formats.get(record.encoding.format)
     keep_stored = not strict or allowed is None or stored.name in allowed
     out = [record.encoding] if stored.dense and keep_stored else []
     for fmt in formats.FORMATS.values():
         if allowed is not None and fmt.name not in allowed and (strict or fmt.name != record.encoding.format):
+            continue
+        if fmt.experts_only and not (strict and record.expert is not None and fmt.name in allowed):
             continue
         if fmt.dense:
             # bf16 is the one narrower dense choice for an f32 or f16 source.
@@ -205,11 +215,17 @@ def _error_model(program: Program, ctx: PassContext, name: str, w, method: str, 
             return float(frequency[rows].double() @ (delta.double() ** 2).sum(1))
         return float(((delta @ hessian) * delta).sum())
 
+    def measure(delta, rows, estimate: bool) -> float:
+        return float(gain @ (delta.double() ** 2).sum(0)) if estimate else layer_error(delta, rows)
+
     def error(enc: Encoding, exact: bool = False) -> float:
         # Row by row block: every format rounds each row on its own, and each estimate below is a sum
         # over rows, so a large embedding or LM head never has more than a block's float32 copies.
         fmt = formats.get(enc.format)
         estimate = not (fmt.dense or exact or method == "rtn" or untied_embedding)
+        if fmt.experts_only:
+            total = sampled_error(w, fmt, enc.params, lambda delta, rows: measure(delta, rows, estimate))
+            return correction.get(enc, 1.0) * total if estimate else total
         total = 0.0
         for rows in row_blocks(w):
             part = w[rows]
@@ -221,6 +237,47 @@ def _error_model(program: Program, ctx: PassContext, name: str, w, method: str, 
         return correction.get(enc, 1.0) * total if estimate else total
 
     return error
+
+
+# Formats for routed experts only (trellis) round by a search over 16-row tiles: Viterbi over 2^12
+# states, about 4 x 2^12 float operations a weight a pass, thousands of times a grid's rounding. Their
+# error is measured on evenly spaced bands of SAMPLE_BAND whole rows, about SAMPLE_WEIGHTS weights of
+# each tensor (a quarter of tiny-coder-moe's experts, one band of moe-a3b's), and scaled up.
+SAMPLE_BAND = 16  # a trellis tile's rows; every other format rounds each row on its own
+SAMPLE_WEIGHTS = 8192
+
+
+def sample_rows(shape) -> list[int] | None:
+    """Rows of a [rows, cols] weight that sampled_error encodes: the bands of SAMPLE_BAND rows whose
+    index is nearest the middle of each of `count` equal spans (count bands of about SAMPLE_WEIGHTS
+    weights in all, at least one), or None when that is every band (the whole weight is measured)."""
+    rows, cols = shape
+    bands = rows // SAMPLE_BAND
+    count = max(1, -(-SAMPLE_WEIGHTS // (SAMPLE_BAND * cols)))
+    if count >= bands or rows % SAMPLE_BAND:
+        return None
+    picked = [(2 * i + 1) * bands // (2 * count) for i in range(count)]
+    return [b * SAMPLE_BAND + r for b in picked for r in range(SAMPLE_BAND)]
+
+
+def sampled_error(w, fmt, params, measure) -> float:
+    """measure(W - W_f, rows) over all of `w` (a sum over rows: E_t of the module docstring) for a
+    format whose rounding is a search, from the rows `sample_rows` picks: the sample's error relative
+    to the same measure of its weights, times that measure of the whole weight (a ratio estimate:
+    the format's error scales with each row's own scale, so it is exact when the sample's relative
+    error is the weight's). Every row is encoded when the weight is no larger than the sample."""
+    import torch
+
+    picked = sample_rows(tuple(w.shape))
+    if picked is None:
+        return sum(measure(w[rows] - rounded(fmt, w[rows], params), rows) for rows in row_blocks(w))
+    index = torch.tensor(picked, device=w.device)
+    part = w[index]
+    energy = measure(part, index)
+    if energy <= 0:
+        return 0.0
+    whole = sum(measure(w[rows], rows) for rows in row_blocks(w))
+    return measure(part - rounded(fmt, part, params), index) / energy * whole
 
 
 # Elements of a weight rounded at once: bounds the float32 copies of a large embedding or LM head
@@ -280,8 +337,13 @@ def _gptq_corrections(program: Program, ctx: PassContext, encodings) -> dict:
     a = layer.attention
     first = (a.qkv or a.q).weight
     mlps = getattr(layer.ffn, "experts", None) or (layer.ffn,)
+    names = [first, mlps[0].down.weight]
+    experts_only = any(formats.get(e.format).experts_only for e in encodings)
+    if experts_only and getattr(layer.ffn, "experts", None):
+        # formats for routed experts only are corrected on the expert's two projections alone
+        names.append((mlps[0].gate or mlps[0].gate_up).weight)
     references = {}  # name: (rows x columns of the weight, their block of H, its factor), made once
-    for name in (first, mlps[0].down.weight):
+    for name in names:
         r = model.tensor(name)
         w = program.decoded(name, ctx.device)
         columns = min(w.shape[1], REFERENCE_COLUMNS)
@@ -294,7 +356,8 @@ def _gptq_corrections(program: Program, ctx: PassContext, encodings) -> dict:
         ctx.report("score formats: GPTQ estimate", k, len(quantized))
         logs = []
         fmt = formats.get(enc.format)
-        usable = [ref for ref in references.values() if not fmt.check(ref[0].shape, enc.params)]
+        usable = [ref for name, ref in references.items() if not fmt.check(ref[0].shape, enc.params)
+                  and ((ref[0].expert is not None) if fmt.experts_only else name in names[:2])]
         if len(usable) > 1 and len({tuple(ref[1].shape) for ref in usable}) == 1:
             # one batched sweep for both (the same numbers as one gptq() each, in half the column steps)
             _, stacked = gptq_many([ref[1] for ref in usable], [ref[2] for ref in usable], fmt, enc.params,

@@ -79,6 +79,10 @@ class Format:
     safetensors_dtype: str | None = None
     # Quantized formats need 2-D weights; dense ones take any shape.
     matrix_only: bool = True
+    # A format whose kernels exist for routed experts only, and whose reference rounding is a search
+    # over whole tiles (trellis): the planner offers it to routed experts alone and only when
+    # --expert-formats names it, and scores it on a sample of rows (passes/score_formats.py).
+    experts_only: bool = False
 
     @property
     def dense(self) -> bool:
