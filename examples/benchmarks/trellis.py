@@ -74,50 +74,19 @@ def codebook(L: int, kind: str, k: int = 2, seed: int = 0):
 
 
 def viterbi(x, values, k: int, L: int, overlap=None):
-    """States [B, T] (int64) of the path through the trellis minimising sum_t (x[:, t] - values[s_t])^2.
-    `overlap` [B] (optional): the first state's high L - k bits and the last state's low L - k bits
-    are both held to it (a tail-biting path); without it the first state is free."""
-    import torch
+    """States [B, T] (int64) of the path through the trellis minimising sum_t (x[:, t] - values[s_t])^2;
+    `overlap` [B] (optional) holds a tail-biting path's wrap bits. The `trellis` format's Viterbi
+    (thin/ir/formats/trellis.py), where this experiment's code now lives."""
+    from thin.ir.formats.trellis import viterbi as format_viterbi
 
-    batch, steps = x.shape
-    n, low = 2 ** L, 2 ** (L - k)
-    v, v2 = values.float(), values.float() ** 2
-    x2 = 2 * x.float()
-    big = torch.finfo(torch.float32).max / 4
-    cost = v2[None] - x2[:, :1] * v[None]  # [B, 2^L]; x^2 is the same for every state and left out
-    if overlap is not None:
-        allowed = (torch.arange(n)[None] >> k) == overlap[:, None]
-        cost = torch.where(allowed, cost, big)
-    back = torch.empty(steps, batch, low, dtype=torch.uint8)
-    for t in range(1, steps):
-        best, arg = cost.view(batch, 2 ** k, low).min(1)  # predecessors of s' share s' >> k = s mod 2^(L-k)
-        back[t] = arg
-        cost = best.repeat_interleave(2 ** k, dim=1).add_(v2[None]).addcmul_(x2[:, t:t + 1], v[None], value=-1)
-    if overlap is not None:
-        cost = torch.where((torch.arange(n)[None] & (low - 1)) == overlap[:, None], cost, big)
-    states = torch.empty(batch, steps, dtype=torch.int64)
-    states[:, -1] = cost.argmin(1)
-    rows = torch.arange(batch)
-    for t in range(steps - 1, 0, -1):
-        below = states[:, t] >> k
-        states[:, t - 1] = back[t, rows, below].long() * low + below
-    return states
+    return format_viterbi(x, values, k, L, overlap)
 
 
 def encode(x, values, k: int, L: int, chunk: int = 512):
     """Tail-biting states [B, T] for the sequences x [B, T] (two Viterbi passes, see the docstring)."""
-    import torch
+    from thin.ir.formats.trellis import tail_biting
 
-    if L % k or k >= L:
-        raise ValueError(f"a state of L={L} bits must be a multiple of k={k} bits, larger than k")
-    out = []
-    for i in range(0, x.shape[0], chunk):
-        part = x[i:i + chunk]
-        half = part.shape[1] // 2
-        first = viterbi(torch.roll(part, -half, 1), values, k, L)
-        overlap = first[:, half] >> k  # the state at original position 0: its high bits cross the wrap
-        out.append(viterbi(part, values, k, L, overlap))
-    return torch.cat(out)
+    return tail_biting(x, values, k, L, chunk=chunk)
 
 
 def pack(states, k: int):

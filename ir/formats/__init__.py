@@ -14,6 +14,7 @@ from .int8 import INT8
 from .mxfp4 import MXFP4
 from .q1 import Q1_FORMAT
 from .q2 import Q2_FORMAT
+from .trellis import TRELLIS
 
 FORMATS: dict[str, Format] = {}
 
@@ -26,7 +27,7 @@ def register(fmt: Format) -> Format:
     return fmt
 
 
-for _fmt in (F32, F16, BF16, FP8_E4M3, INT8, INT3, INT4, INT5, INT6, MXFP4, Q2_FORMAT, Q1_FORMAT):
+for _fmt in (F32, F16, BF16, FP8_E4M3, INT8, INT3, INT4, INT5, INT6, MXFP4, Q2_FORMAT, Q1_FORMAT, TRELLIS):
     register(_fmt)
 
 
