@@ -16,6 +16,12 @@ reads, and nothing here knows a format.
 `act_order` visits columns by decreasing diag(H) (the paper's heuristic for the columns that
 matter most); grids are then fitted up front on the original weights ("static groups"), since a
 group's columns are no longer visited together.
+
+A quantizer that codes a block of columns jointly (`joint`, the trellis format: its fit is the coded
+block and its projection of a column is that block's column) turns the sweep into BlockLDLQ (QuIP#,
+QTIP): each block is coded from the weights as the blocks before it left them, and the column updates
+inside it add up to W[:, rest] -= (W_J - Q_J) U_JJ^-1 U_J,rest. Its blocks are coded for all the
+weights of a batched sweep in one fit, and act_order (which would scatter a block's columns) is refused.
 """
 
 from __future__ import annotations
@@ -59,6 +65,8 @@ def gptq(weight, hessian, fmt, params=(), *, act_order: bool = False, damp: floa
     hessian = hessian.to(w.device).float()
     if q.block != cols and (q.block > block or block % q.block):
         raise ValueError(f"format {fmt.name}: groups of {q.block} columns do not tile GPTQ blocks of {block}")
+    if act_order and getattr(q, "joint", False):
+        raise ValueError(f"format {fmt.name} codes blocks of {q.block} columns jointly: act_order does not apply")
     q.start(w)
     if act_order:
         order = torch.argsort(torch.diagonal(hessian), descending=True, stable=True)
@@ -116,6 +124,9 @@ def gptq_many(weights: list, hessians: list, fmt, params=(), *, damp: float = DA
     def grid_for(col, work, j, rest):
         if col % q.block == 0:  # as in gptq(), on each weight's current columns
             span = work[:, :, j:j + q.block] if j + q.block <= work.shape[2] else rest[:, :, col:col + q.block]
+            if getattr(q, "joint", False):  # no importance, rows coded apart: one fit codes every weight's block
+                grids.append(q.fit(span.reshape(count * rows, q.block)))
+                return grids[-1], col % q.block
             fitted = [qb.fit(span[b], importance[b][col:col + q.block]) for b, qb in enumerate(alone)]
             grids.append({k: torch.cat([g[k] for g in fitted]) for k in fitted[0]})
         return grids[-1], col % q.block

@@ -11,7 +11,7 @@ import torch
 
 from thin.ir import formats
 from thin.ir.formats import trellis
-from thin.passes.gptq import gptq, inverse_cholesky, output_error
+from thin.passes.gptq import gptq, gptq_many, inverse_cholesky, output_error
 
 FMT = formats.get("trellis")
 NORM = (4 * (2**16 - 1) / 12) ** 0.5
@@ -161,6 +161,21 @@ def test_gptq_feedback_is_block_ldlq():
                                             left=False)
         work[:, j + 16:] -= err @ upper[j:j + 16, j + 16:]
     torch.testing.assert_close(w_hat, want, rtol=0, atol=0)
+
+
+def test_gptq_many_codes_every_weight_as_alone():
+    problems = [_problem(rows=16, cols=32, seed=s) for s in (3, 4)]
+    p = (("bits", 3),)
+    blob, w_hat = gptq_many([w for w, _ in problems], [h for _, h in problems], FMT, p)
+    for i, (w, h) in enumerate(problems):
+        alone_blob, alone = gptq(w, h, FMT, p)
+        assert torch.equal(w_hat[16 * i:16 * (i + 1)], alone)
+
+
+def test_act_order_is_refused():
+    w, h = _problem(rows=16, cols=32)
+    with pytest.raises(ValueError, match="act_order"):
+        gptq(w, h, FMT, (("bits", 2),), act_order=True)
 
 
 @pytest.mark.parametrize("shape", [(24, 32), (32, 40), (8, 8)])
