@@ -329,4 +329,4 @@ class TrellisQuantizer(GridQuantizer):
 
 
 TRELLIS = Trellis("trellis", "tail-biting trellis code, k = 2 or 3 bits a weight, L = 12, float16 row scales",
-                  params=PARAMS)
+                  params=PARAMS, experts_only=True)
