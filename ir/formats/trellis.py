@@ -283,7 +283,8 @@ class TrellisQuantizer(GridQuantizer):
             bad = int((~torch.isfinite(w)).sum())
             raise ValueError(f"format {self.fmt.name}: cannot encode a weight of shape {tuple(w.shape)} "
                              f"holding {bad} NaN or infinite value(s)")
-        self.row_scale = to_float16(w.float().pow(2).mean(1).sqrt())
+        # in float64, so no device's summation order moves the float16 (through float32 on every device)
+        self.row_scale = to_float16(w.double().pow(2).mean(1).sqrt().float())
 
     def fit(self, w_block, importance=None):
         """Viterbi-code whole 16-column blocks [N, 16 * nb] (importance is not used: see the class)."""
