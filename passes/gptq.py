@@ -21,7 +21,8 @@ A quantizer that codes a block of columns jointly (`joint`, the trellis format: 
 block and its projection of a column is that block's column) turns the sweep into BlockLDLQ (QuIP#,
 QTIP): each block is coded from the weights as the blocks before it left them, and the column updates
 inside it add up to W[:, rest] -= (W_J - Q_J) U_JJ^-1 U_J,rest. Its blocks are coded for all the
-weights of a batched sweep in one fit, and act_order (which would scatter a block's columns) is refused.
+weights of a batched sweep in one fit (each row under its own weight's importance), and act_order
+(which would scatter a block's columns) is refused.
 """
 
 from __future__ import annotations
@@ -124,8 +125,10 @@ def gptq_many(weights: list, hessians: list, fmt, params=(), *, damp: float = DA
     def grid_for(col, work, j, rest):
         if col % q.block == 0:  # as in gptq(), on each weight's current columns
             span = work[:, :, j:j + q.block] if j + q.block <= work.shape[2] else rest[:, :, col:col + q.block]
-            if getattr(q, "joint", False):  # no importance, rows coded apart: one fit codes every weight's block
-                grids.append(q.fit(span.reshape(count * rows, q.block)))
+            if getattr(q, "joint", False):  # rows coded apart: one fit codes every weight's block
+                imp = torch.stack([d[col:col + q.block] for d in importance])  # [B, block]
+                grids.append(q.fit(span.reshape(count * rows, q.block),
+                                   imp.unsqueeze(1).expand(count, rows, q.block).reshape(count * rows, q.block)))
                 return grids[-1], col % q.block
             fitted = [qb.fit(span[b], importance[b][col:col + q.block]) for b, qb in enumerate(alone)]
             grids.append({k: torch.cat([g[k] for g in fitted]) for k in fitted[0]})

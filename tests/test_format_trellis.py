@@ -125,6 +125,18 @@ def test_viterbi_weighs_each_position():
         assert cost(row, found[row].tolist()) == pytest.approx(min(cost(row, p) for p in paths), rel=1e-5)
 
 
+def test_importance_weighted_fit_lowers_the_weighted_error():
+    g = torch.Generator().manual_seed(8)
+    w = torch.randn(32, 64, generator=g)
+    importance = torch.exp(2 * torch.randn(64, generator=g))
+    q = FMT.quantizer(w.shape, (("bits", 2),))
+    q.start(w)
+    plain, weighted = q.fit(w)["values"], q.fit(w, importance)["values"]
+    assert float((importance * (weighted - w) ** 2).sum()) < 0.7 * float((importance * (plain - w) ** 2).sum())
+    stacked = q.fit(w, importance.expand(32, 64))  # one row of importance per row: the same code
+    assert torch.equal(stacked["values"], weighted)
+
+
 def _problem(rows=32, cols=64, seed=1):
     """A weight and the second moments of inputs correlated across blocks, with a few loud channels."""
     g = torch.Generator().manual_seed(seed)
@@ -146,16 +158,16 @@ def test_gptq_block_feedback_beats_plain_encoding(k):
 
 def test_gptq_feedback_is_block_ldlq():
     """The column sweep with a jointly coded block is BlockLDLQ: the block's codes come from the weights
-    as updated by the blocks before it, W[:, rest] -= (W_J - Q_J) U_JJ^-1 U_J,rest."""
+    as updated by the blocks before it (under diag(H) as importance), W[:, rest] -= (W_J - Q_J) U_JJ^-1 U_J,rest."""
     w, h = _problem(rows=16, cols=48, seed=2)
     p = (("bits", 2),)
     _, w_hat = gptq(w, h, FMT, p)
-    upper, _ = inverse_cholesky(h)
+    upper, damped = inverse_cholesky(h)
     q = FMT.quantizer(w.shape, p)
     q.start(w)
     work, want = w.clone(), torch.empty_like(w)
     for j in range(0, 48, 16):
-        block = q.fit(work[:, j:j + 16])["values"]
+        block = q.fit(work[:, j:j + 16], torch.diagonal(damped)[j:j + 16])["values"]
         want[:, j:j + 16] = block
         err = torch.linalg.solve_triangular(upper[j:j + 16, j:j + 16], work[:, j:j + 16] - block, upper=True,
                                             left=False)

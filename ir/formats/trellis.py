@@ -41,7 +41,8 @@ experts in a page): the 16-row tile bands stay whole as long as N is a multiple 
 
 Quantizer (`TrellisQuantizer`): row scale first (rms, rounded to float16), then 16-column blocks,
 each block's tiles (all row bands) coded jointly by Viterbi over the 2^L states (squared error of
-the weights: each row's error counted at its scale^2), tail-biting by two passes (QTIP's trick: a
+the weights: each row's error counted at its scale^2, and each column's at its importance when GPTQ
+gives diag(H)), tail-biting by two passes (QTIP's trick: a
 free-start pass over the sequence rotated by T/2 gives the L - k bits the best path crosses the wrap
 with; a second pass holds the first state's high bits and the last state's low bits to them). GPTQ
 drives it block by block (passes/gptq.py: BlockLDLQ, the error of a whole block fed forward).
@@ -267,8 +268,10 @@ class Trellis(QuantizedFormat):
 class TrellisQuantizer(GridQuantizer):
     """The GridQuantizer of `trellis`. Its "grid" for a span of whole 16-column blocks is the coded
     span itself, {"segments": S [N, blocks] int64, "values": what they decode to [N, 16 * blocks]}:
-    `fit` runs Viterbi on the block's tiles, `project` returns the fitted values whatever columns it
-    is handed (a block is coded jointly, so GPTQ feeds a whole block's error forward: BlockLDLQ)."""
+    `fit` runs Viterbi on the block's tiles (under the columns' importance when given), `project`
+    returns the fitted values whatever columns it is handed (a block is coded jointly, so GPTQ feeds a
+    whole block's error forward: BlockLDLQ). Rows are coded apart in 16-row bands, so one fit over the
+    stacked rows of several weights, each row with its own weight's importance, codes each as alone."""
 
     block = TILE
     joint = True
@@ -287,7 +290,9 @@ class TrellisQuantizer(GridQuantizer):
         self.row_scale = to_float16(w.double().pow(2).mean(1).sqrt().float())
 
     def fit(self, w_block, importance=None):
-        """Viterbi-code whole 16-column blocks [N, 16 * nb] (importance is not used: see the class)."""
+        """Viterbi-code whole 16-column blocks [N, 16 * nb]; with `importance` ([16 * nb], or [N, 16 * nb]
+        for rows of several weights), each column's squared error counts at its importance (GPTQ passes
+        diag(H)), relative to the row's largest in the block."""
         import torch
 
         rows, cols = w_block.shape
@@ -304,6 +309,11 @@ class TrellisQuantizer(GridQuantizer):
         top = band.amax(1, keepdim=True)
         relative = torch.where(top > 0, band / torch.where(top > 0, top, torch.ones_like(top)), 0.0)
         weight = (relative * relative).reshape(rows, 1).expand(rows, cols)
+        if importance is not None:
+            imp = importance.float().to(w_block.device).expand(rows, cols).reshape(rows, cols // TILE, TILE)
+            most = imp.amax(2, keepdim=True)
+            imp = torch.where(most > 0, imp / torch.where(most > 0, most, torch.ones_like(most)), 1.0)
+            weight = weight * imp.reshape(rows, cols)
         states = tail_biting(tiles(x), codebook(w_block.device), self.k, L, tiles(weight.contiguous()))
         segments = segments_from_states(states, rows, self.k)
         return {"segments": segments, "values": segment_values(segments, self.row_scale.to(w_block.device), self.k)}
