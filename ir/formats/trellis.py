@@ -96,7 +96,8 @@ def segment_values(segments, row_scale, k: int):
     shifts = k * torch.arange(TILE - 1, -1, -1, device=segments.device)
     states = (both.unsqueeze(-1) >> shifts) & (2**L - 1)  # [N, nb, 16]
     factor = divide(row_scale.float(), NORM).unsqueeze(1)
-    return codeword(states).reshape(n, blocks * TILE).float() * factor
+    table = codeword(torch.arange(2**L, device=segments.device)).float()  # c(s) looked up: one gather a weight
+    return table[states].reshape(n, blocks * TILE) * factor
 
 
 def segments_from_bytes(codes, k: int):
