@@ -80,6 +80,10 @@ def test_folded_norms_give_the_same_tokens(llama, quant):
     for sums, ss in seen:
         assert sums[0].item() == 0.0 and sums[2].item() == 0.0
         assert sums[1].item() == pytest.approx(ss, rel=1e-4)
+    if HAS_CUDA:  # the same steps replayed from a captured graph
+        graphed = DecodeEngine(model.executor, fold_norm=True)
+        assert _tokens(graphed, prompt, 6) == _tokens(plain, prompt, 6)
+        assert not graphed.norm_sums[0].item() and not graphed.norm_sums[2].item()
 
 
 def test_fold_norm_false_and_models_that_cannot_fold(llama):

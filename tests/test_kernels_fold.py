@@ -117,3 +117,40 @@ def test_slot_plan_never_gives_a_producer_its_own_next():
         assert len(plan) == m and {s for s, _ in plan} <= {0, 1, 2}
         for j, (slot, following) in enumerate(plan):
             assert following == plan[(j + 1) % m][0] != slot
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8_e4m3", "int4"])
+def test_folding_candidates_at_llama_shapes_on_gpu(fmt):
+    """Every direct candidate accumulating at llama-8b's o shape (residual bit for bit, slot sum close), every
+    direct and gate/up candidate with a normed input over a 4096 residual (bit for bit as add_rmsnorm then
+    the plain matvec)."""
+    from thin.runtime.kernels.fold import Accumulate, NormedInput
+    from thin.runtime.kernels.norm import add_rmsnorm
+
+    params = {"group_size": 128} if fmt == "int4" else None
+    n = 4096
+    op, _, _ = make_op(fmt, (n, n), params, dtype=torch.bfloat16, seed=13)
+    gen = torch.Generator().manual_seed(14)
+    x = torch.randn(n, generator=gen).to(torch.bfloat16).to(DEVICE)
+    start = (torch.randint(-24, 25, (n,), generator=gen) / 8).to(torch.bfloat16).to(DEVICE)
+    norm = ((1 + 0.2 * torch.randn(n, generator=gen)).to(DEVICE), 1e-5)
+    for config in op.candidates("direct"):
+        want = start.clone()
+        parts = poisoned(1, n, dtype=torch.float32)
+        op._matvec(x, parts, config, -1, True)
+        add_rmsnorm(want, poisoned(n, dtype=torch.bfloat16), partials=parts, norm=norm)
+        got, slots = start.clone(), torch.zeros(3, device=DEVICE)
+        op._matvec(x, got, config, -1, False, accumulate=Accumulate(got, slots[0:1], slots[1:2]))
+        assert torch.equal(got, want), config
+        assert slots[0].item() == pytest.approx(float(want.float().pow(2).sum()), rel=1e-4), config
+    normed = poisoned(n, dtype=torch.bfloat16)
+    add_rmsnorm(start.clone(), normed, norm=norm)
+    ss = start.float().pow(2).sum().reshape(1)
+    glu, _, _ = make_op(fmt, (2 * 2048, n), params, dtype=torch.bfloat16, seed=15)
+    for weight, mode, act, rows in ((op, "direct", -1, n), (glu, "glu", ACTIVATION_CODES["silu"], 2048)):
+        for config in weight.candidates(mode):
+            want, got = poisoned(rows, dtype=torch.bfloat16), poisoned(rows, dtype=torch.bfloat16)
+            weight._matvec(normed, want, config, act, False)
+            weight._matvec(start, got, config, act, False, normed=NormedInput(start, ss.clone(), norm))
+            assert torch.equal(got, want), (mode, config)
