@@ -274,7 +274,8 @@ def _register_kernels() -> None:
     from .kernels import cuda_kernels_available
 
     families = {"dense": ("f32", "f16", "bf16"), "rowwise8": ("int8", "fp8_e4m3"),
-                "grouped_int": ("int3", "int4", "int5", "int6"), "mxfp4": ("mxfp4",), "q2": ("q2",), "q1": ("q1",)}
+                "grouped_int": ("int3", "int4", "int5", "int6"), "mxfp4": ("mxfp4",), "q2": ("q2",), "q1": ("q1",),
+                "trellis": ("trellis",)}
     for family, names in families.items():
         for name in names:
             register(name, "cuda", Implementation("triton", f"thin.runtime.kernels.{family}:make",

@@ -3,6 +3,10 @@ expert dimensions, on one GPU:
 
     python examples/benchmarks/bench_experts.py [--shape moe-a3b] [--formats bf16,int4,mxfp4] [--group-size 128]
 
+Formats are the registry's names, and `trellis2` / `trellis3` for trellis experts of k = 2 / 3 bits, made
+of random code bytes and row scales (the format's encoder is a compile-time Viterbi search, too slow for
+a benchmark's experts, and a kernel's speed does not depend on the codes).
+
 One set of random experts (num_experts, in each format) serves every layer of the shape, and layer
 l's router is biased towards experts l*k .. l*k+k-1, so a step over the layers reads each expert once
 (more bytes than the 50 MB L2, as a model's step does). Each of router / gate_up / down / the whole
@@ -47,10 +51,16 @@ def build(fmt: str, params: dict, hidden: int, inter: int, experts: int, top_k: 
     params = formats.get(fmt).normalize(params)
 
     def op(shape):
-        w = 0.02 * torch.randn(*shape, generator=gen)
         record = Tensor("layers.0.mlp.experts.0.w", "moe.expert.up", 0, shape, Encoding(fmt, params), "bf16")
         bias = (0.01 * torch.randn(shape[0], generator=gen)).to(dtype).to(device) if clamp else None
-        return make_linear(record, formats.encode(fmt, w.to(device), params).cpu(), bias, device, dtype)
+        if fmt == "trellis":  # random code bytes (see the module's note), row scales of the others' rms
+            codes = torch.randint(0, 256, (shape[0], shape[1] * dict(params)["bits"] // 8), generator=gen,
+                                  dtype=torch.uint8)
+            raw = formats.get(fmt).join({"codes": codes, "row_scale": torch.full((shape[0],), 0.02).half()}, shape,
+                                        params)
+        else:
+            raw = formats.encode(fmt, (0.02 * torch.randn(*shape, generator=gen)).to(device), params).cpu()
+        return make_linear(record, raw, bias, device, dtype)
 
     extra = dict(alpha=1.702, limit=7.0, up_offset=1.0) if clamp else {}
     mlps = [MLPPlan("silu", True, [op((2 * inter, hidden))], op((hidden, inter)), **extra) for _ in range(experts)]
@@ -145,7 +155,7 @@ def finish_rows(kernels, fmt: str) -> list[tuple[str, float]]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", choices=sorted(SHAPES), default="moe-a3b")
-    ap.add_argument("--formats", default="bf16,int4,mxfp4")
+    ap.add_argument("--formats", default="bf16,int4,mxfp4", help="comma list (trellis2 / trellis3: trellis of k bits)")
     ap.add_argument("--group-size", type=int, default=None, help="int4's group (default 128, 64 for 2880 columns)")
     ap.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     ap.add_argument("--parts", type=int, default=4, help="partial rows the residual norm adds (o's split-K)")
@@ -163,8 +173,10 @@ def main() -> None:
     dtype = torch.bfloat16
     group = args.group_size or (128 if hidden % 128 == 0 and inter % 128 == 0 else 64)
     rows, norm, after = [], [], []
-    for fmt in args.formats.split(","):
-        params = {"group_size": group} if fmt.startswith("int") and fmt != "int8" else {}
+    for name in args.formats.split(","):
+        fmt, params = name, {"group_size": group} if name.startswith("int") and name != "int8" else {}
+        if name in ("trellis2", "trellis3"):
+            fmt, params = "trellis", {"bits": int(name[-1])}
         began = time.perf_counter()
         kernels, (up_bytes, down_bytes) = build(fmt, params, hidden, inter, experts, top_k, layers,
                                                 extra.get("clamp", False), device, dtype)
@@ -177,7 +189,7 @@ def main() -> None:
 
         if device.type == "cpu":
             step(kernels, x, partials, "all")
-            print(f"{fmt}: ran {layers} layers through the interpreter (setup {setup:.1f} s)")
+            print(f"{name}: ran {layers} layers through the interpreter (setup {setup:.1f} s)")
             continue
         if not norm:
             norm = norm_rows(kernels, args.parts)
@@ -186,9 +198,9 @@ def main() -> None:
         per = {p: 1e3 * t / layers for p, t in ms.items()}
         read = {"router": router_bytes, "gate_up": up_bytes, "down": down_bytes,
                 "all": up_bytes + down_bytes + router_bytes}
-        rows.append((fmt, per, {p: read[p] / (per[p] * 1e-6) / 1e9 for p in per}, up_bytes + down_bytes, setup,
+        rows.append((name, per, {p: read[p] / (per[p] * 1e-6) / 1e9 for p in per}, up_bytes + down_bytes, setup,
                      kernels[0].router_config(), kernels[0].config(0, "gate_up"), kernels[0].config(0, "down")))
-        after += finish_rows(kernels, fmt)
+        after += finish_rows(kernels, name)
         kernels.clear()
         torch.cuda.empty_cache()
     if not rows:

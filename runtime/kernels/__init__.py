@@ -6,6 +6,7 @@ Weight formats (each reads its format's packed bytes directly, never a dequantiz
     grouped_int.py  int3, int4, int5, int6            matvec, prefill matmul (bits are constexpr)
     mxfp4.py        mxfp4                             matvec, prefill matmul
     q2.py, q1.py    q2, q1                            matvec, prefill matmul
+    trellis.py      trellis (2-/3-bit trellis codes)  matvec, prefill matmul, the expert kernels' rows
 Everything else a decode step runs:
     norm.py         residual add (+ split-K partial sums) + RMSNorm, with the optional post-norm
     rope.py         q/k norm + RoPE (every kind, via the cos/sin tables) + paged KV append

@@ -5,8 +5,8 @@ experts of a layer that share a format form an `ExpertGroup`: a table of byte of
 up to five parts and the bias) from one base address, so a program turns its slot's expert into
 addresses with one load. `rows_dot` is the dot product of a block of an expert's rows with the
 activations, in any of the formats: bf16 / f16 / f32, int8, fp8_e4m3, int3-int6 (one or two code
-planes), mxfp4, q2, q1, each tile decoded in registers (the format's reference `decode` is what it
-must match).
+planes), mxfp4, q2, q1, each tile decoded in registers, and trellis (its family's rows_dot, trellis.py)
+(the format's reference `decode` is what it must match).
 """
 
 from __future__ import annotations
@@ -17,15 +17,18 @@ import triton.language as tl
 
 from thin.ir import formats
 
+from . import trellis
+
 # Format codes of the kernels' FMT constexpr; SUB is a dense format's dtype code or a grouped int's bits.
-DENSE, INT8, FP8, GINT, MXFP4, Q2, Q1 = range(7)
+DENSE, INT8, FP8, GINT, MXFP4, Q2, Q1, TRELLIS = range(8)
 FORMAT_CODES = {"bf16": DENSE, "f16": DENSE, "f32": DENSE, "int8": INT8, "fp8_e4m3": FP8, "int3": GINT,
-                "int4": GINT, "int5": GINT, "int6": GINT, "mxfp4": MXFP4, "q2": Q2, "q1": Q1}
+                "int4": GINT, "int5": GINT, "int6": GINT, "mxfp4": MXFP4, "q2": Q2, "q1": Q1, "trellis": TRELLIS}
 # The parts each format's kernel reads, in the table's column order (column 5 is the bias; a grouped
 # int's low code plane is "codes" for int4, "codes_low" otherwise, its high plane column 3).
 _PARTS = {DENSE: ("weight",), INT8: ("values", "scales"), FP8: ("values", "scales"),
           GINT: ("codes", "scales", "offsets", "codes_high"), MXFP4: ("values", "scales"),
-          Q2: ("codes", "scales", "offsets", "row_scale", "row_offset"), Q1: ("signs", "scales", "row_scale")}
+          Q2: ("codes", "scales", "offsets", "row_scale", "row_offset"), Q1: ("signs", "scales", "row_scale"),
+          TRELLIS: ("codes", "row_scale")}
 _DENSE_DTYPES = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 SUPPORTED = tuple(FORMAT_CODES)
 
@@ -236,8 +239,9 @@ def _group_step(acc, b, base, offs, x_ptr, g0, gi, r64, row_mask, side_offs, gro
 
 @triton.jit
 def rows_dot(base, offs, x_ptr, rows, row_mask, K, FMT: tl.constexpr, SUB: tl.constexpr, G: tl.constexpr,
-              NG: tl.constexpr, BN: tl.constexpr, ASYM: tl.constexpr, PREFETCH: tl.constexpr):
-    """sum_k W[rows, k] x[k] of the expert whose offsets row is `offs`, any format: float32 [BN]."""
+             NG: tl.constexpr, BN: tl.constexpr, ASYM: tl.constexpr, PREFETCH: tl.constexpr, ASM: tl.constexpr):
+    """sum_k W[rows, k] x[k] of the expert whose offsets row is `offs`, any format: float32 [BN]. ASM: the
+    GPU's inline assembly where a format has some (trellis: dp4a)."""
     if FMT == 0:
         if SUB == 0:
             w_ptr = _part(base, offs, 0, tl.bfloat16)
@@ -252,6 +256,9 @@ def rows_dot(base, offs, x_ptr, rows, row_mask, K, FMT: tl.constexpr, SUB: tl.co
     elif FMT == 2:
         total = _bytewise_dot(_part(base, offs, 0, tl.uint8), x_ptr, rows, row_mask, K, FMT, BN, G, PREFETCH)
         total *= tl.load(_part(base, offs, 1, tl.float32) + rows, mask=row_mask, other=0.0)
+    elif FMT == 7:  # trellis: SUB bits a weight, NG blocks of 16 columns a step
+        total = trellis.rows_dot(_part(base, offs, 0, tl.uint8), _part(base, offs, 1, tl.float16), x_ptr, rows,
+                                 row_mask, K, K, SUB, NG, PREFETCH, ASM)
     else:
         total = _grouped_dot(base, offs, x_ptr, rows, row_mask, K, FMT, SUB, G, NG, BN, ASYM, PREFETCH)
     return total
@@ -289,10 +296,11 @@ class ExpertGroup:
         fmt_name, dense_dtype, params, has_bias = key
         self.fmt = FORMAT_CODES[fmt_name]
         self.params = dict(params)
-        self.dt = int(fmt_name[3:]) if self.fmt == GINT else _DENSE_DTYPES.get(dense_dtype, 0)
+        self.dt = int(fmt_name[3:]) if self.fmt == GINT else int(self.params["bits"]) if self.fmt == TRELLIS \
+            else _DENSE_DTYPES.get(dense_dtype, 0)
         self.asym = bool(self.params.get("asymmetric", 0))
         self.group = {GINT: self.params.get("group_size", 0), MXFP4: 32, Q2: self.params.get("group_size", 0),
-                      Q1: self.params.get("group_size", 0)}.get(self.fmt, 0)
+                      Q1: self.params.get("group_size", 0), TRELLIS: trellis.TILE}.get(self.fmt, 0)
         self.has_bias = has_bias
         self.fused = fused
         member = torch.full((num_experts,), -1, dtype=torch.int32)

@@ -10,13 +10,14 @@ import torch
 
 from . import interpreting
 from .common import CHUNK_ROWS, next_power_of_2
-from .expert_rows import GINT, MXFP4, ExpertGroup
+from .expert_rows import GINT, MXFP4, TRELLIS, ExpertGroup
 
 
 @dataclass(frozen=True)
 class ExpertConfig:
     """Tiles of one expert kernel: `block_n` rows a program, `groups` format groups a loop step
-    (columns per step for one-byte and dense formats; with `words`, chunks of 32 columns), `num_warps`."""
+    (columns per step for one-byte and dense formats; with `words`, chunks of 32 columns; trellis: blocks of
+    16 columns), `num_warps`."""
 
     block_n: int
     groups: int
@@ -52,6 +53,8 @@ def expert_candidates(group: ExpertGroup, K: int, n: int, dtype: torch.dtype, gl
         ng = cols // group.group if group.group else cols
         return [ExpertConfig(min(next_power_of_2(n), 64), ng), ExpertConfig(16, max(1, ng // 2), 4, True)] \
             + word_candidates(group, K, n, dtype, glu)
+    if group.fmt == TRELLIS:
+        return trellis_candidates(K, glu)
     if group.group:  # groups a step: 256 or 512 columns, at most the row's
         steps = [min(max(1, c // group.group), next_power_of_2(K // group.group)) for c in (256, 512)]
         tiles = [(bn, step, w) for step in steps for bn, w in ((16, 4), (8, 4), (32, 8))]
@@ -64,6 +67,17 @@ def expert_candidates(group: ExpertGroup, K: int, n: int, dtype: torch.dtype, gl
             if config not in out:
                 out.append(config)
     return out + word_candidates(group, K, n, dtype, glu)
+
+
+def trellis_candidates(K: int, glu: bool) -> list[ExpertConfig]:
+    """Tiles of a trellis group (trellis.rows_dot: a lane a block of 16 columns of each of its rows, 32
+    blocks a warp): 1, 2 or 4 warps (2 and 4 only where the row has that many blocks, 32 a warp), 8, 16
+    or 4 weight rows a program (half as many output rows with glu); the first three also with the next
+    step's codes loaded before this step's math. One warp first: the default untimed."""
+    blocks = K // 16
+    tiles = [(rows // 2 if glu else rows, 32 * warps, warps) for warps in (1, 2, 4)
+             if warps == 1 or 32 * warps <= blocks for rows in (8, 16, 4)]
+    return [ExpertConfig(bn, ng, w) for bn, ng, w in tiles] + [ExpertConfig(bn, ng, w, True) for bn, ng, w in tiles[:3]]
 
 
 def word_candidates(group: ExpertGroup, K: int, n: int, dtype: torch.dtype, glu: bool) -> list[ExpertConfig]:

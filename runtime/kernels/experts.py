@@ -26,8 +26,9 @@ group the experts by their gate/up format and down launches by their down format
 down may be stored finer or coarser than its gate/up. The router's tiles are timed at load as the
 expert kernels' are (RouterConfig).
 
-Formats: bf16 / f16 / f32, int8, fp8_e4m3, int3-int6 (one or two code planes), mxfp4, q2, q1 (each
-tile decoded in registers; the format's reference `decode` is what it must match). Grouped ints also
+Formats: bf16 / f16 / f32, int8, fp8_e4m3, int3-int6 (one or two code planes), mxfp4, q2, q1, trellis
+(each tile decoded in registers, trellis by its family's rows_dot in trellis.py; the format's
+reference `decode` is what it must match). Grouped ints also
 and mxfp4 have whole-word tilings (expert_words.py: the dense int4 matvec's chunk scheme, bf16 pairs
 for int4 and mxfp4 under bf16 activations), candidates the load-time timing may pick. What the
 kernels do not run (shared experts, other router scorings, experts kept in host memory) raises
@@ -116,7 +117,8 @@ def _gate_up_kernel(base, gate_table, up_table, member_ptr, logits_ptr, chosen_p
     torch path rounds it (projection outputs, then the product, in h's dtype). FUSED: gate and up
     are row halves of one weight, read in one pass over x (gate row r and up row n + r interleaved in
     a tile of 2 * BN rows). WORDS (grouped ints, mxfp4): the rows read as whole words, NG chunks of 32
-    columns a step (expert_words.words_dot; magic, PACKED, ZERO_BITS, EVEN_*, ASM are its)."""
+    columns a step (expert_words.words_dot; magic, PACKED, ZERO_BITS, EVEN_* are its; ASM: its inline
+    assembly and trellis's dp4a)."""
     slot = tl.program_id(0)
     expert, weight = _route(logits_ptr, slot, E, EP, TOP_K, NORMALIZE)
     if tl.program_id(1) == 0:  # for the down kernel (every format's launch stores the same)
@@ -144,11 +146,11 @@ def _gate_up_kernel(base, gate_table, up_table, member_ptr, logits_ptr, chosen_p
         elif FUSED:
             both = tl.reshape(tl.join(rows, rows + up_row0), [2 * BN])
             both_mask = tl.reshape(tl.join(rows, rows), [2 * BN]) < n
-            total = rows_dot(base, g_offs, x_ptr, both, both_mask, K, FMT, SUB, G, NG, 2 * BN, ASYM, PREFETCH)
+            total = rows_dot(base, g_offs, x_ptr, both, both_mask, K, FMT, SUB, G, NG, 2 * BN, ASYM, PREFETCH, ASM)
             gate, up = tl.split(tl.reshape(total, [BN, 2]))
         else:
-            gate = rows_dot(base, g_offs, x_ptr, rows, row_mask, K, FMT, SUB, G, NG, BN, ASYM, PREFETCH)
-            up = rows_dot(base, u_offs, x_ptr, rows + up_row0, row_mask, K, FMT, SUB, G, NG, BN, ASYM, PREFETCH)
+            gate = rows_dot(base, g_offs, x_ptr, rows, row_mask, K, FMT, SUB, G, NG, BN, ASYM, PREFETCH, ASM)
+            up = rows_dot(base, u_offs, x_ptr, rows + up_row0, row_mask, K, FMT, SUB, G, NG, BN, ASYM, PREFETCH, ASM)
         gate = (gate + row_bias(base, g_offs, rows, row_mask, HAS_BIAS, dtype)).to(dtype).to(tl.float32)
         up = (up + row_bias(base, u_offs, rows + up_row0, row_mask, HAS_BIAS, dtype)).to(dtype).to(tl.float32)
         if CLAMP:  # GPT-OSS: gate clamped from above, up on both sides
@@ -195,7 +197,7 @@ def _down_kernel(base, table, member_ptr, chosen_ptr, weights_ptr, h_ptr, out_pt
             y = words_dot(base, offs, h_ptr + tl.multiple_of(slot * K, 32), tl.program_id(1), n, K, magic, FMT,
                           SUB, ASYM, G, NG, BN, False, EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS)
         else:
-            y = rows_dot(base, offs, h_ptr + slot * K, rows, row_mask, K, FMT, SUB, G, NG, BN, ASYM, PREFETCH)
+            y = rows_dot(base, offs, h_ptr + slot * K, rows, row_mask, K, FMT, SUB, G, NG, BN, ASYM, PREFETCH, ASM)
         y = (y + row_bias(base, offs, rows, row_mask, HAS_BIAS, dtype)).to(dtype).to(tl.float32)
         w = weight.to(dtype).to(tl.float32)
         tl.store(out_ptr + slot * n + rows, (y * w).to(dtype).to(tl.float32), mask=row_mask)
