@@ -35,6 +35,8 @@ _MAP_HELP = "Draw the format of every tensor, layer by layer, into FILE (.svg or
 _TIE_HELP = "Give q/k/v and gate/up one format each so they fuse into one matmul (speed over quality)."
 _EXPERT_FORMATS_HELP = ("Routed experts take only these formats (any of their group sizes), e.g. q2 or q1,q2; the "
                         "planner spends the rest of the budget on everything else. Needs a budget and a MoE model.")
+_FORMATS_HELP = ("The planner picks among only these formats (any of their parameters) and each tensor's stored one, "
+                 "e.g. int4,q2. Needs a budget. trellis is for routed experts only: --expert-formats.")
 _STREAM_HELP = ("With --vram: the budget bounds the GPU only, and routed experts that do not fit it stay in host "
                "memory (the least routed by the calibration text), streamed through a cache of GPU slots. The "
                "precision comes from --bpw or --quant (or stays as stored). Calibrates (runs the model).")
@@ -63,6 +65,7 @@ FfnLevels = Annotated[str | None, typer.Option("--ffn-levels", metavar="F[,F...]
 StreamExperts = Annotated[bool, typer.Option("--stream-experts", help=_STREAM_HELP)]
 ExpertFormats = Annotated[str | None, typer.Option("--expert-formats", metavar="FORMAT[,FORMAT...]",
                                                    help=_EXPERT_FORMATS_HELP)]
+Formats = Annotated[str | None, typer.Option("--formats", metavar="FORMAT[,FORMAT...]", help=_FORMATS_HELP)]
 
 
 def _config(no_fuse: bool, quant: str | None, group_size: int | None, asymmetric: bool, keep_lm_head: bool,
@@ -74,12 +77,12 @@ def _config(no_fuse: bool, quant: str | None, group_size: int | None, asymmetric
 
 
 def _budget(vram, bpw, ctx, calib, calib_tokens, method, max_kld, allow_uncertified, device, tie_fused,
-            expert_formats=None) -> dict:
+            expert_formats=None, formats=None) -> dict:
     """The planner, calibration and certificate flags as CompileConfig's flat options."""
     return {"vram": vram, "bpw": bpw, "ctx": ctx, "calib_source": "file" if calib is not None else None,
             "calib_tokens": calib_tokens, "method": method, "max_kld": max_kld,
             "allow_uncertified": allow_uncertified, "device": device, "tie_fused": tie_fused,
-            "expert_formats": expert_formats}
+            "expert_formats": expert_formats, "formats": formats}
 
 
 def _fail(message: str, code: int = 1) -> None:
@@ -189,6 +192,7 @@ def compile(
     device: Device = None,
     tie_fused: TieFused = False,
     expert_formats: ExpertFormats = None,
+    formats: Formats = None,
     ffn_levels: FfnLevels = None,
     stream_experts: StreamExperts = False,
     quiet: bool = typer.Option(False, "-q", "--quiet", help="Print only the summary."),
@@ -203,7 +207,7 @@ def compile(
         config = _config(no_fuse, quant, group_size, asymmetric, keep_lm_head, ffn_levels=ffn_levels,
                          stream_experts=stream_experts, **_budget(
             vram, bpw, ctx, calib, calib_tokens, method, max_kld, allow_uncertified, device, tie_fused,
-            expert_formats))
+            expert_formats, formats))
         return build(model_dir, output, config, cache_dir=cache_dir, dump_ir=dump_ir,
                      progress=_StageProgress(quiet), calib=calib)
 
@@ -212,11 +216,11 @@ def compile(
         typer.echo(f"cache hit: {cache_dir}/{report.key}.thin", err=True)
     elif report.cache_note:
         typer.echo(terminal_safe(report.cache_note), err=True)
-    formats = ", ".join(f"{k} x{v}" for k, v in sorted(report.formats.items()))
+    mix = ", ".join(f"{k} x{v}" for k, v in sorted(report.formats.items()))
     rows = [
         ("output", terminal_safe(str(report.output))),
         ("parameters", f"{report.parameters:,}"),
-        ("tensors", f"{report.tensors} ({formats})"),
+        ("tensors", f"{report.tensors} ({mix})"),
         ("tensor bytes", f"{human_size(report.tensor_bytes)} ({8 * report.tensor_bytes / report.parameters:.2f} "
                          "bits per weight)"),
         ("file bytes", human_size(report.file_bytes)),
@@ -294,6 +298,7 @@ def key(
     device: Device = None,
     tie_fused: TieFused = False,
     expert_formats: ExpertFormats = None,
+    formats: Formats = None,
     ffn_levels: FfnLevels = None,
     stream_experts: StreamExperts = False,
 ):
@@ -308,7 +313,7 @@ def key(
         config = _config(no_fuse, quant, group_size, asymmetric, keep_lm_head, ffn_levels=ffn_levels,
                          stream_experts=stream_experts, **_budget(
             vram, bpw, ctx, calib, calib_tokens, method, max_kld, allow_uncertified, device, tie_fused,
-            expert_formats))
+            expert_formats, formats))
         inputs = {name: inventory.folder.path / name for name in inventory.names()}
         return input_key(inputs, inventory.folder.identities, config, *evaluation_texts(config, calib))
 
@@ -331,6 +336,7 @@ def plan(
     device: Device = None,
     tie_fused: TieFused = False,
     expert_formats: ExpertFormats = None,
+    formats: Formats = None,
     no_fuse: NoFuse = False,
     as_json: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
     quiet: bool = typer.Option(False, "-q", "--quiet", help="Print only the table."),
@@ -343,7 +349,7 @@ def plan(
         budgets += [{"bpw": b} for b in _budget_list(bpw, float)]
         return plan_budgets(model_dir, budgets, progress=_StageProgress(quiet), calib=calib, ctx=ctx,
                             calib_tokens=calib_tokens, method=method, device=device, tie_fused=tie_fused,
-                            expert_formats=expert_formats,
+                            expert_formats=expert_formats, formats=formats,
                             fuse_projections=not no_fuse)
 
     result = _guard(run)

@@ -19,9 +19,10 @@ METHODS = ("gptq", "rtn")
 # (a sweep's steps are launch-bound: the fewer sweeps, the faster; the format's pack adds a few copies).
 GPTQ_SWEEP_BYTES = 32 << 30
 CPU_SWEEP_BYTES = 4 << 30
-# Batches per sweep in a format for routed experts only (trellis): its fits are Viterbi searches that
-# dominate the sweep, one weight at a time either way, so short sweeps cost nothing and report progress.
-SEARCH_SWEEP_BATCHES = 4
+# Weights per sweep in a format for routed experts only (trellis): its fits are Viterbi searches that
+# dominate the sweep and gain little from more tiles per call past a few hundred (trellis.CHUNK), so
+# sweeps of about a million weights (under a minute on one CPU core) cost little and report progress.
+SEARCH_SWEEP_WEIGHTS = 1 << 20
 
 
 def sweep_bytes(rows: int, cols: int) -> int:
@@ -209,7 +210,7 @@ def _sweeps(program, ctx, batches: list[list[str]], targets: dict[str, Encoding]
             options: QuantizeOptions) -> list[list[list[str]]]:
     """`batches` in runs that one GPTQ column sweep can take (gptq_many): batches of one encoding and
     one stacked shape, each with its own calibration statistics, up to the sweep's byte budget per
-    run (a layer's q/k/v next to other layers'; SEARCH_SWEEP_BATCHES at most for trellis). act_order,
+    run (a layer's q/k/v next to other layers'; SEARCH_SWEEP_WEIGHTS at most for trellis). act_order,
     round-to-nearest, dense targets and weights without statistics go one batch at a time, as before."""
     records = program.model.tensor_map()
     inputs = program.annotations.get("calibration", {}).get("inputs", {})
@@ -227,7 +228,8 @@ def _sweeps(program, ctx, batches: list[list[str]], targets: dict[str, Encoding]
         shape = (sum(records[n].shape[0] for n in names), records[names[0]].shape[1])
         size = sweep_bytes(*shape)
         current = runs.setdefault((encoding, shape), [[]])
-        full = formats.get(encoding.format).experts_only and len(current[-1]) >= SEARCH_SWEEP_BATCHES
+        full = formats.get(encoding.format).experts_only and (len(current[-1]) + 1) * shape[0] * shape[1] \
+            > SEARCH_SWEEP_WEIGHTS
         if current[-1] and ((len(current[-1]) + 1) * size > budget or full):
             current.append([])
         current[-1].append(names)

@@ -74,7 +74,7 @@ class ScoreOptions:
             only = [f for f in self.formats if formats.get(f).experts_only]
             if only:
                 raise ValueError(f"{', '.join(only)} is a format for routed experts only: name it in "
-                                 "--expert-formats (with a budget), not in formats")
+                                 "--expert-formats, not --formats")
         if type(self.probe_windows) is not int or self.probe_windows < 1:
             raise ValueError(f"probe_windows must be a positive integer, got {self.probe_windows!r}")
 
