@@ -24,10 +24,15 @@ from pathlib import Path
 
 
 def parse_config(text: str) -> dict:
-    """`int4:g32:asym` -> {"quant": "int4", "group_size": 32, "asymmetric": True}; `k=v,...` as is."""
+    """`int4:g32:asym` -> {"quant": "int4", "group_size": 32, "asymmetric": True}; `k=v,...` as is, a
+    piece without `=` continuing the value before it (`expert_formats=q2,trellis`)."""
     if "=" in text:
-        out = {}
+        out: dict = {}
+        key = None
         for pair in text.split(","):
+            if "=" not in pair and key is not None and isinstance(out[key], str):
+                out[key] += "," + pair
+                continue
             key, value = pair.split("=", 1)
             out[key] = json.loads(value) if value[:1].isdigit() or value in ("true", "false") else value
         return out
