@@ -72,12 +72,14 @@ def expert_candidates(group: ExpertGroup, K: int, n: int, dtype: torch.dtype, gl
 def trellis_candidates(K: int, glu: bool) -> list[ExpertConfig]:
     """Tiles of a trellis group (trellis.rows_dot: a lane a block of 16 columns of each of its rows, 32
     blocks a warp): 1, 2 or 4 warps (2 and 4 only where the row has that many blocks, 32 a warp), 8, 16
-    or 4 weight rows a program (half as many output rows with glu); the first three also with the next
-    step's codes loaded before this step's math. One warp first: the default untimed."""
+    or 4 weight rows a program (half as many output rows with glu); one warp of 8 or 4 rows also with the
+    next step's codes loaded before this step's math (16 rows and the next step's codes spill at sm_90). One
+    warp first: the default untimed."""
     blocks = K // 16
     tiles = [(rows // 2 if glu else rows, 32 * warps, warps) for warps in (1, 2, 4)
              if warps == 1 or 32 * warps <= blocks for rows in (8, 16, 4)]
-    return [ExpertConfig(bn, ng, w) for bn, ng, w in tiles] + [ExpertConfig(bn, ng, w, True) for bn, ng, w in tiles[:3]]
+    return [ExpertConfig(bn, ng, w) for bn, ng, w in tiles] \
+        + [ExpertConfig(bn, ng, w, True) for bn, ng, w in tiles[:3] if bn * (2 if glu else 1) <= 8]
 
 
 def word_candidates(group: ExpertGroup, K: int, n: int, dtype: torch.dtype, glu: bool) -> list[ExpertConfig]:
