@@ -135,8 +135,10 @@ def test_a_candidate_that_does_not_compile_is_skipped(monkeypatch):
 
     with runtime_log() as records:
         assert common.choose(Op(["slow", "passes", "fast", "ptxas"]), "direct") == "fast"
-    assert list(stored.values()) == ["fast"] and len(records) == 2
+    assert list(stored.values()) == ["fast"] and len(records) == 3
     assert "int4 direct passes" in records[0].getMessage()
+    assert records[-1].getMessage() == \
+        "int4 4096x4096 direct: fast 2000.0 us, the fastest of 4 candidates timed on the one weight"
     stored.clear()
     assert common.choose(Op(["smem", "ptxas"]), "glu") == "smem" and stored == {}
 
@@ -181,11 +183,14 @@ def test_precompile_launches_each_untuned_candidate_once(monkeypatch):
     monkeypatch.setattr(common._TuneCache, "get", classmethod(lambda cls: type(
         "Cache", (), {"lookup": lambda self, key: cached if key == "cached|direct" else None})()))
 
+    rows = {"qkv": 6144, "gate_up": 28672, "cached": 1024, "untuned": 2048, "single": 512}
+
     class Op:
-        device, in_features, out_features = torch.device("cuda"), 4096, 4096
+        device, in_features = torch.device("cuda"), 4096
 
         def __init__(self, name, shape, configs=("a", "b", "broken"), tune=True):
             self.name, self.shape, self.configs, self.tune, self._configs = name, shape, list(configs), tune, {}
+            self.out_features = rows[shape]
 
         def candidates(self, mode, rows=None, cols=None):
             return self.configs
@@ -195,6 +200,14 @@ def test_precompile_launches_each_untuned_candidate_once(monkeypatch):
             (Op("s", "single", ["only"]), "direct")]
     assert common.precompile(uses, workers=2) == 6
     assert sorted(launched) == [("g0", "glu", "a"), ("g0", "glu", "b"), ("q0", "direct", "a"), ("q0", "direct", "b")]
+    # Two weights of one kind are chosen over both in turn: their cached choice has a key of its own.
+    cached_in_turn = common.MatvecConfig(16, 4, 1, 4)
+    monkeypatch.setattr(common._TuneCache, "get", classmethod(lambda cls: type(
+        "Cache", (), {"lookup": lambda self, key: cached_in_turn if key == "qkv|direct in turn" else None})()))
+    launched.clear()
+    pair = [(Op("q0", "qkv", [cached_in_turn, "x"]), "direct"), (Op("q1", "qkv", [cached_in_turn, "x"]), "direct")]
+    assert common.precompile(pair, workers=1) == 0
+    assert common.precompile(pair[:1], workers=1) == 2 and [c for *_, c in launched] == [cached_in_turn, "x"]
 
 
 def test_compile_threads(monkeypatch):
@@ -248,3 +261,69 @@ def test_thin_exec_prints_runtime_progress(capsys):
         assert capsys.readouterr().err == "thin-exec: compiling 3 kernel launch candidates\n"
     finally:
         log.handlers[:], log.level, log.propagate = saved[0], saved[1], saved[2]
+
+
+def test_weights_of_one_kind_are_timed_in_turn_and_take_one_choice(monkeypatch):
+    """choose_together: the weights of one kind (type, format, shape, mode, prefix) are timed once, each
+    timed launch on the next of them (so a weight under L2's size is read from memory as in the decode
+    step, not from L2), every one of them takes the fastest, cached under the "in turn" key; a weight alone
+    of its kind is timed alone under the plain key; a chosen one is left as it is."""
+    from thin.runtime.kernels import common
+
+    timed, stored = [], {}
+    speeds = {"slow": 2.0, "fast": 1.0}
+    monkeypatch.setattr(common, "interpreting", lambda: False)
+    monkeypatch.setattr(common, "_cache_key", lambda op, mode: f"{op.out_features}|{mode}")
+    monkeypatch.setattr(common._TuneCache, "get", classmethod(lambda cls: type(
+        "Cache", (), {"lookup": lambda self, key: None, "store": lambda self, key, c: stored.update({key: c})})()))
+
+    def time(op, config, mode, rows=None, cols=None, ops=()):
+        timed.append((op.name, config, cols, [o.name for o in ops]))
+        return speeds[config]
+
+    monkeypatch.setattr(common, "_time", time)
+
+    class Op:
+        device, in_features, tune, format = torch.device("cuda"), 14336, True, "int4"
+
+        def __init__(self, name, out_features=4096):
+            self.name, self.out_features, self._configs = name, out_features, {}
+
+        def candidates(self, mode, rows=None, cols=None):
+            return ["slow", "fast"]
+
+    downs = [Op(f"down{i}") for i in range(3)]
+    lone, chosen = Op("lone", 2048), Op("chosen", 2048)
+    chosen._configs[("partial", None, 7168)] = "kept"
+    uses = [(op, "partial", None, 7168) for op in downs + [lone, chosen]] + [(downs[0], "partial", None, 7168)]
+    common.choose_together(uses)
+    assert timed == [("down0", c, 7168, ["down0", "down1", "down2"]) for c in ("slow", "fast")] + \
+        [("lone", c, 7168, []) for c in ("slow", "fast")]
+    assert all(op._configs == {("partial", None, 7168): "fast"} for op in downs + [lone])
+    assert chosen._configs == {("partial", None, 7168): "kept"}
+    assert stored == {"4096|partial cols 7168 in turn": "fast", "2048|partial cols 7168": "fast"}
+
+
+def test_a_launcher_over_several_weights_launches_each_in_turn():
+    from thin.runtime.kernels import common
+
+    ran = []
+
+    class Op:
+        device, dtype, in_features, out_features = torch.device("cpu"), torch.float32, 64, 32
+
+        def __init__(self, name):
+            self.name = name
+
+        def matvec_shape(self, mode, rows=None, cols=None):
+            return self.out_features, self.in_features if cols is None else cols
+
+        def _matvec(self, x, out, config, act, partial, rows, cols):
+            ran.append((self.name, x.shape[0], tuple(out.shape), partial, cols))
+
+    ops = [Op("a"), Op("b"), Op("c")]
+    launch = common._launcher(ops[0], common.MatvecConfig(4, 32, 2, 1), "partial", None, 32, ops=ops)
+    for _ in range(5):
+        launch()
+    assert [name for name, *_ in ran] == ["a", "b", "c", "a", "b"]
+    assert {tuple(rest) for _, *rest in ran} == {(32, (2, 32), True, 32)}

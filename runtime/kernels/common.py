@@ -10,11 +10,13 @@ triggers while it loads, by timing the candidates on the real weight (or read fr
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -199,30 +201,72 @@ def config_key(mode: str, rows: int | None, cols: int | None) -> str | tuple:
     return mode if rows is None and cols is None else (mode, rows, cols)
 
 
-def _tuned_mode(mode: str, rows: int | None, cols: int | None) -> str:
-    """The mode as the cache of choices names it: a prefix's rows and columns added."""
-    return mode + (f" rows {rows}" if rows is not None else "") + (f" cols {cols}" if cols is not None else "")
+def _tuned_mode(mode: str, rows: int | None, cols: int | None, in_turn: bool = False) -> str:
+    """The mode as the cache of choices names it: a prefix's rows and columns added, and " in turn" for a
+    choice timed over several weights in turn (`choose`'s peers: from memory, not L2)."""
+    return (mode + (f" rows {rows}" if rows is not None else "") + (f" cols {cols}" if cols is not None else "")
+            + (IN_TURN if in_turn else ""))
 
 
-def choose(op: KernelLinear, mode: str, rows: int | None = None, cols: int | None = None) -> MatvecConfig:
+IN_TURN = " in turn"
+
+
+def choose(op: KernelLinear, mode: str, rows: int | None = None, cols: int | None = None,
+           peers: Sequence[KernelLinear] = ()) -> MatvecConfig:
     """The configuration `op` runs with in `mode` (over the prefix `rows`, `cols` when given, see
     KernelLinear.matvec): the first candidate under the interpreter (nothing to time) or for an op
     not to be tuned (`LinearOp.tune`), else the cached choice for this device, shape and prefix,
     else the fastest candidate timed on the real weight (then cached). A candidate that does not
-    compile on this GPU is skipped (`median_ms_or_inf`)."""
+    compile on this GPU is skipped (`median_ms_or_inf`). `peers`: other weights of op's kind (format,
+    shape) that the decode step also runs: each timed launch goes to the next of op and its peers in
+    turn, so that the weights come from memory as in the step. One weight launched again and again
+    stays in the 50 MB L2 when it is smaller (llama-8b's o, qkv and down, and every elastic FFN
+    prefix of down), and its timing then favours the tiles that are fastest out of L2."""
     candidates = op.candidates(mode, rows, cols)
     if interpreting() or not op.tune or len(candidates) == 1 or op.device.type != "cuda" or _small(op):
         return candidates[0]
-    key = _cache_key(op, _tuned_mode(mode, rows, cols))
+    key = _cache_key(op, _tuned_mode(mode, rows, cols, bool(peers)))
     cache = _TuneCache.get()
     hit = cache.lookup(key)
     if hit is not None and hit in candidates:
         return hit
-    times = {config: _time(op, config, mode, rows, cols) for config in candidates}
+    ops = [op, *peers] if peers else None
+    times = {config: _time(op, config, mode, rows, cols, **({"ops": ops} if ops else {})) for config in candidates}
     best = min(candidates, key=times.get)
     if times[best] < float("inf"):  # none compiling: the first runs (and fails) as untuned, nothing cached
         cache.store(key, best)
+        logging.getLogger("thin.runtime").info(
+            f"{op.format} {op.out_features}x{op.in_features} {_tuned_mode(mode, rows, cols)}: {best} "
+            f"{1e3 * times[best]:.1f} us, the fastest of {len(candidates)} candidates timed "
+            + (f"over {len(peers) + 1} weights in turn" if peers else "on the one weight"))
     return best
+
+
+def weight_kinds(uses) -> dict[tuple, tuple[str, int | None, int | None, list[KernelLinear]]]:
+    """The (op, mode) or (op, mode, rows, cols) `uses` whose configuration is not chosen yet, by kind of
+    weight: {kind: (mode, rows, cols, ops)}, one kind per type, format and parameters, shape, dtype,
+    device, mode and prefix (weights of one kind take the same configuration)."""
+    kinds: dict[tuple, tuple] = {}
+    for op, mode, *prefix in uses:
+        rows, cols = proper_prefix(op, mode, *(prefix or (None, None)))
+        if config_key(mode, rows, cols) in op._configs:
+            continue
+        kind = (type(op), getattr(op, "format", None), repr(sorted(getattr(op, "p", {}).items())), op.out_features,
+                op.in_features, getattr(op, "dtype", None), str(op.device), mode, rows, cols)
+        ops = kinds.setdefault(kind, (mode, rows, cols, []))[3]
+        if all(o is not op for o in ops):
+            ops.append(op)
+    return kinds
+
+
+def choose_together(uses) -> None:
+    """Choose the configuration of every use (as precompile takes them) not chosen yet: each kind of
+    weight (`weight_kinds`) once, timed over all its weights in turn (`choose`'s peers), and every weight
+    of the kind given that choice, as the decode step runs them one after another."""
+    for mode, rows, cols, ops in weight_kinds(uses).values():
+        config = choose(ops[0], mode, rows, cols, peers=ops[1:])
+        for op in ops:
+            op._configs[config_key(mode, rows, cols)] = config
 
 
 def _small(op: KernelLinear) -> bool:
@@ -230,9 +274,10 @@ def _small(op: KernelLinear) -> bool:
     return op.in_features * op.out_features < 4 * 2**20 // 2
 
 
-def _launcher(op: KernelLinear, config: MatvecConfig, mode: str, rows: int | None = None, cols: int | None = None):
+def _launcher(op: KernelLinear, config: MatvecConfig, mode: str, rows: int | None = None, cols: int | None = None,
+              ops: Sequence[KernelLinear] = ()):
     """One matvec of `op` with `config` in `mode` (over the prefix `rows`, `cols`), on random input,
-    as a callable."""
+    as a callable; with `ops` (op's kind), each call launches on the next of them in turn."""
     n, k = op.matvec_shape(mode, rows, cols)
     x = torch.randn(k, device=op.device).to(op.dtype)
     if mode == "partial":
@@ -241,18 +286,21 @@ def _launcher(op: KernelLinear, config: MatvecConfig, mode: str, rows: int | Non
     else:
         out = torch.empty(n, dtype=op.dtype, device=x.device)
     act = ACTIVATION_CODES["silu"] if mode == "glu" else -1
+    ops = list(ops) or [op]
+    turn = itertools.count()
 
     def launch():
-        op._matvec(x, out, config, act, mode == "partial", rows, cols)
+        ops[next(turn) % len(ops)]._matvec(x, out, config, act, mode == "partial", rows, cols)
 
     return launch
 
 
 def _time(op: KernelLinear, config: MatvecConfig, mode: str, rows: int | None = None,
-          cols: int | None = None) -> float:
+          cols: int | None = None, ops: Sequence[KernelLinear] = ()) -> float:
     """Median milliseconds of one launch with `config` (compile excluded; infinity where it does not
-    compile, `median_ms_or_inf`)."""
-    return median_ms_or_inf(_launcher(op, config, mode, rows, cols), what=f"{op.format} {mode} {config}")
+    compile, `median_ms_or_inf`); over `ops` in turn when given (`_launcher`)."""
+    launch = _launcher(op, config, mode, rows, cols, **({"ops": ops} if ops else {}))
+    return median_ms_or_inf(launch, what=f"{op.format} {mode} {config}")
 
 
 def compile_threads() -> int:
@@ -284,12 +332,12 @@ def precompile(uses, workers: int | None = None) -> int:
     if interpreting():
         return 0
     cache, jobs, seen = _TuneCache.get(), [], set()
-    for op, mode, *prefix in uses:
-        rows, cols = proper_prefix(op, mode, *(prefix or (None, None)))
-        if not op.tune or op.device.type != "cuda" or _small(op) or config_key(mode, rows, cols) in op._configs:
+    for mode, rows, cols, ops in weight_kinds(uses).values():
+        op = ops[0]
+        if not op.tune or op.device.type != "cuda" or _small(op):
             continue
         candidates = op.candidates(mode, rows, cols)
-        key = _cache_key(op, _tuned_mode(mode, rows, cols))
+        key = _cache_key(op, _tuned_mode(mode, rows, cols, len(ops) > 1))  # as choose_together looks it up
         if len(candidates) == 1 or key in seen or cache.lookup(key) in candidates:
             continue
         seen.add(key)
