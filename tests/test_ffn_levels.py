@@ -301,3 +301,53 @@ def test_a_levels_model_finishes_the_residual_norm_at_every_level(compiled):
     finally:
         if added:
             linear.unregister("int4", "cpu", "triton")
+
+
+def test_a_level_adds_a_biased_down_and_its_shift_once_not_in_every_step(compiled):
+    """A down with a bias at a level: the bias plus the level's shift is added once (engine._level_bias) and
+    kept, so a decode step runs no torch add (a launch in the captured graph) either way the residual norm
+    is done; the greedy tokens are the executor's."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from thin.runtime import linear, load
+    from thin.runtime.engine import DecodeEngine
+    from thin.runtime.engine import generate as engine_generate
+    from thin.runtime.generate import generate
+    from thin.runtime.sampling import GenerationOptions
+
+    class Adds(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Adds.count += func.__name__.startswith("add")
+            return func(*args, **(kwargs or {}))
+
+    _, out, _ = compiled
+    added = DEVICE.type == "cpu"
+    if added:
+        linear.register("int4", "cpu", linear.Implementation("triton", "thin.runtime.kernels.grouped_int:make"))
+    try:
+        model = load(out, device=DEVICE.type)
+        for layer in model.executor.layers:
+            down = layer.ffn.down
+            down.bias = 0.05 * torch.randn(down.out_features, generator=torch.Generator().manual_seed(1)).to(
+                device=DEVICE, dtype=model.executor.dtype)
+        model.set_ffn_keep(0.5)
+        prompt = model.encode(TEXT)[:8]
+        opts = GenerationOptions(max_new_tokens=3, stop_token_ids=())
+        want = list(generate(model.executor, prompt, opts))
+        for finish in (True, False):
+            engine = DecodeEngine(model.executor, finish_norm=finish, graphs=False)
+            assert list(engine_generate(engine, prompt, opts)) == want, finish
+            assert len(engine._level_biases) == len(model.executor.layers)
+            cache = engine.new_cache(len(prompt) + 2)
+            sampler = engine.sampler(opts)
+            engine.start(cache, prompt, opts)
+            engine.prefill(cache, torch.tensor(prompt), sampler)
+            Adds.count = 0
+            with Adds():
+                engine.decode_one_token(cache, sampler)
+            assert Adds.count == 0, finish
+    finally:
+        if added:
+            linear.unregister("int4", "cpu", "triton")
