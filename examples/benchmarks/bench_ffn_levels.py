@@ -16,9 +16,12 @@
    over keep 1.0 of the same artifact and the share of the bandwidth roofline; with --profile a second
    one: per level the whole captured step's replay and the device time of its gate/up and down
    sections (bench --profile, runtime/step_profile.py: summed over the layers, with the idle gaps
-   before their launches) and the launch configuration the first layer's gate/up and down run with at that level
-   (each level's prefix has its own, KernelLinear.config). JSON and logs go to --out (compile-*.log ends
-   with the seconds each compile stage started at).
+   before their launches) and the launch configuration the first layer's gate/up, down and o run with at that
+   level (each level's prefix has its own, KernelLinear.config; down's and o's finishing configuration where
+   their matvec also runs the residual norm, marked so), then every section and every kernel of the step
+   side by side per level (launches a step, us, idle gap us before them). JSON and logs go to --out
+   (compile-*.log ends with the seconds each compile stage started at; bench-*.log holds the warm-up's
+   choices, the "thin.runtime:" lines).
 Steps whose outputs exist are skipped, so `--compile-only` and then the same command without it split
 the work into two shorter runs on one machine. The certificate's numbers on random weights say nothing
 about quality (tiny-coder's table does).
@@ -88,8 +91,14 @@ def compile_one(src: str, dst: str, quant: str, levels: str | None, calib_tokens
 
 def bench_levels(path: str, keeps: list[float], prompt_len: int, gen: int, runs: int, profile: bool) -> None:
     """(in a child process) load `path` once and measure decode at each level; one JSON line per level."""
+    import logging
+
     from thin.runtime import bench, load
 
+    # The warm-up's choices (each kind of weight's launch configuration, and whether o's and each level's down
+    # matvec finish the residual norm: "residual norm in the matvec's last program" lines) go to the log.
+    logging.basicConfig(stream=sys.stderr, format="thin.runtime: %(message)s")
+    logging.getLogger("thin.runtime").setLevel(logging.INFO)
     model = load(path, device="cuda", context=prompt_len + gen)
     certificate = model.artifact.section("certificate") or {}
     levels = {lv["keep"]: lv for lv in (certificate.get("ffn_levels") or {}).get("levels", [])}
@@ -104,15 +113,25 @@ def bench_levels(path: str, keeps: list[float], prompt_len: int, gen: int, runs:
 
 
 def ffn_configs(model) -> dict:
-    """The launch configurations the first layer's gate/up and down matvecs run with at the current level."""
+    """The launch configurations the first layer's gate/up, down and o matvecs run with at the current level:
+    down's and o's finishing configuration where their matvec also runs the residual norm (then "finish":
+    True), else their split-K partial sums' (an add_rmsnorm launch follows)."""
     from dataclasses import asdict
 
-    mlp = model.executor.layers[0].ffn
+    engine, layer = model.engine, model.executor.layers[0]
+    mlp = layer.ffn
+    cols = None if mlp.width in (None, mlp.down.in_features) else mlp.width
     configs = {}
-    for name, op, mode, rows, cols in (("gate_up", mlp.up[0], "glu" if len(mlp.up) == 1 else "direct", mlp.width, None),
-                                       ("down", mlp.down, "partial", None, mlp.width)):
-        if hasattr(op, "config"):
-            configs[name] = asdict(op.config(mode, rows, cols))
+    for name, op, mode, rows, prefix in (("gate_up", mlp.up[0], "glu" if len(mlp.up) == 1 else "direct", mlp.width,
+                                          None), ("down", mlp.down, "partial", None, cols),
+                                         ("o", layer.attention.o, "partial", None, None)):
+        if not hasattr(op, "config"):
+            continue
+        finishing = mode == "partial" and ((id(op), prefix) in engine._finishing_prefixes if prefix is not None
+                                           else id(op) in engine._finishing)
+        config = (op.finish_config if prefix is None else op.finish_prefixes[prefix]) if finishing else \
+            op.config(mode, rows, prefix)
+        configs[name] = {**asdict(config), "finish": finishing}
     return configs
 
 
@@ -224,8 +243,8 @@ def print_table(name: str, args, results: dict) -> None:
     if not args.profile:
         return
     print("\n| artifact | FFN keep | replay us (gaps) | gate/up + act us/step (gaps) | down us/step (gaps) | "
-          "gate/up config | down config |")
-    print("| --- | ---: | ---: | ---: | ---: | --- | --- |")
+          "gate/up config | down config | o config |")
+    print("| --- | ---: | ---: | ---: | ---: | --- | --- | --- |")
     nan = {"us": float("nan"), "gap_us": float("nan")}
     for label, runs in results.items():
         for r in runs:
@@ -235,16 +254,45 @@ def print_table(name: str, args, results: dict) -> None:
             configs = r.get("configs", {})
             print(f"| {label} | {r['ffn_keep']:g} | {step['wall_us']:.1f} ({step['gap_us']:.1f}) | "
                   f"{gate_up['us']:.1f} ({gate_up['gap_us']:.1f}) | {down['us']:.1f} ({down['gap_us']:.1f}) | "
-                  f"{_config(configs.get('gate_up'))} | {_config(configs.get('down'))} |")
+                  f"{_config(configs.get('gate_up'))} | {_config(configs.get('down'))} | {_config(configs.get('o'))} |")
             if r.get("profile_error"):
                 print(f"| {label} | {r['ffn_keep']:g} | no profile: {r['profile_error']} | | | | |")
+    print_breakdown(results)
+
+
+def print_breakdown(results: dict) -> None:
+    """Every section and every kernel of the captured step side by side per level: launches a step, device
+    us a step and the idle gap us before them (where a level's extra time or launches sit)."""
+    runs = [(label, r) for label, rs in results.items() for r in rs if r.get("step_profile")]
+    if not runs:
+        return
+    levels = [f"{label} {r['ffn_keep']:g}" for label, r in runs]
+    head = " | ".join(f"{level}: calls, us, gap us" for level in levels)
+    print(f"\n| step | {' | '.join(levels)} |")
+    print(f"| --- | {' | '.join('---:' for _ in runs)} |")
+    for name, key in (("launches", "launches"), ("replay us", "wall_us"), ("busy us", "busy_us"),
+                      ("idle gaps us", "gap_us"), ("kernel durations us", "kernel_us")):
+        values = [r["step_profile"][key] for _, r in runs]
+        print(f"| {name} | {' | '.join(f'{v:.1f}' for v in values)} |")
+    for what in ("sections", "kernels"):
+        key = "section" if what == "sections" else "kernel"
+        names = list(dict.fromkeys(row[key] for _, r in runs for row in r.get(what, [])))
+        print(f"\n| {key} | {head} |")
+        print(f"| --- | {' | '.join('---:' for _ in runs)} |")
+        for name in names:
+            cells = []
+            for _, r in runs:
+                row = next((x for x in r.get(what, []) if x[key] == name), None)
+                cells.append("-" if row is None else f"{row['calls']:g}, {row['us']:.1f}, {row['gap_us']:.1f}")
+            print(f"| {name[:60]} | {' | '.join(cells)} |")
 
 
 def _config(c: dict | None) -> str:
     if not c:
         return "-"
     extra = "".join(f" {k}={c[k]}" for k in ("packed", "ahead", "stages") if c.get(k))
-    return f"{c['block_n']} rows, {c['chunk']} cols/step, split {c['split']}, {c['num_warps']} warps{extra}"
+    finish = " (finishes the norm)" if c.get("finish") else ""
+    return f"{c['block_n']} rows, {c['chunk']} cols/step, split {c['split']}, {c['num_warps']} warps{extra}{finish}"
 
 
 if __name__ == "__main__":
