@@ -204,20 +204,18 @@ def test_trellis_experts_beside_other_formats():
     _check_moe(plan, dtype=torch.bfloat16)
 
 
-def test_trellis_expert_downs_finish_the_residual_norm():
-    """A trellis down launch whose last program also runs the residual norm after the layer
-    (expert_finish.py), every tiling that may: its rows, residual and normed bit for bit those of the
-    plain down launch then add_rmsnorm, twice in a row, the counter back at zero."""
+def _check_finishing(kernels, seed: int) -> list:
+    """Every finishing down tiling of `kernels` (expert_finish.candidates): its rows, residual and normed bit
+    for bit those of the plain down launch then add_rmsnorm, twice in a row, the counter back at zero.
+    Returns the tilings."""
     from test_kernels_expert_finish import _both
 
     from thin.runtime.kernels import expert_finish
-    from thin.runtime.kernels.experts import MoEKernels
 
-    kernels = MoEKernels(_moe_plan([3] * 5, seed=9, dtype=torch.bfloat16), DEVICE, torch.bfloat16, tune=False)
-    gen = torch.Generator().manual_seed(2)
-    kernels(torch.randn(kernels.hidden, generator=gen).to(torch.bfloat16).to(DEVICE),
+    gen = torch.Generator().manual_seed(seed)
+    kernels(torch.randn(kernels.hidden, generator=gen).to(kernels.dtype).to(DEVICE),
             poisoned(kernels.top_k, kernels.hidden, dtype=torch.float32))
-    residual = torch.randn(kernels.hidden, generator=gen).to(torch.bfloat16).to(DEVICE)
+    residual = torch.randn(kernels.hidden, generator=gen).to(kernels.dtype).to(DEVICE)
     norm = ((1 + 0.2 * torch.randn(kernels.hidden, generator=gen)).to(DEVICE), 1e-6)
     configs = expert_finish.candidates(kernels)
     assert configs
@@ -225,6 +223,16 @@ def test_trellis_expert_downs_finish_the_residual_norm():
         got, want, counter = _both(kernels, residual, None, norm, config, 2)
         assert all(torch.equal(g, w) for g, w in zip(got, want)), config
         assert int(counter) == 0
+    return configs
+
+
+def test_trellis_expert_downs_finish_the_residual_norm():
+    """A trellis down launch whose last program also runs the residual norm after the layer
+    (expert_finish.py), every tiling that may."""
+    from thin.runtime.kernels.experts import MoEKernels
+
+    _check_finishing(MoEKernels(_moe_plan([3] * 5, seed=9, dtype=torch.bfloat16), DEVICE, torch.bfloat16,
+                                tune=False), seed=2)
 
 
 # ---- the decode engine on a model whose routed experts are trellis --------------------------------------
@@ -308,3 +316,14 @@ def test_moe_a3b_shape_experts_on_gpu(asm, monkeypatch):
     monkeypatch.setattr(common, "INLINE_ASM", asm)
     _check_moe(_moe_plan([2, 3] * 8, top_k=8, hidden=2048, inter=768, seed=11, dtype=torch.bfloat16),
                dtype=torch.bfloat16)
+
+
+@pytest.mark.gpu
+def test_moe_a3b_shape_finishing_downs_on_gpu():
+    """The finishing down at moe-a3b's shape: every tiling, the 2-warp ones over down's 48 blocks (of 64 a
+    step) that the 1-warp tilings widen to (a row of 2048 held by 2 warps) included."""
+    from thin.runtime.kernels.experts import MoEKernels
+
+    plan = _moe_plan([2] * 16, top_k=8, hidden=2048, inter=768, seed=13, dtype=torch.bfloat16)
+    configs = _check_finishing(MoEKernels(plan, DEVICE, torch.bfloat16, tune=False), seed=3)
+    assert any(c.num_warps == 2 and c.groups == 64 for c in configs)

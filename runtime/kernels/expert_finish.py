@@ -25,6 +25,7 @@ import torch
 
 from . import interpreting
 from .common import next_power_of_2
+from .expert_rows import TRELLIS
 from .expert_tiles import ExpertConfig, routings
 from .norm import Finish, add_rmsnorm, fastest_fused
 
@@ -39,9 +40,10 @@ def holds_row(config: ExpertConfig, hidden: int, post: bool = False) -> bool:
 def candidates(kernels, post: bool = False) -> list[ExpertConfig]:
     """Tilings of `kernels`' (an experts.MoEKernels) one down group that can finish the norm (`post`: with
     a post-norm), the first the default: its down candidates that hold a row (holds_row), then its
-    whole-word tilings of too few warps again with the fewest warps that do (a warp's 32 chunks a step
-    each: where the row has fewer chunks, lanes idle, as down's 768 columns leave 40 of a 2-warp tile's
-    64). None for a layer of several down formats."""
+    whole-word (and trellis) tilings of too few warps again with the fewest warps that do (a warp's 32
+    chunks, or trellis's 32 blocks of 16 columns, a step each: where the row has fewer, lanes idle, as
+    down's 768 columns leave 40 of a 2-warp tile's 64 chunks, 16 of its 64 blocks). None for a layer of
+    several down formats."""
     if len(kernels.down_groups) != 1:
         return []
     H = kernels.hidden
@@ -51,7 +53,7 @@ def candidates(kernels, post: bool = False) -> list[ExpertConfig]:
     warps = next_power_of_2(-(-H // (512 if post else 1024)))
     if not interpreting():
         for c in own:
-            if c.words and not holds_row(c, H, post) and c.groups == 32 * c.num_warps:
+            if (c.words or group.fmt == TRELLIS) and not holds_row(c, H, post) and c.groups == 32 * c.num_warps:
                 wider = replace(c, groups=32 * warps, num_warps=warps)
                 if wider not in out:
                     out.append(wider)
