@@ -32,7 +32,6 @@ import torch
 import triton
 import triton.language as tl
 
-from .pairs import _halves
 from .tiles import octet_split
 
 
@@ -65,13 +64,19 @@ def norm_scale(sums_ptr, H, eps):
 def normed_load(res_ptr, offs, mask, norm_ptr, inv, MASKED: tl.constexpr):
     """The consumer's x at `offs`: residual * inv * norm weight (float32 weight), rounded to the residual's
     dtype (add_rmsnorm's `out`); zero where `mask` is false (MASKED)."""
+    return _normed(res_ptr, offs, mask, norm_ptr, inv, MASKED).to(res_ptr.dtype.element_ty)
+
+
+@triton.jit
+def _normed(res_ptr, offs, mask, norm_ptr, inv, MASKED: tl.constexpr):
+    """`normed_load` in float32, not rounded yet."""
     if MASKED:
         r = tl.load(res_ptr + offs, mask=mask, other=0.0)
         w = tl.load(norm_ptr + offs, mask=mask, other=0.0)
     else:
         r = tl.load(res_ptr + offs)
         w = tl.load(norm_ptr + offs)
-    return (r.to(tl.float32) * inv * w).to(res_ptr.dtype.element_ty)
+    return r.to(tl.float32) * inv * w
 
 
 @dataclass(frozen=True)
@@ -138,13 +143,39 @@ def x_octet_normed(res_ptr, first, cmask, EVEN: tl.constexpr, norm_ptr, inv):
 
 @triton.jit
 def x_pairs_normed(res_ptr, first, cmask, EVEN: tl.constexpr, ASM: tl.constexpr, norm_ptr, inv):
-    """pairs.x_pairs of the normed residual (bfloat16): the pairs (x_k, x_{k+4}) as int32 [C], each half a
-    bf16 value's bits (the high half of its exact float32)."""
-    xs = x_octet_normed(res_ptr, first, cmask, EVEN, norm_ptr, inv)
-    return (_halves(xs[0].to(tl.int32, bitcast=True), xs[4].to(tl.int32, bitcast=True), True, ASM),
-            _halves(xs[1].to(tl.int32, bitcast=True), xs[5].to(tl.int32, bitcast=True), True, ASM),
-            _halves(xs[2].to(tl.int32, bitcast=True), xs[6].to(tl.int32, bitcast=True), True, ASM),
-            _halves(xs[3].to(tl.int32, bitcast=True), xs[7].to(tl.int32, bitcast=True), True, ASM))
+    """pairs.x_pairs of the normed residual (bfloat16): the pairs (x_k, x_{k+4}) as int32 [C], x_k's bf16 bits
+    in the low half; each pair rounded and packed at once (`_bf16_pair`)."""
+    offs = first[:, None] + tl.arange(0, 8)[None, :]
+    x = _split8(_normed(res_ptr, offs, cmask[:, None], norm_ptr, inv, not EVEN))
+    return (_bf16_pair(x[0], x[4], ASM), _bf16_pair(x[1], x[5], ASM), _bf16_pair(x[2], x[6], ASM),
+            _bf16_pair(x[3], x[7], ASM))
+
+
+@triton.jit
+def _split8(t):
+    """[C, 8] (8 a lane) -> its eight columns [C], in registers (tiles.octet_split, the dtype kept)."""
+    t = tl.reshape(t, [t.shape[0], 2, 2, 2])
+    a0, a1 = tl.split(t)
+    b00, b01 = tl.split(a0)
+    b10, b11 = tl.split(a1)
+    x0, x4 = tl.split(b00)
+    x2, x6 = tl.split(b01)
+    x1, x5 = tl.split(b10)
+    x3, x7 = tl.split(b11)
+    return (x0, x1, x2, x3, x4, x5, x6, x7)
+
+
+@triton.jit
+def _bf16_pair(lo, hi, ASM: tl.constexpr):
+    """bf16(lo) in the low half of an int32 and bf16(hi) in the high half, each rounded to nearest even (as
+    `.to(tl.bfloat16)`). ASM: one conversion instruction for both."""
+    if ASM:
+        out = tl.inline_asm_elementwise("cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,r,r", [lo, hi], dtype=tl.int32,
+                                        is_pure=True, pack=1)
+    else:
+        low = lo.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        out = low | (hi.to(tl.bfloat16).to(tl.int16, bitcast=True).to(tl.int32) << 16)
+    return out
 
 
 def fold_args(config, n: int, act: int, partial: bool, accumulate: Accumulate | None,
