@@ -364,9 +364,11 @@ class DecodeEngine:
         return self._samplers[key]
 
     def start(self, cache: PagedKVCache, prompt: Sequence[int], options: GenerationOptions) -> None:
-        """Reset the per-call device state: position, step, seed, tokens seen."""
+        """Reset the per-call device state: position, step, seed, tokens seen, the folded norms' slots (zero
+        after every whole step already; a step cut short, e.g. interrupted, could leave one)."""
         self.pos.fill_(cache.length)
         self.step.zero_()
+        self.norm_sums.zero_()
         seed = options.seed if options.seed is not None else int.from_bytes(os.urandom(7), "little")
         self.seed.fill_(int(seed))
         if options.repetition_penalty != 1.0:
