@@ -122,9 +122,10 @@ def test_slot_plan_never_gives_a_producer_its_own_next():
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["fp8_e4m3", "int4"])
 def test_folding_candidates_at_llama_shapes_on_gpu(fmt):
-    """Every direct candidate accumulating at llama-8b's o shape (residual bit for bit, slot sum close), every
-    direct and gate/up candidate with a normed input over a 4096 residual (bit for bit as add_rmsnorm then
-    the plain matvec)."""
+    """A candidate of each kind (arithmetic, loads ahead, pipelined) accumulating at llama-8b's o shape (residual
+    bit for bit, slot sum close), and of each kind of the direct and gate/up candidates with a normed input over
+    a 4096 residual (bit for bit as add_rmsnorm then the plain matvec): the GPU's own conversions and the
+    inline-asm pair packing."""
     from thin.runtime.kernels.fold import Accumulate, NormedInput
     from thin.runtime.kernels.norm import add_rmsnorm
 
@@ -135,7 +136,7 @@ def test_folding_candidates_at_llama_shapes_on_gpu(fmt):
     x = torch.randn(n, generator=gen).to(torch.bfloat16).to(DEVICE)
     start = (torch.randint(-24, 25, (n,), generator=gen) / 8).to(torch.bfloat16).to(DEVICE)
     norm = ((1 + 0.2 * torch.randn(n, generator=gen)).to(DEVICE), 1e-5)
-    for config in op.candidates("direct"):
+    for config in _kinds(op.candidates("direct")):
         want = start.clone()
         parts = poisoned(1, n, dtype=torch.float32)
         op._matvec(x, parts, config, -1, True)
@@ -149,8 +150,13 @@ def test_folding_candidates_at_llama_shapes_on_gpu(fmt):
     ss = start.float().pow(2).sum().reshape(1)
     glu, _, _ = make_op(fmt, (2 * 2048, n), params, dtype=torch.bfloat16, seed=15)
     for weight, mode, act, rows in ((op, "direct", -1, n), (glu, "glu", ACTIVATION_CODES["silu"], 2048)):
-        for config in weight.candidates(mode):
+        for config in _kinds(weight.candidates(mode)):
             want, got = poisoned(rows, dtype=torch.bfloat16), poisoned(rows, dtype=torch.bfloat16)
             weight._matvec(normed, want, config, act, False)
             weight._matvec(start, got, config, act, False, normed=NormedInput(start, ss.clone(), norm))
             assert torch.equal(got, want), (mode, config)
+
+
+def _kinds(candidates):
+    """The first candidate of each kind (packed, ahead, stages)."""
+    return list({(c.packed, c.ahead, c.stages): c for c in reversed(candidates)}.values())
