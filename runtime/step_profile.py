@@ -84,6 +84,9 @@ class StepProfile:
     attribution: str  # how ops got sections: "position", "aligned" (label_sections) or "none"
     kernels: list[dict] = field(default_factory=list)
     sections: list[dict] = field(default_factory=list)
+    # Each launch of the step in order (kernel, section, us, gap us before it; means over the replays), where
+    # every replay ran the same launches: which boundary of a layer the idle gaps sit at.
+    timeline: list[dict] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -124,6 +127,8 @@ def summarize(replays: list[list[DeviceOp]], eager: list[tuple[str, str]] | None
     sections: dict[str, dict] = {}
     totals = defaultdict(float)
     used = set()
+    same = len({tuple(op.name for op in replay) for replay in replays}) == 1
+    timeline = [{"kernel": op.name, "section": "", "ns": 0, "gap_ns": 0} for op in replays[0]] if same else []
     for replay in replays:
         labels, how = label_sections([op.name for op in replay], eager)
         used.add(how)
@@ -132,6 +137,10 @@ def summarize(replays: list[list[DeviceOp]], eager: list[tuple[str, str]] | None
             gap = max(0, op.start_ns - reach) if i else 0
             busy = max(0, op.end_ns - max(op.start_ns, reach))
             reach = max(reach, op.end_ns)
+            if timeline:
+                timeline[i]["section"] = section
+                timeline[i]["ns"] += op.end_ns - op.start_ns
+                timeline[i]["gap_ns"] += gap
             for table, key in ((kernels, op.name), (sections, section)):
                 row = table.setdefault(key, {"calls": 0, "ns": 0, "gap_ns": 0, "sections": set()})
                 row["calls"] += 1
@@ -162,7 +171,9 @@ def summarize(replays: list[list[DeviceOp]], eager: list[tuple[str, str]] | None
         gap_us=totals["gap"] / n / 1e3, kernel_us=totals["kernel"] / n / 1e3,
         between_us=statistics.median(between) / 1e3 if between else None, step_us=step_us,
         attribution=min(used, key=["none", "aligned", "position"].index),
-        kernels=rows(kernels, "kernel"), sections=rows(sections, "section"))
+        kernels=rows(kernels, "kernel"), sections=rows(sections, "section"),
+        timeline=[{"kernel": t["kernel"], "section": t["section"], "us": t["ns"] / n / 1e3,
+                   "gap_us": t["gap_ns"] / n / 1e3} for t in timeline])
 
 
 def render(p: StepProfile) -> list[str]:

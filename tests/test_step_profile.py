@@ -74,6 +74,13 @@ def test_durations_and_gaps_per_kernel_and_section():
     assert sections["o"]["us"] == pytest.approx(7.5) and sections["o"]["gap_us"] == pytest.approx(7.5)
     assert sum(r["us"] + r["gap_us"] for r in p.sections) == pytest.approx(p.wall_us)
     assert sum(r["share"] for r in p.kernels) == pytest.approx(p.kernel_us / p.wall_us)
+    # Launch by launch in step order: which boundary each gap sits at.
+    assert p.timeline == [{"kernel": "matvec", "section": "qkv", "us": pytest.approx(15), "gap_us": 0},
+                          {"kernel": "attention", "section": "attention", "us": pytest.approx(12),
+                           "gap_us": pytest.approx(3)},
+                          {"kernel": "matvec", "section": "o", "us": pytest.approx(7.5), "gap_us": pytest.approx(7.5)}]
+    # Replays that ran different launches have no timeline.
+    assert summarize([replay(1, 0), replay(2, 100, STEP[:2])], EAGER).timeline == []
 
 
 def test_overlapping_launches_have_no_gap_and_count_busy_time_once():

@@ -19,7 +19,8 @@
    before their launches) and the launch configuration the first layer's gate/up, down and o run with at that
    level (each level's prefix has its own, KernelLinear.config; down's and o's finishing configuration where
    their matvec also runs the residual norm, marked so), then every section and every kernel of the step
-   side by side per level (launches a step, us, idle gap us before them). JSON and logs go to --out
+   side by side per level (launches a step, us, idle gap us before them), and a layer's launches in order
+   (mean us and gap before each over the layers: which boundary the gaps sit at). JSON and logs go to --out
    (compile-*.log ends with the seconds each compile stage started at; bench-*.log holds the warm-up's
    choices, the "thin.runtime:" lines).
 Steps whose outputs exist are skipped, so `--compile-only` and then the same command without it split
@@ -285,6 +286,35 @@ def print_breakdown(results: dict) -> None:
                 row = next((x for x in r.get(what, []) if x[key] == name), None)
                 cells.append("-" if row is None else f"{row['calls']:g}, {row['us']:.1f}, {row['gap_us']:.1f}")
             print(f"| {name[:60]} | {' | '.join(cells)} |")
+    layers = [layer_timeline(r["step_profile"].get("timeline") or []) for _, r in runs]
+    if any(layers):
+        print(f"\n| a layer's launches (mean over the layers) | {' | '.join(f'{lv}: us, gap us' for lv in levels)} |")
+        print(f"| --- | {' | '.join('---:' for _ in runs)} |")
+        for j in range(max(map(len, layers))):
+            first = next(x[j] for x in layers if j < len(x))
+            cells = []
+            for x in layers:
+                t = x[j] if j < len(x) else None
+                other = "" if t is None or t["section"] == first["section"] else f"{t['section']}: "
+                cells.append("-" if t is None else f"{other}{t['us']:.2f}, {t['gap_us']:.2f}")
+            print(f"| {j + 1}. {first['section']} ({first['kernel'][:40]}) | {' | '.join(cells)} |")
+
+
+def layer_timeline(timeline: list[dict]) -> list[dict]:
+    """A layer's launches in order (section, kernel), each one's us and idle gap us before it averaged over
+    the step's layers of the common length (a layer starts at its qkv launch; the last layer, which the LM
+    head follows, and any of another length left out)."""
+    starts = [i for i, t in enumerate(timeline) if t["section"] == "qkv" and
+              (i == 0 or timeline[i - 1]["section"] != "qkv")]
+    layers = [timeline[a:b] for a, b in zip(starts, starts[1:])]
+    if not layers:
+        return []
+    common = max({len(x) for x in layers}, key=[len(x) for x in layers].count)
+    layers = [x for x in layers if len(x) == common]
+    n = len(layers)
+    return [{"section": layers[0][j]["section"], "kernel": layers[0][j]["kernel"],
+             "us": sum(x[j]["us"] for x in layers) / n, "gap_us": sum(x[j]["gap_us"] for x in layers) / n}
+            for j in range(common)]
 
 
 def _config(c: dict | None) -> str:
