@@ -96,7 +96,8 @@ def _time_kind(engine, pairs: list[FoldPair]) -> bool:
     input matvecs) than as the step runs it otherwise (the finishing matvec, or partial sums then add_rmsnorm,
     then the plain consumers); timed as norm.choose_finish times (the folded launches compiled first, on host
     threads; a folded launch that does not compile is never faster), back to back over the kind's pairs in
-    turn. Weights the tuner does not time (common._small, LinearOp.tune) keep their launches."""
+    turn, the consumers with configurations tuned for a normed input (`_tune_normed`). Weights the tuner does
+    not time (common._small, LinearOp.tune) keep their launches."""
     from .kernels.common import _small, compile_launches, median_ms, median_ms_or_inf, precompile
     from .kernels.fold import Accumulate, NormedInput
     from .kernels.norm import Finish, add_rmsnorm
@@ -138,6 +139,9 @@ def _time_kind(engine, pairs: list[FoldPair]) -> bool:
         for c, out in zip(pair.consumers, outs):
             c.matvec_normed(NormedInput(residual, sums[0:1], norm), out, pair.activation)
 
+    for i in range(len(first.consumers)):
+        _tune_normed([pair.consumers[i] for pair in pairs], mode, first.activation, outs[i],
+                     NormedInput(residual, sums[0:1], norm))
     compile_launches([(device, folded)], report=False)
     separate_ms, folded_ms = median_ms(separate), median_ms_or_inf(folded, "folded residual norm")
     consumers = " + ".join(f"{c.format} {c.out_features}x{c.in_features}" for c in first.consumers)
@@ -147,3 +151,33 @@ def _time_kind(engine, pairs: list[FoldPair]) -> bool:
         f"{'finishing matvec' if finishing else 'partial sums, add_rmsnorm'} then matvec: {1e3 * separate_ms:.1f} us "
         f"(timed over {len(pairs)} pairs in turn)")
     return folded_ms < separate_ms
+
+
+def _tune_normed(ops: list, mode: str, activation: str | None, out: torch.Tensor, normed) -> None:
+    """The configuration with which `ops` (weights of one kind, each a consumer of a folded norm) run fastest
+    with a normed input (`normed`, a fold.NormedInput), into each one's `normed_configs[mode]`: the normed loads
+    shift a tiling's balance of memory and instructions, so the plain mode's choice may not be theirs. Timed
+    among their `mode` candidates, back to back over `ops` in turn (compiled first on host threads; one that
+    does not compile is skipped). Weights the tuner does not time keep the plain mode's configuration."""
+    from .kernels.common import ACTIVATION_CODES, _small, compile_launches, median_ms_or_inf
+
+    op = ops[0]
+    if _small(op) or not op.tune:
+        return
+    act = -1 if activation is None else ACTIVATION_CODES[activation]
+    turn = itertools.count()
+
+    def launch(config):
+        return lambda: ops[next(turn) % len(ops)]._matvec(normed.residual, out, config, act, False, normed=normed)
+
+    candidates = op.candidates(mode)
+    compile_launches([(op.device, launch(c)) for c in candidates], report=False)
+    times = [median_ms_or_inf(launch(c), "normed-input matvec") for c in candidates]
+    best = candidates[min(range(len(candidates)), key=times.__getitem__)]
+    for o in ops:
+        o.normed_configs = {**(o.normed_configs or {}), mode: best}
+    plain = op.config(mode)
+    plain_ms = f"{1e3 * times[candidates.index(plain)]:.1f} us" if plain in candidates else "not a candidate"
+    logging.getLogger("thin.runtime").info(
+        f"{op.format} {op.out_features}x{op.in_features} ({mode}) with a normed input: {best} {1e3 * min(times):.1f} "
+        f"us; the plain mode's {plain}: {plain_ms} (timed over {len(ops)} weights in turn)")

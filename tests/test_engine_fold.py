@@ -102,3 +102,45 @@ def test_fold_norm_false_and_models_that_cannot_fold(llama):
         assert fold_pairs(engine) == []
     finally:
         layer.ffn_post_norm = None
+
+
+@pytest.mark.parametrize("folded_faster", [True, False])
+def test_timed_choice_keeps_the_faster_and_tunes_the_normed_consumers(llama, monkeypatch, folded_faster):
+    """choose_folding(timed=True) (warm_up's, on a GPU) with the timer replaced (each launch run once, for real):
+    every kind of pair folds where its folded launches time faster, none where slower; the consumers' normed-
+    input configurations come from their candidates; the slots are zeroed and assigned in launch order."""
+    from thin.runtime.engine import DecodeEngine
+    from thin.runtime.engine_fold import choose_folding
+    from thin.runtime.kernels import common
+
+    model = llama("int4")
+    engine = DecodeEngine(model.executor, graphs=False, fold_norm=False)
+    ran = []
+
+    def timer(ms):
+        def median(launch, *args, **kwargs):
+            launch()
+            ran.append(ms)
+            return ms
+        return median
+
+    monkeypatch.setattr(common, "_small", lambda op: False)
+    monkeypatch.setattr(common, "precompile", lambda uses: None)
+    monkeypatch.setattr(common, "compile_launches", lambda jobs, **kwargs: None)
+    monkeypatch.setattr(common, "median_ms", timer(2.0))
+    monkeypatch.setattr(common, "median_ms_or_inf", timer(1.0 if folded_faster else 3.0))
+    engine.norm_sums.fill_(5.0)
+    choose_folding(engine, timed=True)
+    layers = model.executor.layers
+    producers = [op for layer in layers for op in (layer.attention.o, layer.ffn.down)]
+    assert list(engine._folding) == ([id(op) for op in producers] if folded_faster else [])
+    assert not engine.norm_sums.any()
+    assert 2.0 in ran and len(ran) >= 6  # three kinds: separate, folded, and each consumer's candidates
+    gate_up = layers[0].ffn.up[0]
+    assert gate_up.normed_configs["glu"] in gate_up.candidates("glu")
+    assert model.executor.lm_head.normed_configs["direct"] in model.executor.lm_head.candidates("direct")
+    for layer in layers:  # the module's model serves the other tests with the modes' own configurations
+        layer.ffn.up[0].normed_configs = None
+        for op in layer.attention.qkv:
+            op.normed_configs = None
+    model.executor.lm_head.normed_configs = None

@@ -197,6 +197,10 @@ class Folding:
     """The two halves of a folded residual norm, for a KernelLinear whose `_matvec` takes `accumulate` and
     `normed` (grouped_int.py, rowwise8.py)."""
 
+    # {mode: MatvecConfig} a consumer runs with a normed input (engine_fold._tune_normed, on a GPU); else the
+    # mode's own configuration.
+    normed_configs: dict | None = None
+
     def matvec_accumulate(self, x: torch.Tensor, accumulate: Accumulate) -> None:
         """residual += x @ W.T (+ bias), its sum of squares into the producer's slot (`Accumulate`), with the
         direct mode's configuration (split-K 1): the producer of a folded norm."""
@@ -205,11 +209,12 @@ class Folding:
 
     def matvec_normed(self, normed: NormedInput, out: torch.Tensor, activation: str | None = None) -> torch.Tensor:
         """matvec(norm(residual), out=out, activation=activation) with the input normed where it is loaded
-        (`NormedInput`): the consumer of a folded norm, with its mode's configuration."""
+        (`NormedInput`): the consumer of a folded norm, with `normed_configs`' configuration for its mode, else
+        the mode's own."""
         from .common import ACTIVATION_CODES
 
-        if activation is None:
-            self._matvec(normed.residual, out, self.config("direct"), -1, False, normed=normed)
-        else:
-            self._matvec(normed.residual, out, self.config("glu"), ACTIVATION_CODES[activation], False, normed=normed)
+        mode = "direct" if activation is None else "glu"
+        config = (self.normed_configs or {}).get(mode) or self.config(mode)
+        self._matvec(normed.residual, out, config, -1 if activation is None else ACTIVATION_CODES[activation], False,
+                     normed=normed)
         return out
