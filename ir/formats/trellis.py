@@ -152,25 +152,31 @@ def viterbi(x, values, k: int, bits: int, overlap=None, weight=None):
     big = torch.finfo(torch.float32).max / 4
     state = torch.arange(n, device=device)
 
-    def step_cost(t):  # weight * (v^2 - 2 x v): the squared error less x^2, the same for every state
-        term = v2 - x2[:, t:t + 1] * v
-        return term if a is None else term * a[:, t:t + 1]
+    # Every step writes into buffers made once (a fresh [B, 2^bits] tensor a step costs the CPU a
+    # page-faulting allocation as much as the arithmetic).
+    term = torch.empty(batch, n, device=device)
 
-    cost = step_cost(0)  # [B, 2^bits]
+    def step_cost(t):  # weight * (v^2 - 2 x v): the squared error less x^2, the same for every state
+        torch.mul(x2[:, t:t + 1], v, out=term)
+        torch.sub(v2, term, out=term)
+        return term if a is None else term.mul_(a[:, t:t + 1])
+
+    cost = step_cost(0).clone()  # [B, 2^bits]
     if overlap is not None:
         cost = torch.where((state[None] >> k) == overlap[:, None], cost, big)
     # The predecessors of s' are m * 2^(bits - k) + (s' >> k), m < 2^k. Their minimum is a knockout
     # tournament of pairwise comparisons (torch's min with indices over a strided dimension is several
     # times slower); each step keeps the 2^k - 1 outcomes, and the way back replays the winner's path.
     back = torch.empty(steps, batch, fan - 1, low, dtype=torch.bool, device=device)
+    rounds = [torch.empty(batch, fan >> (r + 1), low, device=device) for r in range(k)]
     for t in range(1, steps):
         field, at = cost.view(batch, fan, low), 0
-        while field.shape[1] > 1:
+        for winners in rounds:
             left, right = field[:, 0::2], field[:, 1::2]
             torch.lt(right, left, out=back[t, :, at:at + left.shape[1]])
             at += left.shape[1]
-            field = torch.minimum(left, right)
-        cost = (field.view(batch, low, 1) + step_cost(t).view(batch, low, fan)).view(batch, n)
+            field = torch.minimum(left, right, out=winners)
+        torch.add(step_cost(t).view(batch, low, fan), field.view(batch, low, 1), out=cost.view(batch, low, fan))
     if overlap is not None:
         cost = torch.where((state[None] & (low - 1)) == overlap[:, None], cost, big)
     states = torch.empty(batch, steps, dtype=torch.int64, device=device)
