@@ -89,11 +89,19 @@ def test_matches_the_encoders_bytes():
 
 @pytest.mark.parametrize("bits", [2, 3])
 def test_matches_decode(bits):
-    """The same on random codes: 96 x 80 (6 bands of 16 rows, 5 blocks of 16 columns)."""
+    """The same on random codes: 96 x 80 (6 bands of 16 rows, 5 blocks of 16 columns), the prefill matmul
+    with each of its tilings (80 columns: steps of 16)."""
     op, dense, b = _random_op((96, 80), bits, seed=bits, bias=bits == 3)
     check_matvec(op, dense, b, torch.float32)
     check_glu(op, dense, b, torch.float32, "silu")
     check_matmul(op, dense, b, torch.float32)
+    op, dense, b = _random_op((48, 128), bits, seed=bits, bias=True)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(bits)).to(DEVICE)
+    configs = op.matmul_candidates(5, 128)
+    assert len({c.block_k for c in configs}) == 2
+    for config in configs:
+        got = op._matmul(x, config=config)
+        assert rel_err(got, x.cpu() @ dense.T + b.cpu()) < tolerance(torch.float32), config
 
 
 def test_matches_decode_bfloat16():

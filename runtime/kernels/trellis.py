@@ -37,7 +37,7 @@ import triton.language as tl
 
 from . import common, interpreting
 from .common import KernelLinear, MatvecConfig, interpreter_block, next_power_of_2, prefix_rows
-from .prefill import matmul_blocks, matmul_prefix
+from .prefill import MatmulConfig, TiledPrefill, matmul_blocks, token_bucket
 from .tiles import dot_tile, store_tile, tile_rows, x_octet
 
 MUL, ADD = 0x2F6B4E95, 0x1D3C5A17  # the codebook's hash: h = s * MUL + ADD mod 2^32
@@ -271,9 +271,9 @@ def block_candidates(n: int, k: int, mode: str) -> list[MatvecConfig]:
     return out
 
 
-class TrellisLinear(KernelLinear):
+class TrellisLinear(TiledPrefill, KernelLinear):
     """A trellis weight (k = 2 or 3 bits a weight): matvec (split-K of one: partial sums are one row) and
-    the prefill matmul."""
+    the prefill matmul, its tiles timed per prompt-length bucket (prefill.TiledPrefill)."""
 
     def __init__(self, record, raw, bias, dtype, device):
         super().__init__(record, raw, bias, dtype, device)
@@ -297,18 +297,37 @@ class TrellisLinear(KernelLinear):
             PARTIAL=partial, DP4A=self.dp4a, num_warps=config.num_warps)
         return None
 
-    def _matmul(self, x, rows=None, cols=None, halves=1):
+    def matmul_candidates(self, T: int, K: int) -> list[MatmulConfig]:
+        """Prefill tilings (one kernel: a [rows x columns] tile of W decoded a step): the untimed default
+        first (prefill.matmul_blocks); on a GPU also tokens x rows of the bucket's tokens (64 and 128 beyond
+        64) x 32-128 rows, 32 or 64 columns a step, Triton's pipeline over 1 or 3 stages. Under the
+        interpreter the default and one of 32 columns a step."""
+        bm, bn, bk = matmul_blocks(T, self.out_features, K)
+        first = MatmulConfig(bm, bn, bk if K % bk == 0 else TILE, 4, 1, "plain")
+        if interpreting():
+            return [first, MatmulConfig(bm, bn, 32 if K % 32 == 0 else TILE, 4, 1, "plain")]
+        bucket = token_bucket(T)
+        tiles = [(bucket, 32, 4), (bucket, 64, 4), (bucket, 128, 4)] if bucket <= 64 else \
+            [(64, 64, 4), (64, 128, 4), (128, 64, 4), (128, 128, 8)]
+        out = [first]
+        for m, n, warps in tiles:
+            for k in (32, 64):
+                for stages in (1, 3):
+                    config = MatmulConfig(m, n, k, warps, stages, "plain")
+                    if K % k == 0 and config not in out:
+                        out.append(config)
+        return out
+
+    def _launch_matmul(self, x, N, K, n1, block, config: MatmulConfig):
+        if K % TILE or K % config.block_k or config.split != 1:
+            raise ValueError(f"trellis {config}: whole steps of 16-column blocks of the {K} columns, no split-K")
         T = x.shape[0]
-        N, K, n1, block = matmul_prefix(self, rows, cols, halves)
-        if K % TILE:
-            raise ValueError(f"a trellis prefix of {K} columns is not whole 16-column blocks")
         out = torch.empty(T, N, dtype=self.dtype, device=x.device)
-        bm, bn, bk = matmul_blocks(T, N, K)
-        bk = bk if K % bk == 0 else TILE
-        _matmul_kernel[(-(-T // bm), -(-N // bn))](
+        _matmul_kernel[(-(-T // config.block_m), -(-N // config.block_n))](
             x, self.codes, self.row_scale, self.bias if self.bias is not None else x, out, T, N, K, self.in_features,
-            n1, block, BITS=self.bits, BM=bm, BN=bn, BK=bk, HAS_BIAS=self.bias is not None,
-            IEEE=x.dtype == torch.float32 or interpreting(), DP4A=self.dp4a, num_warps=4)
+            n1, block, BITS=self.bits, BM=config.block_m, BN=config.block_n, BK=config.block_k,
+            HAS_BIAS=self.bias is not None, IEEE=x.dtype == torch.float32 or interpreting(), DP4A=self.dp4a,
+            num_warps=config.num_warps, num_stages=config.stages)
         return out
 
 
