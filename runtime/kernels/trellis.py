@@ -21,8 +21,9 @@ float c(s) is the dp4a's result as float32 minus 2^23 + 510, no int-to-float con
 path (the interpreter's, and the GPU's where DP4A is off) sums the bytes with shifts and masks into
 the same bits, the same numbers. The row scale / NORM multiplies the row's sum once.
 
-Prefill (`_matmul_kernel`): tiles of weight rows x 64 (or 32) columns decoded into the activations'
-dtype (each element's window by a variable 64-bit shift) and multiplied with tl.dot.
+Prefill (`_matmul_kernel`): tiles of weight rows x 32 or 64 columns decoded into the activations'
+dtype (each element's window by a variable 64-bit shift) and multiplied with tl.dot, the tiles timed per
+prompt-length bucket (prefill.TiledPrefill).
 
 `reference_decode` is the contract in torch (the tests compare it with the format's decode).
 """
