@@ -33,8 +33,9 @@ _UNCERTIFIED_HELP = "Write the artifact even when the gate fails; its certificat
 _DEVICE_HELP = "Where calibration and certification run: cuda or cpu (default: cuda when available)."
 _MAP_HELP = "Draw the format of every tensor, layer by layer, into FILE (.svg or .png)."
 _TIE_HELP = "Give q/k/v and gate/up one format each so they fuse into one matmul (speed over quality)."
-_EXPERT_FORMATS_HELP = ("Routed experts take only these formats (any of their group sizes), e.g. q2 or q1,q2; the "
-                        "planner spends the rest of the budget on everything else. Needs a budget and a MoE model.")
+_EXPERT_FORMATS_HELP = ("Routed experts take only these formats (any of their group sizes), e.g. q2, q1,q2 or trellis "
+                        "(a 2-3 bit trellis code for experts only; slow to encode); the planner spends the rest of the "
+                        "budget on everything else. Needs a budget and a MoE model.")
 _FORMATS_HELP = ("The planner picks among only these formats (any of their parameters) and each tensor's stored one, "
                  "e.g. int4,q2. Needs a budget. trellis is for routed experts only: --expert-formats.")
 _STREAM_HELP = ("With --vram: the budget bounds the GPU only, and routed experts that do not fit it stay in host "
