@@ -15,10 +15,12 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.slow
 def test_wheel_installs_into_fresh_venv(tmp_path):
     dist = tmp_path / "dist"
-    # Build from a copy so the checkout gains no build/ or egg-info debris.
+    # Build from a copy so the checkout gains no build/ or egg-info debris. Hidden entries (.git, and a
+    # developer's ignored scratch such as virtualenvs) stay behind and symlinks are copied as links: a
+    # link back into the checkout would otherwise be followed without end.
     src = tmp_path / "src"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__",
-                                                              "*.thin", ".pytest_cache", "models"))
+    shutil.copytree(ROOT, src, symlinks=True, ignore=shutil.ignore_patterns(
+        ".*", "build", "*.egg-info", "__pycache__", "*.thin", "models"))
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w",
                     str(dist), str(src)], check=True, capture_output=True)
     wheel = next(dist.glob("thin-*.whl"))
