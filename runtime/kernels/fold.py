@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .tiles import octet_split
+from .tiles import octet_columns, octet_split
 
 
 @triton.jit
@@ -146,23 +146,9 @@ def x_pairs_normed(res_ptr, first, cmask, EVEN: tl.constexpr, ASM: tl.constexpr,
     """pairs.x_pairs of the normed residual (bfloat16): the pairs (x_k, x_{k+4}) as int32 [C], x_k's bf16 bits
     in the low half; each pair rounded and packed at once (`_bf16_pair`)."""
     offs = first[:, None] + tl.arange(0, 8)[None, :]
-    x = _split8(_normed(res_ptr, offs, cmask[:, None], norm_ptr, inv, not EVEN))
+    x = octet_columns(_normed(res_ptr, offs, cmask[:, None], norm_ptr, inv, not EVEN))
     return (_bf16_pair(x[0], x[4], ASM), _bf16_pair(x[1], x[5], ASM), _bf16_pair(x[2], x[6], ASM),
             _bf16_pair(x[3], x[7], ASM))
-
-
-@triton.jit
-def _split8(t):
-    """[C, 8] (8 a lane) -> its eight columns [C], in registers (tiles.octet_split, the dtype kept)."""
-    t = tl.reshape(t, [t.shape[0], 2, 2, 2])
-    a0, a1 = tl.split(t)
-    b00, b01 = tl.split(a0)
-    b10, b11 = tl.split(a1)
-    x0, x4 = tl.split(b00)
-    x2, x6 = tl.split(b01)
-    x1, x5 = tl.split(b10)
-    x3, x7 = tl.split(b11)
-    return (x0, x1, x2, x3, x4, x5, x6, x7)
 
 
 @triton.jit
