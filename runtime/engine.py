@@ -38,6 +38,7 @@ from .engine_plans import (
     block_table,
     check_supported,
     level_rows,
+    level_uses,
     moe_kernels,
     norm_args,
     qk_norm_args,
@@ -96,7 +97,7 @@ class DecodeEngine:
         # Each elastic FFN level's down prefix has a configuration of its own (KernelLinear.config).
         summed = [(layer.attention.o, "partial") for layer in executor.layers]
         summed += [(layer.ffn.down, "partial") for layer in executor.layers if isinstance(layer.ffn, MLPPlan)]
-        summed = self._kernel_uses(summed + [use for use in self._level_uses() if use[1] == "partial"])
+        summed = self._kernel_uses(summed + [use for use in level_uses(self.ex) if use[1] == "partial"])
         if self.device.type == "cuda":
             from .kernels.common import choose_together, precompile
 
@@ -390,7 +391,7 @@ class DecodeEngine:
                 fused = mlp.gated and len(mlp.up) == 1
                 uses += [(op, "glu" if fused else "direct") for op in mlp.up] + [(mlp.down, "partial")]
         uses.append((self.ex.lm_head, "direct"))
-        uses = self._kernel_uses(uses + self._level_uses())
+        uses = self._kernel_uses(uses + level_uses(self.ex))
         precompile(uses)  # the candidates not chosen yet, compiled on several threads
         choose_together(uses)  # each kind of weight timed over all of its weights in turn (from memory, not L2)
         for op, mode, *prefix in uses:
@@ -403,19 +404,6 @@ class DecodeEngine:
             choose_folding(self, timed=True)
         if self.fused_attention is None and self.device.type == "cuda":
             self._appending = appending_layers(self.ex, timed=True)
-
-    def _level_uses(self) -> list[tuple]:
-        """(op, mode, rows, cols) of the matvecs over a prefix that the decode step runs at the
-        executor's certified elastic FFN levels: gate/up's first rows, down's first columns."""
-        uses = []
-        for level in self.ex.ffn_levels:
-            for layer, (width, _, _) in zip(self.ex.layers, level):
-                mlp = layer.ffn
-                if not isinstance(mlp, MLPPlan) or width is None or width == mlp.down.in_features:
-                    continue
-                mode = "glu" if mlp.gated and len(mlp.up) == 1 else "direct"
-                uses += [(op, mode, width, None) for op in mlp.up] + [(mlp.down, "partial", None, width)]
-        return uses
 
     def _kernel_uses(self, uses: list[tuple]) -> list[tuple]:
         """The (op, mode, ...) uses of ops with launch configurations, each once, "partial" as the decode

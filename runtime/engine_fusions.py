@@ -7,6 +7,7 @@ launches, and kept only where faster."""
 
 from __future__ import annotations
 
+from .engine_plans import level_uses
 from .ffn import MLPPlan
 
 
@@ -20,7 +21,7 @@ def choose_finishing(engine, timed: bool) -> None:
     from .kernels.norm import choose_finish
 
     kinds: dict[tuple, list] = {}
-    prefixes = [(op, cols) for op, mode, _, cols in engine._level_uses() if mode == "partial"]
+    prefixes = [(op, cols) for op, mode, _, cols in level_uses(engine.ex) if mode == "partial"]
     plain = {id(op) for op, _ in prefixes if not hasattr(op, "finish_prefixes")}
     posts = {id(layer.ffn.down): layer.ffn_post_norm for layer in engine.ex.layers if isinstance(layer.ffn, MLPPlan)}
     uses = []

@@ -46,6 +46,20 @@ def level_rows(op: LinearOp, x: torch.Tensor, width: int | None, halves: int) ->
     return op(x) if width is None else op.prefix(x, rows=width, halves=halves)
 
 
+def level_uses(executor) -> list[tuple]:
+    """(op, mode, rows, cols) of the matvecs over a prefix that a decode step runs at the executor's
+    certified elastic FFN levels: gate/up's first rows, down's first columns."""
+    uses = []
+    for level in executor.ffn_levels:
+        for layer, (width, _, _) in zip(executor.layers, level):
+            mlp = layer.ffn
+            if not isinstance(mlp, MLPPlan) or width is None or width == mlp.down.in_features:
+                continue
+            mode = "glu" if mlp.gated and len(mlp.up) == 1 else "direct"
+            uses += [(op, mode, width, None) for op in mlp.up] + [(mlp.down, "partial", None, width)]
+    return uses
+
+
 def moe_kernels(executor) -> dict:
     """{layer index: MoEKernels} for the mixture-of-experts layers; EngineUnsupported (naming what)
     for a layer the expert kernels cannot take."""
