@@ -7,7 +7,6 @@ matvec, or partial sums then add_rmsnorm, then the plain consumer), and kept onl
 
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass
 
@@ -98,7 +97,7 @@ def _time_kind(engine, pairs: list[FoldPair]) -> bool:
     threads; a folded launch that does not compile is never faster), back to back over the kind's pairs in
     turn, the consumers with configurations tuned for a normed input (`_tune_normed`). Weights the tuner does
     not time (common._small, LinearOp.tune) keep their launches."""
-    from .kernels.common import _small, compile_launches, median_ms, median_ms_or_inf, precompile
+    from .kernels.common import _small, compile_launches, in_turn, median_ms, median_ms_or_inf, precompile
     from .kernels.fold import Accumulate, NormedInput
     from .kernels.norm import Finish, add_rmsnorm
 
@@ -121,10 +120,8 @@ def _time_kind(engine, pairs: list[FoldPair]) -> bool:
     sums, counter = torch.zeros(3, device=device), torch.zeros(1, dtype=torch.int32, device=device)
     parts = torch.empty(engine.partials.shape[0], H, dtype=torch.float32, device=device)
     finishing = id(producer) in engine._finishing
-    turn = itertools.count()
 
-    def separate():
-        pair = pairs[next(turn) % len(pairs)]
+    def separate(pair):
         p = pair.producer
         if finishing:
             p.matvec_finish(x, parts, Finish(counter, residual, normed, p.bias, None, norm))
@@ -133,8 +130,7 @@ def _time_kind(engine, pairs: list[FoldPair]) -> bool:
         for c, out in zip(pair.consumers, outs):
             c.matvec(normed, out=out, activation=pair.activation)
 
-    def folded():
-        pair = pairs[next(turn) % len(pairs)]
+    def folded(pair):
         pair.producer.matvec_accumulate(x, Accumulate(residual, sums[0:1], sums[1:2]))
         for c, out in zip(pair.consumers, outs):
             c.matvec_normed(NormedInput(residual, sums[0:1], norm), out, pair.activation)
@@ -142,8 +138,9 @@ def _time_kind(engine, pairs: list[FoldPair]) -> bool:
     for i in range(len(first.consumers)):
         _tune_normed([pair.consumers[i] for pair in pairs], mode, first.activation, outs[i],
                      NormedInput(residual, sums[0:1], norm))
-    compile_launches([(device, folded)], report=False)
-    separate_ms, folded_ms = median_ms(separate), median_ms_or_inf(folded, "folded residual norm")
+    compile_launches([(device, in_turn(pairs, folded))], report=False)
+    separate_ms, folded_ms = median_ms(in_turn(pairs, separate)), median_ms_or_inf(in_turn(pairs, folded),
+                                                                                   "folded residual norm")
     consumers = " + ".join(f"{c.format} {c.out_features}x{c.in_features}" for c in first.consumers)
     logging.getLogger("thin.runtime").info(
         f"{producer.format} {producer.out_features}x{producer.in_features} -> {consumers} ({mode}): residual norm "
@@ -159,16 +156,15 @@ def _tune_normed(ops: list, mode: str, activation: str | None, out: torch.Tensor
     shift a tiling's balance of memory and instructions, so the plain mode's choice may not be theirs. Timed
     among their `mode` candidates, back to back over `ops` in turn (compiled first on host threads; one that
     does not compile is skipped). Weights the tuner does not time keep the plain mode's configuration."""
-    from .kernels.common import ACTIVATION_CODES, _small, compile_launches, median_ms_or_inf
+    from .kernels.common import ACTIVATION_CODES, _small, compile_launches, in_turn, median_ms_or_inf
 
     op = ops[0]
     if _small(op) or not op.tune:
         return
     act = -1 if activation is None else ACTIVATION_CODES[activation]
-    turn = itertools.count()
 
     def launch(config):
-        return lambda: ops[next(turn) % len(ops)]._matvec(normed.residual, out, config, act, False, normed=normed)
+        return in_turn(ops, lambda o: o._matvec(normed.residual, out, config, act, False, normed=normed))
 
     candidates = op.candidates(mode)
     compile_launches([(op.device, launch(c)) for c in candidates], report=False)

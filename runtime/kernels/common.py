@@ -286,13 +286,14 @@ def _launcher(op: KernelLinear, config: MatvecConfig, mode: str, rows: int | Non
     else:
         out = torch.empty(n, dtype=op.dtype, device=x.device)
     act = ACTIVATION_CODES["silu"] if mode == "glu" else -1
-    ops = list(ops) or [op]
-    turn = itertools.count()
+    return in_turn(list(ops) or [op], lambda o: o._matvec(x, out, config, act, mode == "partial", rows, cols))
 
-    def launch():
-        ops[next(turn) % len(ops)]._matvec(x, out, config, act, mode == "partial", rows, cols)
 
-    return launch
+def in_turn(items, run):
+    """A launch to time: each call runs `run` on the next of `items`, cycling, so that consecutive launches
+    read different weights (or caches) from memory, as the decode step does, not the one weight from L2."""
+    cycle = itertools.cycle(items)
+    return lambda: run(next(cycle))
 
 
 def _time(op: KernelLinear, config: MatvecConfig, mode: str, rows: int | None = None,

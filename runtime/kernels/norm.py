@@ -13,7 +13,6 @@ most a few partial rows each.
 
 from __future__ import annotations
 
-import itertools
 import logging
 from dataclasses import dataclass, replace
 
@@ -22,7 +21,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .common import next_power_of_2
+from .common import in_turn, next_power_of_2
 
 
 @triton.jit
@@ -274,11 +273,6 @@ def choose_finish(ops, max_split: int, post: bool, norm: bool, eps: float = 1e-5
     config = op.config("partial", None, cols)
     prefix = {} if cols is None else {"cols": cols}
     parts = torch.empty(max(max_split, config.split), H, dtype=torch.float32, device=device)
-    turn = itertools.count()
-
-    def in_turn(run):
-        return lambda: run(ops[next(turn) % len(ops)])
-
     def separate(o):
         view = parts[:config.split]
         used = o._matvec(x, view, config, -1, True, **prefix)
@@ -289,8 +283,8 @@ def choose_finish(ops, max_split: int, post: bool, norm: bool, eps: float = 1e-5
         o._matvec(x, parts[:c.split], c, -1, True, finish=replace(finish, bias=o.bias), **prefix)
 
     finish = Finish(torch.zeros(1, dtype=torch.int32, device=device), residual, normed, None, post_norm, final)
-    launches = [(c, in_turn(lambda o, c=c: finishing(o, c))) for c in op.finish_candidates(max_split, **prefix)]
-    best, best_ms, separate_ms = fastest_fused(device, in_turn(separate), launches, "finishing matvec")
+    launches = [(c, in_turn(ops, lambda o, c=c: finishing(o, c))) for c in op.finish_candidates(max_split, **prefix)]
+    best, best_ms, separate_ms = fastest_fused(device, in_turn(ops, separate), launches, "finishing matvec")
     how = f"in the matvec's last program ({best})" if best is not None else "a launch of its own"
     logging.getLogger("thin.runtime").info(
         f"{op.format} {op.out_features}x{op.in_features}{'' if cols is None else f' (first {cols} columns)'}: "

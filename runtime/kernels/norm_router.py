@@ -16,7 +16,6 @@ engine runs it where asked (DecodeEngine's finish_norm).
 
 from __future__ import annotations
 
-import itertools
 import logging
 
 import torch
@@ -24,7 +23,7 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .common import next_power_of_2
+from .common import in_turn, next_power_of_2
 from .expert_tiles import RouterConfig
 from .norm import MAX_UNROLLED, Finish, add_rmsnorm, fastest_fused, last_program, residual_norm_values
 
@@ -110,18 +109,13 @@ def choose(layers: list, parts: int, post: bool, bias: bool, eps: float = 1e-5) 
     finish = Finish(torch.zeros(1, dtype=torch.int32, device=device), residual, normed,
                     torch.randn(H, device=device).to(dtype) if bias else None, (ones, eps) if post else None,
                     (ones, eps))
-    turn = itertools.count()
-
-    def in_turn(run):
-        return lambda: run(layers[next(turn) % len(layers)])
-
     def separate(kernels):
         add_rmsnorm(residual, normed, partials=partials, bias=finish.bias, post=finish.post, norm=finish.norm)
         kernels.route(normed)
 
-    launches = [(c, in_turn(lambda k, c=c: norm_route(k, finish, partials, c)))
+    launches = [(c, in_turn(layers, lambda k, c=c: norm_route(k, finish, partials, c)))
                 for c in candidates(first.num_experts, H)]
-    best, best_ms, separate_ms = fastest_fused(device, in_turn(separate), launches, "norming router")
+    best, best_ms, separate_ms = fastest_fused(device, in_turn(layers, separate), launches, "norming router")
     how = f"in the router ({best.label()})" if best is not None else "a launch of its own"
     logging.getLogger("thin.runtime").info(
         f"router of {first.num_experts} experts x {H}: residual norm {how}: {1e3 * best_ms:.1f} us, add_rmsnorm "
