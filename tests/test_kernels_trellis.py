@@ -20,6 +20,14 @@ def _random_parts(n: int, k: int, bits: int, seed: int, scale: float = 1.0):
     return codes, (scale * (0.5 + torch.rand(n, generator=gen))).half()
 
 
+def _decode(codes, row_scale, shape, bits: int):
+    """The weight (float32) that trellis parts stand for: the format's own decode, the kernels' reference."""
+    fmt = formats.get("trellis")
+    params = fmt.normalize({"bits": bits})
+    return fmt.decode(fmt.join({"codes": codes, "row_scale": row_scale}, tuple(shape), params), tuple(shape), params,
+                      torch.float32)
+
+
 def _random_op(shape, bits: int, seed: int, *, dtype=torch.float32, bias=False, scale: float = 1.0):
     """(the trellis kernel family's op, its dense weight float32, bias) for random code bytes and row scales
     (the format's encoder is slow; random codes reach every state of the codebook)."""
@@ -39,34 +47,16 @@ def _random_op(shape, bits: int, seed: int, *, dtype=torch.float32, bias=False, 
 
 
 @pytest.mark.parametrize("bits", [2, 3])
-def test_reference_is_the_formats_decode(bits):
-    """reference_decode (the byte contract, written out) is the format's decode, bit for bit, on bytes
-    its encoder wrote and on random bytes."""
-    from thin.runtime.kernels.trellis import reference_decode
-
-    fmt, params = formats.get("trellis"), formats.get("trellis").normalize({"bits": bits})
-    shape = (32, 48)
-    raw = formats.encode("trellis", torch.randn(*shape, generator=torch.Generator().manual_seed(bits)), params)
-    parts = fmt.split(raw, shape, params)
-    assert torch.equal(reference_decode(parts["codes"], parts["row_scale"], shape, bits),
-                       fmt.decode(raw, shape, params, torch.float32))
-    codes, scale = _random_parts(*shape, bits, seed=bits)
-    parts["codes"].copy_(codes)
-    parts["row_scale"].copy_(scale)
-    assert torch.equal(reference_decode(codes, scale, shape, bits), fmt.decode(raw, shape, params, torch.float32))
-
-
-@pytest.mark.parametrize("bits", [2, 3])
 def test_matvec_on_random_codes(bits):
     """The decode's dot product (trellis.rows_dot, in the matvec kernel) on random code bytes, every state
     reached: rows and 16-column blocks the tiles do not divide (48 rows in tiles of 32, 7 blocks in steps
     of 4), a column prefix (the first 4 blocks), and gate/up with its activation over the two halves."""
     from thin.runtime.ffn import activate
-    from thin.runtime.kernels.trellis import _matvec_kernel, reference_decode
+    from thin.runtime.kernels.trellis import _matvec_kernel
 
     n, k = 48, 112
     codes, scale = _random_parts(n, k, bits, seed=10 + bits)
-    w = reference_decode(codes, scale, (n, k), bits)
+    w = _decode(codes, scale, (n, k), bits)
     x = torch.randn(k, generator=torch.Generator().manual_seed(3))
     codes, scale, xd = codes.to(DEVICE), scale.to(DEVICE), x.to(DEVICE)
     for cols in (k, 64):

@@ -25,63 +25,28 @@ Prefill (`_matmul_kernel`): tiles of weight rows x 32 or 64 columns decoded into
 dtype (each element's window by a variable 64-bit shift) and multiplied with tl.dot, the tiles timed per
 prompt-length bucket (prefill.TiledPrefill).
 
-`reference_decode` is the contract in torch (the tests compare it with the format's decode).
+The contract's torch form is the format's own decode (thin.ir.formats.trellis), which the tests compare
+the kernels with; its constants are the format's.
 """
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
+
+from thin.ir.formats.trellis import HASH_A, HASH_B, NORM, TILE
 
 from . import common, interpreting
 from .common import KernelLinear, MatvecConfig, interpreter_block, next_power_of_2, prefix_rows
 from .prefill import MatmulConfig, TiledPrefill, matmul_blocks, token_bucket
 from .tiles import dot_tile, store_tile, tile_rows, x_octet
 
-MUL, ADD = 0x2F6B4E95, 0x1D3C5A17  # the codebook's hash: h = s * MUL + ADD mod 2^32
-STATE_BITS = 12
-TILE = 16
-NORM = math.sqrt(4 * (2**16 - 1) / 12)  # the byte sum's standard deviation: c(s) / NORM has unit rms
-NORM_C = tl.constexpr(NORM)
+MUL, ADD = tl.constexpr(HASH_A), tl.constexpr(HASH_B)  # the codebook's hash: h = s * MUL + ADD mod 2^32
+NORM_C = tl.constexpr(NORM)  # the byte sum's standard deviation: c(s) / NORM has unit rms
 FLOAT_BITS = tl.constexpr(0x4B000000)  # 2^23's float32 bits: 2^23 + u for an integer u < 2^23 OR-ed or added in
 CENTER = tl.constexpr(8388608.0 + 510.0)  # 2^23 + 510: (2^23 + byte sum) - CENTER = c(s)
 DP4A_MIN_CAPABILITY = (6, 1)
-
-
-# ---- the torch reference (the contract) ------------------------------------------------------------
-
-def codebook(states: torch.Tensor) -> torch.Tensor:
-    """c(s) for 12-bit states (int64): the byte sum of s * MUL + ADD mod 2^32, minus 510."""
-    h = (states * MUL + ADD) & 0xFFFFFFFF
-    return (h & 255) + ((h >> 8) & 255) + ((h >> 16) & 255) + (h >> 24) - 510
-
-
-def segments(codes: torch.Tensor, n: int, k: int, bits: int) -> torch.Tensor:
-    """The (16 k)-bit integers S [n, k / 16] of `codes` (uint8 [n, k * bits / 8], little-endian)."""
-    b = codes.reshape(n, k // TILE, 2 * bits).to(torch.int64)
-    out = torch.zeros(n, k // TILE, dtype=torch.int64, device=codes.device)
-    for i in range(2 * bits):
-        out |= b[:, :, i] << (8 * i)
-    return out
-
-
-def reference_decode(codes: torch.Tensor, row_scale: torch.Tensor, shape, bits: int,
-                     dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The weight [N, K] the trellis parts `codes` and `row_scale` (float16 [N]) stand for, per the contract."""
-    n, k = shape
-    if bits not in (2, 3) or n % TILE or k % TILE:
-        raise ValueError(f"trellis: {bits}-bit codes of a {n}x{k} weight")
-    s = segments(codes, n, k, bits)
-    rows = torch.arange(n, device=codes.device)
-    prev = s[rows - rows % TILE + (rows + TILE - 1) % TILE]
-    both = ((prev & ((1 << (STATE_BITS - bits)) - 1)) << (TILE * bits)) | s
-    shifts = (TILE - 1 - torch.arange(TILE, device=codes.device)) * bits
-    states = (both[:, :, None] >> shifts) & ((1 << STATE_BITS) - 1)
-    values = codebook(states).reshape(n, k).to(torch.float32)
-    return (values * (row_scale.to(torch.float32) / NORM)[:, None]).to(dtype)
 
 
 def dp4a_available(device: torch.device) -> bool:
@@ -96,7 +61,7 @@ def dp4a_available(device: torch.device) -> bool:
 @triton.jit
 def centered(s, DP4A: tl.constexpr):
     """c(s) as float32 for 12-bit states s (uint32): the hash's byte sum on top of 2^23's bits, less 2^23 + 510."""
-    h = s * 0x2F6B4E95 + 0x1D3C5A17
+    h = s * MUL + ADD
     if DP4A:  # noqa: SIM108  (constexpr branches: only one is compiled)
         biased = tl.inline_asm_elementwise("dp4a.u32.u32 $0, $1, 16843009, 1258291200;", "=r,r", [h],
                                            dtype=tl.uint32, is_pure=True, pack=1)
