@@ -31,7 +31,6 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .engine_fold import choose_folding
 from .engine_fusions import choose_finishing, choose_finishing_downs, choose_norm_routers
 from .engine_plans import (
     appending_layers,
@@ -62,18 +61,13 @@ class DecodeEngine:
     format): None (default) times both ways in `warm_up` on a GPU and keeps the faster per kind of weight
     or layer; True every op, router and down launch that can (the tests); False none.
 
-    `fold_norm`: whether o's and down's matvecs leave the residual norm to the matvec after them, which norms
-    the residual where it loads its input (kernels/fold.py; models without post-norms, elastic FFN levels or
-    experts): None (default) times both ways in `warm_up` on a GPU and keeps the faster per kind of pair
-    (engine_fold.py); True every pair that can (the tests); False none.
-
     `fused_attention`: whether a layer's q/k norm, RoPE and KV append run inside its decode attention's
     split kernel (kernels/attention_append.py: two launches, not rope_append's three): None (default)
     times both ways in `warm_up` on a GPU and keeps the faster per kind of layer; True every layer;
     False none."""
 
     def __init__(self, executor, *, graphs: bool = True, finish_norm: bool | None = None,
-                 fused_attention: bool | None = None, fold_norm: bool | None = None):
+                 fused_attention: bool | None = None):
         check_supported(executor)
         from .kernels import attention, norm, rope, sampling  # noqa: F401  (imports triton)
 
@@ -138,13 +132,6 @@ class DecodeEngine:
             choose_finishing(self, timed=False)
             choose_norm_routers(self, timed=False)
             choose_finishing_downs(self, timed=False)
-        # {id(producer): (fold.Accumulate, fold.NormedInput)} of the o and down matvecs whose norm the next
-        # matvec computes as it loads its input, their sums of squares in the rotating slots of norm_sums.
-        self.fold_norm = fold_norm
-        self.norm_sums = new(3, dtype=torch.float32)
-        self._folding: dict[int, tuple] = {}
-        if fold_norm:
-            choose_folding(self, timed=False)
 
     # ---- caches ----------------------------------------------------------------------------------
 
@@ -248,7 +235,6 @@ class DecodeEngine:
 
         mark = self._mark
         layers = self.ex.layers
-        folded = None
         with mark("embed + norm"):
             self.residual.copy_(self._embed(self.token)[0])
             add_rmsnorm(self.residual, self.normed, norm=norm_args(layers[0].attn_norm))
@@ -257,9 +243,8 @@ class DecodeEngine:
             k_cache, v_cache = cache.layer(index)
             table = block_table(cache, index)
             with mark("qkv"):
-                self._project(a.qkv, self.normed, self.qkv, folded)
+                self._project(a.qkv, self.normed, self.qkv)
                 self._whole_qk_norm(a, self.qkv[None])
-            folded = None  # fold.NormedInput of the norm o or down leaves to the next matvec, else None
             options = dict(scale=a.scale, window=a.sliding_window, softcap=a.logit_softcap,
                            sinks=getattr(a, "sinks", None), log=cache.attended if index == 0 else None, step=self.step)
             if index in self._appending:  # chosen in warm_up
@@ -274,7 +259,7 @@ class DecodeEngine:
                     cache.attention(self.q, k_cache, v_cache, table, self.pos, self.attn, **options)
             moe = self.moe.get(index)
             if moe is None or moe.norm_router is None:
-                folded = self._add_norm(a.o, self.attn, "o", layer.attn_post_norm, layer.ffn_norm)
+                self._add_norm(a.o, self.attn, "o", layer.attn_post_norm, layer.ffn_norm)
             else:  # the router adds o's partial sums into the residual and norms it (no add_rmsnorm launch)
                 with mark("o"):
                     parts, bias = self._partial_sums(a.o, self.attn)
@@ -295,11 +280,11 @@ class DecodeEngine:
                                 norm=norm_args(following))
             else:
                 with mark("gate/up + act"):
-                    width = self._mlp(layer.ffn, self.normed, folded)
-                folded = self._add_norm(layer.ffn.down, self.mlp[:width], "down", layer.ffn_post_norm, following,
-                                        layer.ffn.width, layer.ffn.shift)
+                    width = self._mlp(layer.ffn, self.normed)
+                self._add_norm(layer.ffn.down, self.mlp[:width], "down", layer.ffn_post_norm, following,
+                               layer.ffn.width, layer.ffn.shift)
         with mark("lm head"):
-            self._project([self.ex.lm_head], self.normed, self.logits, folded)
+            self._project([self.ex.lm_head], self.normed, self.logits)
         with mark("sample"):
             sampler(self.logits, self.token, cache.out_tokens, self.seen, self.pos, self.step, self.seed,
                     advance_pos=True)
@@ -365,11 +350,9 @@ class DecodeEngine:
         return self._samplers[key]
 
     def start(self, cache: PagedKVCache, prompt: Sequence[int], options: GenerationOptions) -> None:
-        """Reset the per-call device state: position, step, seed, tokens seen, the folded norms' slots (zero
-        after every whole step already; a step cut short, e.g. interrupted, could leave one)."""
+        """Reset the per-call device state: position, step, seed, tokens seen."""
         self.pos.fill_(cache.length)
         self.step.zero_()
-        self.norm_sums.zero_()
         seed = options.seed if options.seed is not None else int.from_bytes(os.urandom(7), "little")
         self.seed.fill_(int(seed))
         if options.repetition_penalty != 1.0:
@@ -400,8 +383,6 @@ class DecodeEngine:
             choose_finishing(self, timed=True)
             choose_norm_routers(self, timed=True)
             choose_finishing_downs(self, timed=True)
-        if self.fold_norm is None and self.device.type == "cuda":
-            choose_folding(self, timed=True)
         if self.fused_attention is None and self.device.type == "cuda":
             self._appending = appending_layers(self.ex, timed=True)
 
@@ -427,15 +408,12 @@ class DecodeEngine:
             x = x * self.ex.embed_scale
         return x.contiguous()
 
-    def _project(self, ops: list[LinearOp], x: torch.Tensor, out: torch.Tensor, folded=None) -> None:
-        """out = x @ [W1; W2; ...].T for one row x, each op writing its slice of `out`; x normed from the
-        residual as it is loaded where `folded` (a fold.NormedInput) is given."""
+    def _project(self, ops: list[LinearOp], x: torch.Tensor, out: torch.Tensor) -> None:
+        """out = x @ [W1; W2; ...].T for one row x, each op writing its slice of `out`."""
         start = 0
         for op in ops:
             view = out[start:start + op.out_features]
-            if folded is not None:
-                op.matvec_normed(folded, view)
-            elif hasattr(op, "matvec"):
+            if hasattr(op, "matvec"):
                 op.matvec(x, out=view)
             else:
                 view.copy_(op(x[None])[0])
@@ -460,20 +438,14 @@ class DecodeEngine:
         return self.partials[:1], None
 
     def _add_norm(self, op: LinearOp, x: torch.Tensor, name: str, post, norm, cols: int | None = None,
-                  shift: torch.Tensor | None = None):
+                  shift: torch.Tensor | None = None) -> None:
         """residual += op(x) (over the first `cols` columns of W when given) + shift, normed by `post`;
         normed = norm(residual): split-K partial sums then add_rmsnorm, or in one launch where `op`'s matvec
-        finishes the norm itself (chosen in warm_up). Where `op` folds the norm into the next matvec (chosen
-        in warm_up), only residual += op(x): returns the fold.NormedInput that matvec loads, else None."""
+        finishes the norm itself (chosen in warm_up)."""
         from .kernels.norm import Finish, add_rmsnorm
 
         if cols == op.in_features:
             cols = None
-        if cols is None and id(op) in self._folding:
-            accumulate, normed = self._folding[id(op)]
-            with self._mark(name):
-                op.matvec_accumulate(x, accumulate)
-            return normed
         if (id(op) in self._finishing) if cols is None else ((id(op), cols) in self._finishing_prefixes):
             bias = self._level_bias(op, shift)
             finish = Finish(self.counter, self.residual, self.normed, bias, norm_args(post), norm_args(norm))
@@ -482,7 +454,7 @@ class DecodeEngine:
                     op.matvec_finish(x, self.partials, finish)
                 else:
                     op.matvec_finish(x, self.partials, finish, cols=cols)
-            return None
+            return
         with self._mark(name):
             parts, bias = self._partial_sums(op, x, cols)
         if shift is not None:  # an elastic FFN level: what its dropped channels add
@@ -490,7 +462,6 @@ class DecodeEngine:
         with self._mark("residual + norm"):
             add_rmsnorm(self.residual, self.normed, partials=parts, bias=bias, post=norm_args(post),
                         norm=norm_args(norm))
-        return None
 
     def _level_bias(self, op: LinearOp, shift: torch.Tensor | None) -> torch.Tensor | None:
         """op's bias plus an elastic FFN level's `shift` (what its dropped channels add): added once per
@@ -502,15 +473,11 @@ class DecodeEngine:
             self._level_biases[key] = (shift, op.bias + shift)
         return self._level_biases[key][1]
 
-    def _mlp(self, mlp: MLPPlan, x: torch.Tensor, folded=None) -> int:
+    def _mlp(self, mlp: MLPPlan, x: torch.Tensor) -> int:
         """act(gate(x)) * up(x) (or act(up(x))) into self.mlp; returns its width. At an elastic FFN level
-        (mlp.width) only the first `width` channels, read in place, times the level's scale. `folded` (a
-        fold.NormedInput): x normed from the residual as the fused [gate; up] matvec loads it."""
+        (mlp.width) only the first `width` channels, read in place, times the level's scale."""
         width = mlp.down.in_features if mlp.width is None else mlp.width
         out = self.mlp[:width]
-        if folded is not None:
-            mlp.up[0].matvec_normed(folded, out, mlp.activation)
-            return width
         if mlp.gated and len(mlp.up) == 1 and hasattr(mlp.up[0], "matvec"):
             # The level's scale in the kernel's epilogue where it takes one, else a launch of its own.
             mlp.up[0].matvec(x, out=out, activation=mlp.activation, rows=mlp.width, scale=mlp.scale)

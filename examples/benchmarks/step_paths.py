@@ -1,4 +1,4 @@
-"""Shared by the one-process A/B benchmarks of the decode step (bench_attention_step.py, bench_fold_step.py):
+"""The one-process A/B benchmark of the decode step's paths (used by bench_attention_step.py):
 load an artifact once on the GPU, then measure several paths of the same engine with runtime/bench.run
 (`thin-exec bench`'s measurement and checks), taking turns for --rounds rounds, and print one row per round,
 the median over rounds against a baseline path, and whether each path's greedy tokens equal the baseline's.

@@ -11,8 +11,7 @@ add, one fused multiply-add a code and plane), and applies the group scale once 
 second arithmetic the launch tuner may pick (MatvecConfig.packed): two weights an instruction as
 bfloat16 pairs, the chunk's sums in bf16 (pairs.py, which also says what that costs in precision).
 A split-K matvec may also finish the residual add + RMSNorm in its last program (`matvec_finish`, as
-rowwise8's: norm.Finish), also over an elastic prefix of the columns; or, folded (fold.py, as rowwise8's), a
-direct matvec adds its rows into the residual and the next matvec norms the residual where it loads it.
+rowwise8's: norm.Finish), also over an elastic prefix of the columns.
 """
 
 from __future__ import annotations
@@ -36,7 +35,6 @@ from .common import (
     prefix_rows,
     sm_count,
 )
-from .fold import Folding, accumulate_rows, fold_args, norm_scale, x_octet_normed, x_pairs_normed
 from .grouped_int_batch import _codes
 from .norm import finish_partials, prefetch_norms
 from .pairs import PAIR_MAGIC, pair_sum, word_dot, x_pairs, zero_pair
@@ -64,8 +62,7 @@ from .tiles import (
 def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K: tl.constexpr, split_chunks, magic,
               WL: tl.constexpr, WH: tl.constexpr, MID: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr,
               C: tl.constexpr, BN: tl.constexpr, GLU: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-              ASM: tl.constexpr, PACKED: tl.constexpr, ZERO_BITS: tl.constexpr, AHEAD: tl.constexpr, norm_ptr, inv,
-              NORMED: tl.constexpr):
+              ASM: tl.constexpr, PACKED: tl.constexpr, ZERO_BITS: tl.constexpr, AHEAD: tl.constexpr):
     """sum_k W[rows, k] * x[k] over the tile's rows (tiles.tile_rows) and this program's chunks
     (split `program_id(1)`), float32 [rows].
 
@@ -79,8 +76,7 @@ def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K: tl.constexp
     its first use, and theirs is the end of a step: loaded in the step before, their memory latency
     overlaps a whole step's math instead of following it. AHEAD 2: the low plane's words too, two
     steps ahead (one step ahead, ptxas would issue them at the end of the step before, just ahead of
-    their use). NORMED: x is the residual, normed where loaded (fold.normed_load: the norm weight at
-    norm_ptr, `inv` its row's scale)."""
+    their use)."""
     pid = tl.program_id(0)
     rows, row_mask = tile_rows(pid, n, BN, GLU)
     total: tl.constexpr = K // 32  # K a constexpr: the tile's row strides fold into the side loads (row_starts)
@@ -113,11 +109,8 @@ def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K: tl.constexp
         if PACKED:
             pairs = tl.zeros([rows.shape[0], C], dtype=tl.int32)  # bf16 pairs (0, 0)
             for o in tl.static_range(4):
-                if NORMED:  # noqa: SIM108  (constexpr branches: only one is compiled)
-                    xp = x_pairs_normed(x_ptr, 32 * chunk + 8 * o, cmask, EVEN_K, ASM, norm_ptr, inv)
-                else:
-                    xp = x_pairs(x_ptr, 32 * chunk + 8 * o, cmask, EVEN_K, ASM)
-                pairs = word_dot(pairs, low[o], xp, magic, ZERO_BITS, ASM)
+                pairs = word_dot(pairs, low[o], x_pairs(x_ptr, 32 * chunk + 8 * o, cmask, EVEN_K, ASM), magic,
+                                 ZERO_BITS, ASM)
             dot = pair_sum(pairs)
         else:
             low_up = upper_halves(low, WL, ASM)
@@ -126,10 +119,7 @@ def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K: tl.constexp
                 high_up = upper_halves(high, WH, ASM)
             dot = tl.zeros([rows.shape[0], C], dtype=tl.float32)
             for o in tl.static_range(4):
-                if NORMED:  # noqa: SIM108  (constexpr branches: only one is compiled)
-                    xs = x_octet_normed(x_ptr, 32 * chunk + 8 * o, cmask, EVEN_K, norm_ptr, inv)
-                else:
-                    xs = x_octet(x_ptr, 32 * chunk + 8 * o, cmask, EVEN_K)
+                xs = x_octet(x_ptr, 32 * chunk + 8 * o, cmask, EVEN_K)
                 # Symmetric: u - MID through the low plane's add; the high plane's codes weigh 2^WL.
                 dot = octet_dot(dot, low, low_up, xs, o, WL, 0 if ASYM else MID, 1.0, False, magic)
                 if WH > 0:
@@ -169,29 +159,18 @@ def _matvec_kernel(low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, level_ptr
                    res_ptr=None, finish_bias_ptr=None, post_ptr=None, norm_ptr=None, normed_ptr=None, post_eps=0.0,
                    eps=0.0, FINISH: tl.constexpr = False, FINISH_BIAS: tl.constexpr = False,
                    POST: tl.constexpr = False, NORM: tl.constexpr = False, H_BLOCK: tl.constexpr = 1,
-                   N_PARTS: tl.constexpr = 0, PREFETCH: tl.constexpr = False, sums_ptr=None, next_ptr=None,
-                   x_sums_ptr=None, x_norm_ptr=None, x_eps=0.0, ACCUMULATE: tl.constexpr = False,
-                   NORMED: tl.constexpr = False):
+                   N_PARTS: tl.constexpr = 0, PREFETCH: tl.constexpr = False):
     """Program (i, s): output rows i*BN.., chunks of split s. With ACT >= 0 the weight is [gate; up]
     and the tile holds both rows of each output (gate row r, up row n + r), one pass over x; LEVEL:
     the product times level_ptr[r] (an elastic FFN level's scale, instead of a launch of its own).
     FINISH (with PARTIAL): the launch's last program also adds the partial sums into the residual and
     norms it (norm.Finish), so no residual-norm launch follows; PREFETCH: program (0, 0) first asks L2
-    for the norm weights that program reads (as rowwise8's matvec). The residual norm folded into the next
-    matvec (fold.py, as rowwise8's): ACCUMULATE (split 1, plain rows) adds the rows into the residual at
-    res_ptr and their sum of squares into sums_ptr; NORMED: x is the residual, normed where it is loaded."""
+    for the norm weights that program reads (as rowwise8's matvec)."""
     if PREFETCH:
         prefetch_norms(norm_ptr, post_ptr, n, NORM, POST)
-    if NORMED:  # noqa: SIM108  (constexpr branches: only one is compiled)
-        inv = norm_scale(x_sums_ptr, K, x_eps)
-    else:
-        inv = 1.0
     total = _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K, split_chunks, magic, WL, WH, MID, ASYM,
-                      G, C, BN, ACT >= 0, EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS, AHEAD, x_norm_ptr, inv, NORMED)
-    if ACCUMULATE:
-        rows = tl.program_id(0) * BN + tl.arange(0, BN)
-        accumulate_rows(res_ptr, bias_ptr, total, rows, rows < n, sums_ptr, next_ptr, HAS_BIAS)
-    elif LEVEL:
+                      G, C, BN, ACT >= 0, EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS, AHEAD)
+    if LEVEL:
         store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL, level_ptr)
     else:
         store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL)
@@ -384,7 +363,7 @@ def _sum_splits(part_ptr, bias_ptr, out_ptr, total, N, n1, block, SPLITS: tl.con
     tl.store(out_ptr + offs, sums.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-class GroupedIntLinear(Folding, TiledPrefill, KernelLinear):
+class GroupedIntLinear(TiledPrefill, KernelLinear):
     """A grouped-int weight served by the kernels above."""
 
     def __init__(self, record, raw, bias, dtype, device):
@@ -441,8 +420,7 @@ class GroupedIntLinear(Folding, TiledPrefill, KernelLinear):
         return [c for c in self.candidates("partial", None, cols)
                 if c.num_warps * 32 * 32 >= self.out_features and c.split <= max_split]
 
-    def _matvec(self, x, out, config, act, partial, rows=None, cols=None, scale=None, finish=None, accumulate=None,
-                normed=None):
+    def _matvec(self, x, out, config, act, partial, rows=None, cols=None, scale=None, finish=None):
         n, programs, config = prefix_rows(self, config, act, rows)
         config, launch = chunk_prefix(config, self.in_features, cols)
         bias = self.bias if self.bias is not None else x
@@ -460,8 +438,7 @@ class GroupedIntLinear(Folding, TiledPrefill, KernelLinear):
             BN=config.block_n, EVEN_N=n % config.block_n == 0, EVEN_K=launch.even, ASM=launch.asm, ACT=act,
             HAS_BIAS=self.bias is not None, PARTIAL=partial, PACKED=config.packed,
             ZERO_BITS=zero_pair(self.mid) if config.packed else 0, AHEAD=config.ahead, LEVEL=scale is not None,
-            num_warps=config.num_warps, **(finish.launch_args(config.split, n) if finish is not None else {}),
-            **fold_args(config, n, act, partial, accumulate, normed))
+            num_warps=config.num_warps, **(finish.launch_args(config.split, n) if finish is not None else {}))
         return config.split
 
     def matmul_candidates(self, T: int, K: int) -> list[MatmulConfig]:

@@ -8,10 +8,7 @@ activations two steps before it, so their memory latency overlaps a step's math:
 (MatvecConfig.ahead), or through shared memory by Triton's pipeliner (MatvecConfig.stages). int8
 goes through the bit-plane chunk scheme (tiles.py: 16-column chunks, four words a lane, codes read
 as u = v + 128 with the 128 folded into the add). Both apply the row's scale once, after the dot
-product. Prefill dequantizes [BN, BK] tiles to the compute dtype and multiplies with tl.dot. The residual
-norm after a projection: finished by a split-K matvec's last program (`matvec_finish`, norm.Finish), or
-folded into the next matvec's input (fold.py: this direct matvec adds its rows into the residual, the next
-norms the residual where it loads it).
+product. Prefill dequantizes [BN, BK] tiles to the compute dtype and multiplies with tl.dot.
 """
 
 from __future__ import annotations
@@ -34,7 +31,6 @@ from .common import (
     prefix_rows,
     prefix_split,
 )
-from .fold import Folding, accumulate_rows, fold_args, norm_scale, normed_load, x_octet_normed
 from .norm import finish_partials, prefetch_norms
 from .prefill import matmul_blocks, matmul_prefix
 from .tiles import (
@@ -56,11 +52,10 @@ from .tiles import (
 
 @triton.jit
 def _fp8_dot(v_ptr, x_ptr, rows, row_mask, K, split_cols, BK: tl.constexpr, EVEN_N: tl.constexpr,
-             EVEN_K: tl.constexpr, STAGES: tl.constexpr, norm_ptr, inv, NORMED: tl.constexpr):
+             EVEN_K: tl.constexpr, STAGES: tl.constexpr):
     """sum_k W[rows, k] x[k] over this program's columns (split `program_id(1)`), float32 [rows].
     STAGES > 1: the loop software-pipelined by Triton over STAGES buffers in shared memory, each
-    step's loads issued STAGES - 1 steps ahead as asynchronous copies (cp.async). NORMED: x is the
-    residual, normed where loaded (fold.normed_load: norm weight at norm_ptr, `inv` its row's scale)."""
+    step's loads issued STAGES - 1 steps ahead as asynchronous copies (cp.async)."""
     begin = tl.program_id(1) * split_cols
     end = tl.minimum(begin + split_cols, K)
     # 8 contiguous columns a lane (not 16): the activations' 16-byte loads are 8 columns a lane.
@@ -69,25 +64,20 @@ def _fp8_dot(v_ptr, x_ptr, rows, row_mask, K, split_cols, BK: tl.constexpr, EVEN
     acc = tl.zeros([rows.shape[0], BK], dtype=tl.float32)
     if STAGES > 1:
         for k0 in tl.range(begin, end, BK, num_stages=STAGES):
-            acc = _fp8_step(acc, v_ptr, x_ptr, row_off, row_mask, k0, end, ks, EVEN_N, EVEN_K, norm_ptr, inv,
-                            NORMED)
+            acc = _fp8_step(acc, v_ptr, x_ptr, row_off, row_mask, k0, end, ks, EVEN_N, EVEN_K)
     else:
         for k0 in range(begin, end, BK):
-            acc = _fp8_step(acc, v_ptr, x_ptr, row_off, row_mask, k0, end, ks, EVEN_N, EVEN_K, norm_ptr, inv,
-                            NORMED)
+            acc = _fp8_step(acc, v_ptr, x_ptr, row_off, row_mask, k0, end, ks, EVEN_N, EVEN_K)
     return tl.sum(acc, axis=1)
 
 
 @triton.jit
-def _fp8_step(acc, v_ptr, x_ptr, row_off, row_mask, k0, end, ks, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-              norm_ptr, inv, NORMED: tl.constexpr):
+def _fp8_step(acc, v_ptr, x_ptr, row_off, row_mask, k0, end, ks, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
     """acc + the products of the step at column k0."""
     cols = k0 + ks
     w = masked_load(v_ptr, row_off[:, None] + cols[None, :], row_mask[:, None], (cols < end)[None, :], EVEN_N,
                     EVEN_K)
-    if NORMED:
-        x = normed_load(x_ptr, cols, cols < end, norm_ptr, inv, not EVEN_K)
-    elif EVEN_K:
+    if EVEN_K:  # noqa: SIM108  (constexpr branches: only one is compiled)
         x = tl.load(x_ptr + cols)
     else:
         x = tl.load(x_ptr + cols, mask=cols < end, other=0.0)
@@ -96,7 +86,7 @@ def _fp8_step(acc, v_ptr, x_ptr, row_off, row_mask, k0, end, ks, EVEN_N: tl.cons
 
 @triton.jit
 def _fp8_ahead_dot(w_ptr, x_ptr, starts, row_mask, K, split_chunks, C: tl.constexpr, EVEN_N: tl.constexpr,
-                   EVEN_K: tl.constexpr, ASM: tl.constexpr, AHEAD: tl.constexpr, norm_ptr, inv, NORMED: tl.constexpr):
+                   EVEN_K: tl.constexpr, ASM: tl.constexpr, AHEAD: tl.constexpr):
     """_fp8_dot with each step's weights and activations loaded AHEAD (1 or 2) steps before it, so
     their memory latency overlaps the math of the steps between instead of following it.
 
@@ -108,20 +98,16 @@ def _fp8_ahead_dot(w_ptr, x_ptr, starts, row_mask, K, split_chunks, C: tl.conste
     begin = tl.program_id(1) * split_chunks
     end = tl.minimum(begin + split_chunks, total)
     acc = tl.zeros([starts.shape[0], C], dtype=tl.float32)
-    w_1, x_1 = _fp8_words(w_ptr, x_ptr, starts, row_mask, begin, end, C, EVEN_N, EVEN_K, ASM, norm_ptr, inv,
-                          NORMED)
+    w_1, x_1 = _fp8_words(w_ptr, x_ptr, starts, row_mask, begin, end, C, EVEN_N, EVEN_K, ASM)
     if AHEAD >= 2:
-        w_2, x_2 = _fp8_words(w_ptr, x_ptr, starts, row_mask, begin + C, end, C, EVEN_N, EVEN_K, ASM, norm_ptr,
-                              inv, NORMED)
+        w_2, x_2 = _fp8_words(w_ptr, x_ptr, starts, row_mask, begin + C, end, C, EVEN_N, EVEN_K, ASM)
     for c0 in range(begin, end, C):
         w, x = w_1, x_1
         if AHEAD >= 2:
             w_1, x_1 = w_2, x_2
-            w_2, x_2 = _fp8_words(w_ptr, x_ptr, starts, row_mask, c0 + 2 * C, end, C, EVEN_N, EVEN_K, ASM,
-                                      norm_ptr, inv, NORMED)
+            w_2, x_2 = _fp8_words(w_ptr, x_ptr, starts, row_mask, c0 + 2 * C, end, C, EVEN_N, EVEN_K, ASM)
         else:
-            w_1, x_1 = _fp8_words(w_ptr, x_ptr, starts, row_mask, c0 + C, end, C, EVEN_N, EVEN_K, ASM, norm_ptr,
-                                      inv, NORMED)
+            w_1, x_1 = _fp8_words(w_ptr, x_ptr, starts, row_mask, c0 + C, end, C, EVEN_N, EVEN_K, ASM)
         words = split_words(w, 2)
         xs = octet_split(x)
         for h in tl.static_range(2):
@@ -135,16 +121,12 @@ def _fp8_ahead_dot(w_ptr, x_ptr, starts, row_mask, K, split_chunks, C: tl.conste
 
 @triton.jit
 def _fp8_words(w_ptr, x_ptr, starts, row_mask, c0, end, C: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-               ASM: tl.constexpr, norm_ptr, inv, NORMED: tl.constexpr):
+               ASM: tl.constexpr):
     """(words [rows, 2 C], activations [C, 8] unconverted) of the step at chunk c0, which may lie
     past `end` (masked off: never used)."""
     chunk = c0 + tl.arange(0, C)
     words = plane_load(w_ptr, starts, row_mask, c0, end, C, 2, EVEN_N, EVEN_K, ASM, True)
-    offs = (8 * chunk)[:, None] + tl.arange(0, 8)[None, :]
-    if NORMED:  # noqa: SIM108  (constexpr branches: only one is compiled)
-        x = normed_load(x_ptr, offs, (chunk < end)[:, None], norm_ptr, inv, True)
-    else:
-        x = tl.load(x_ptr + offs, mask=(chunk < end)[:, None], other=0.0)
+    x = tl.load(x_ptr + (8 * chunk)[:, None] + tl.arange(0, 8)[None, :], mask=(chunk < end)[:, None], other=0.0)
     return words, x
 
 
@@ -178,7 +160,7 @@ def _e4m3_quad(word, ASM: tl.constexpr):
 
 @triton.jit
 def _int8_dot(v_ptr, x_ptr, starts, row_mask, K, split_chunks, flip_lo, flip_hi, C: tl.constexpr, EVEN_N: tl.constexpr,
-              EVEN_K: tl.constexpr, ASM: tl.constexpr, norm_ptr, inv, NORMED: tl.constexpr):
+              EVEN_K: tl.constexpr, ASM: tl.constexpr):
     """sum_k W[rows, k] x[k] over this program's 16-column chunks, float32 [rows]."""
     total = K // 16
     begin = tl.program_id(1) * split_chunks
@@ -191,10 +173,7 @@ def _int8_dot(v_ptr, x_ptr, starts, row_mask, K, split_chunks, flip_lo, flip_hi,
         words = plane_words(v_ptr, starts, row_mask, c0, end, C, 4, EVEN_N, EVEN_K, ASM)
         uppers = upper_halves(words, 4, ASM)
         for o in tl.static_range(2):
-            if NORMED:
-                xs = x_octet_normed(x_ptr, 16 * chunk + 8 * o, cmask, EVEN_K, norm_ptr, inv)
-            else:
-                xs = x_octet(x_ptr, 16 * chunk + 8 * o, cmask, EVEN_K)
+            xs = x_octet(x_ptr, 16 * chunk + 8 * o, cmask, EVEN_K)
             acc = octet_dot(acc, words, uppers, xs, o, 8, 128, 1.0, True, (flip_lo, flip_hi))
     return tl.sum(acc, axis=1)
 
@@ -207,40 +186,26 @@ def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, split, flip
                    post_ptr=None, norm_ptr=None, normed_ptr=None, post_eps=0.0, eps=0.0,
                    FINISH: tl.constexpr = False, FINISH_BIAS: tl.constexpr = False, POST: tl.constexpr = False,
                    NORM: tl.constexpr = False, H_BLOCK: tl.constexpr = 1, N_PARTS: tl.constexpr = 0,
-                   PREFETCH: tl.constexpr = False, sums_ptr=None, next_ptr=None, x_sums_ptr=None, x_norm_ptr=None,
-                   x_eps=0.0, ACCUMULATE: tl.constexpr = False, NORMED: tl.constexpr = False):
+                   PREFETCH: tl.constexpr = False):
     """Program (i, s): output rows i*BN.., the columns of split s (`split` of them: columns for
     fp8, chunks for int8; STEP per loop step). ACT >= 0: the weight is [gate; up] and the tile
     holds both rows of each output (gate row r, up row n + r), one pass over x. FINISH (with
     PARTIAL): the launch's last program also adds the partial sums into the residual and norms it
     (norm.Finish), so no residual-norm launch follows; PREFETCH: program (0, 0) first asks L2 for the
-    norm weights that program reads (bulk prefetches, sm_90), so they are not a DRAM latency at the end.
-    The residual norm folded into the next matvec (fold.py): ACCUMULATE (split 1, plain rows) adds the rows
-    into the residual at res_ptr and their sum of squares into sums_ptr (fold.Accumulate); NORMED: x is
-    the residual, normed where it is loaded (fold.NormedInput)."""
+    norm weights that program reads (bulk prefetches, sm_90), so they are not a DRAM latency at the end."""
     if PREFETCH:
         prefetch_norms(norm_ptr, post_ptr, n, NORM, POST)
-    if NORMED:  # noqa: SIM108  (constexpr branches: only one is compiled)
-        inv = norm_scale(x_sums_ptr, K, x_eps)
-    else:
-        inv = 1.0
     rows, row_mask = tile_rows(tl.program_id(0), n, BN, ACT >= 0)
     if FP8 and AHEAD:  # v_ptr: int32 words; split and STEP in chunks of 8 columns
         starts = tile_starts(tl.program_id(0), n, K // 8, BN, ACT >= 0, ASM)
-        total = _fp8_ahead_dot(v_ptr, x_ptr, starts, row_mask, K, split, STEP, EVEN_N, EVEN_K, ASM, AHEAD,
-                               x_norm_ptr, inv, NORMED)
+        total = _fp8_ahead_dot(v_ptr, x_ptr, starts, row_mask, K, split, STEP, EVEN_N, EVEN_K, ASM, AHEAD)
     elif FP8:
-        total = _fp8_dot(v_ptr, x_ptr, rows, row_mask, K, split, STEP, EVEN_N, EVEN_K, STAGES, x_norm_ptr, inv,
-                         NORMED)
+        total = _fp8_dot(v_ptr, x_ptr, rows, row_mask, K, split, STEP, EVEN_N, EVEN_K, STAGES)
     else:
         starts = tile_starts(tl.program_id(0), n, K // 16, BN, ACT >= 0, ASM)
-        total = _int8_dot(v_ptr, x_ptr, starts, row_mask, K, split, flip_lo, flip_hi, STEP, EVEN_N, EVEN_K, ASM,
-                          x_norm_ptr, inv, NORMED)
+        total = _int8_dot(v_ptr, x_ptr, starts, row_mask, K, split, flip_lo, flip_hi, STEP, EVEN_N, EVEN_K, ASM)
     total *= tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
-    if ACCUMULATE:
-        accumulate_rows(res_ptr, bias_ptr, total, rows, row_mask, sums_ptr, next_ptr, HAS_BIAS)
-    else:
-        store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL)
+    store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL)
     if FINISH:
         finish_partials(counter_ptr, res_ptr, out_ptr, finish_bias_ptr, post_ptr, norm_ptr, normed_ptr, n,
                         tl.num_programs(1), post_eps, eps, FINISH_BIAS, POST, NORM, H_BLOCK, N_PARTS)
@@ -273,7 +238,7 @@ def _matmul_kernel(x_ptr, v_ptr, scale_ptr, bias_ptr, out_ptr, T, N, K, KS, n1, 
              mask=tok_mask[:, None] & row_mask[None, :])
 
 
-class Rowwise8Linear(Folding, KernelLinear):
+class Rowwise8Linear(KernelLinear):
     """An int8 or fp8_e4m3 weight."""
 
     def __init__(self, record, raw, bias, dtype, device):
@@ -327,7 +292,7 @@ class Rowwise8Linear(Folding, KernelLinear):
                   and not interpreting() and fp8_steps(self.in_features, c) >= 3]
         return out + [c for c in staged if c not in out]
 
-    def _matvec(self, x, out, config, act, partial, rows=None, cols=None, finish=None, accumulate=None, normed=None):
+    def _matvec(self, x, out, config, act, partial, rows=None, cols=None, finish=None):
         n, programs, config = prefix_rows(self, config, act, rows)
         K = self.in_features if cols is None else cols  # the kernels keep in_features for the row strides
         if self.fp8:
@@ -350,8 +315,7 @@ class Rowwise8Linear(Folding, KernelLinear):
             FP8=self.fp8, BN=config.block_n, STEP=step, EVEN_N=n % config.block_n == 0, EVEN_K=even, ASM=asm,
             ACT=act, HAS_BIAS=self.bias is not None, PARTIAL=partial, AHEAD=config.ahead if self.fp8 else 0,
             STAGES=config.stages if self.fp8 else 0, num_warps=config.num_warps,
-            **(finish.launch_args(config.split, n) if finish is not None else {}),
-            **fold_args(config, n, act, partial, accumulate, normed))
+            **(finish.launch_args(config.split, n) if finish is not None else {}))
         return config.split
 
     def _matmul(self, x, rows=None, cols=None, halves=1):
