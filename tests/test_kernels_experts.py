@@ -212,6 +212,39 @@ def test_the_timings_routings_pick_each_groups_experts_in_turn():
         assert written and not out[written].isnan().any()
 
 
+def test_tiles_timed_inside_a_call_leave_the_calls_routing(monkeypatch):
+    """Tiles chosen by timing on first use, inside a call (an engine's first decode step when its kernels
+    were not warmed up, as DecodeEngine(executor) without warm_up; on a GPU): the timing's launches route
+    their own x through the same logits, chosen experts, weights and h the call is using, which must be
+    the call's again after (a GPU run of the trellis engine test took the timing's experts). Here the
+    timing runs off a GPU too, its launches real, its times made up (each candidate faster than the last,
+    so none is the default)."""
+    from thin.runtime.kernels import experts
+
+    ticks = iter(range(10**6, 0, -1))
+
+    def timing(launch, what="", **_):
+        launch()
+        launch()
+        return float(next(ticks))
+
+    monkeypatch.setattr(experts, "median_ms_or_inf", timing)
+    monkeypatch.setattr(experts, "_CHOSEN", {})
+    monkeypatch.setattr(experts.MoEKernels, "timed", lambda self: True)
+    plan = _plan([("q2", {"group_size": 16})] * 4, top_k=2, bias=True, clamp=True, router_bias=True, seed=23)
+    kernels = experts.MoEKernels(plan, DEVICE, torch.float32)
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(2):  # timed in the first call, chosen in the second
+        x = torch.randn(HIDDEN, generator=gen).to(DEVICE)
+        got = kernels(x, poisoned(kernels.top_k, HIDDEN, dtype=torch.float32))
+        assert rel_err(got.sum(0), run_moe(x[None], plan)[0].float()) < 4 * tolerance(torch.float32)
+        probs = torch.softmax(torch.nn.functional.linear(x, plan.router_weight, plan.router_bias), -1)
+        assert kernels.chosen.tolist() == torch.topk(probs, 2).indices.tolist()
+    for kind in ("gate_up", "down"):
+        for index, group in enumerate(kernels.groups(kind)):
+            assert kernels.config(index, kind) == kernels.candidates(group, kind)[-1]
+
+
 def test_what_the_kernels_do_not_run_is_refused():
     import dataclasses
 

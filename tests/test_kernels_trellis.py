@@ -189,6 +189,18 @@ def test_trellis_experts_clamped_swiglu_separate_gate_up_and_biases():
     _check_moe(_moe_plan([2, 3, 2], fused=False, bias=True, clamp=True, inter=80, seed=5))
 
 
+def test_trellis_experts_every_gpu_tiling_at_small_shapes(monkeypatch):
+    """Every tiling a GPU times (expert_tiles.trellis_candidates, 32 blocks of 16 columns a warp, the
+    prefetching ones included; under the interpreter too) on the tiny GPT-OSS's expert shapes, rows of
+    4 blocks (gate/up, hidden 64) and 2 (down, expert FFN 32): most lanes masked, the prefetch's first
+    step the last; the clamped SwiGLU with biases, k = 2 and 3 gate/up groups. On a GPU with dp4a."""
+    from thin.runtime.kernels import expert_tiles
+
+    monkeypatch.setattr(expert_tiles, "interpreting", lambda: False)
+    plan = _moe_plan([2, 3, 3, 2], bias=True, clamp=True, hidden=64, inter=32, seed=21)
+    _check_moe(plan)
+
+
 def test_trellis_experts_beside_other_formats():
     """Routing-aware bits: k = 2 and k = 3 gate/up groups, and downs in trellis, int4 and q2, one launch a
     format, each writing only its experts' slots; under bf16 activations."""

@@ -37,6 +37,8 @@ NotImplementedError at construction, which the engine turns into a clear refusal
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import triton
 import triton.language as tl
@@ -313,6 +315,24 @@ class MoEKernels:
         """The router's tilings worth timing; first is the default."""
         return router_candidates(self.num_experts, self.hidden)
 
+    def timed(self) -> bool:
+        """Whether the tiles are chosen by timing here (on a GPU, for kernels to be tuned), not the first
+        candidate taken."""
+        return self.device.type == "cuda" and self.tune and not interpreting()
+
+    @contextlib.contextmanager
+    def _state_kept(self):
+        """Put back the routing and intermediates (logits, chosen, weights, h) that the launches inside
+        (timing, compiling) overwrite with their own x's: a choice made inside a call (the first decode
+        step of an engine whose kernels were not warmed up) leaves the call's own."""
+        state = (self.logits, self.chosen, self.weights, self.h)
+        kept = [t.clone() for t in state]
+        try:
+            yield
+        finally:
+            for t, saved in zip(state, kept):
+                t.copy_(saved)
+
     def config(self, index: int, kind: str) -> ExpertConfig:
         """The tiles of group `index`'s `kind` kernel: the first candidate off a GPU, else the fastest,
         timed once per shape and format in this process (every layer of a model shares it)."""
@@ -321,11 +341,12 @@ class MoEKernels:
             g = self.groups(kind)[index]
             shape = self._shape(index, kind)
             candidates = self.candidates(g, kind)
-            if len(candidates) == 1 or self.device.type != "cuda" or not self.tune:
+            if len(candidates) == 1 or not self.timed():
                 self._configs[key] = candidates[0]
             else:
                 if shape not in _CHOSEN:
-                    times = {c: self._time(index, kind, c) for c in candidates}
+                    with self._state_kept():
+                        times = {c: self._time(index, kind, c) for c in candidates}
                     best = min(times, key=times.get)
                     if times[best] == float("inf"):
                         raise RuntimeError(f"no launch tiling of the {kind} expert kernel compiles here")
@@ -367,13 +388,14 @@ class MoEKernels:
         if "router" not in self._configs:
             candidates = self.router_candidates()
             shape = ("router", self.num_experts, self.hidden, self.router_bias is not None, str(self.device))
-            if len(candidates) == 1 or self.device.type != "cuda" or not self.tune:
+            if len(candidates) == 1 or not self.timed():
                 self._configs["router"] = candidates[0]
             else:
                 if shape not in _CHOSEN:
                     x = torch.randn(self.hidden, device=self.device).to(self.dtype)
-                    times = {c: median_ms_or_inf(lambda c=c: self._route(x, c), repeats=5, inner=10,
-                                                 device=self.device) for c in candidates}
+                    with self._state_kept():
+                        times = {c: median_ms_or_inf(lambda c=c: self._route(x, c), repeats=5, inner=10,
+                                                     device=self.device) for c in candidates}
                     best = min(times, key=times.get)
                     if times[best] == float("inf"):
                         raise RuntimeError("no launch tiling of the router kernel compiles here")
@@ -391,8 +413,9 @@ class MoEKernels:
     def warm_up(self) -> None:
         """Choose every kernel's tiles now (timed on a GPU), not inside the first decode step; the
         candidates still to be timed are compiled first, on several host threads."""
-        if self.device.type == "cuda" and self.tune and not interpreting():
-            self._precompile()
+        if self.timed():
+            with self._state_kept():
+                self._precompile()
         self.router_config()
         for kind in ("gate_up", "down"):
             for index in range(len(self.groups(kind))):
