@@ -72,7 +72,7 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, o_ptr, m_ptr, l_ptr,
         tl.store(n_ptr + s, tl.maximum(end - begin, 0))
     if LAST:
         merge_last(count_ptr, o_ptr, m_ptr, l_ptr, n_ptr, sink_ptr, out_ptr, log_ptr, step_ptr, h, r, HQ, HKV, D,
-                   SPLITS, tl.cdiv(length - lo, chunk), G, SP, BLOCK_D, SINKS, LOG)
+                   SPLITS, G, SP, BLOCK_D, SINKS, LOG)
 
 
 @triton.jit
@@ -128,45 +128,40 @@ def _merge_kernel(o_ptr, m_ptr, l_ptr, n_ptr, sink_ptr, out_ptr, log_ptr, step_p
     i = tl.program_id(0)
     r = tl.program_id(1)
     merge_head(o_ptr + r * SPLITS * HQ * D, m_ptr + r * SPLITS * HQ, l_ptr + r * SPLITS * HQ, n_ptr + r * SPLITS,
-               sink_ptr, out_ptr + r * HQ * D, log_ptr, step_ptr, i, r, HQ, D, SPLITS, SPLITS, SP, BLOCK_D, SINKS, LOG,
-               False)
+               sink_ptr, out_ptr + r * HQ * D, log_ptr, step_ptr, i, r, HQ, D, SPLITS, SP, BLOCK_D, SINKS, LOG, False)
 
 
 @triton.jit
 def merge_last(count_ptr, o_ptr, m_ptr, l_ptr, n_ptr, sink_ptr, out_ptr, log_ptr, step_ptr, h, r, HQ, HKV, D, SPLITS,
-               live, G: tl.constexpr, SP: tl.constexpr, BLOCK_D: tl.constexpr, SINKS: tl.constexpr,
-               LOG: tl.constexpr):
+               G: tl.constexpr, SP: tl.constexpr, BLOCK_D: tl.constexpr, SINKS: tl.constexpr, LOG: tl.constexpr):
     """Called by every split program of kv head h of sequence r after it stored its partials (o_ptr ..
     n_ptr: sequence r's): the last of the SPLITS to arrive on the counter count_ptr[r, h]
     (norm.last_arrival, which leaves it at zero again) merges the G query heads of the group in turn,
-    each by `merge_head` reading the partials past L1: the merge launch's arithmetic, in its order.
-    Only the first `live` splits hold positions: the others' partials are not read but taken as what
-    they stored (nothing: maximum -inf, sum and output 0), so the bits are the same."""
+    each by `merge_head` reading the partials past L1: the merge launch's arithmetic, in its order."""
     if last_arrival(count_ptr + r * HKV + h, SPLITS):
         for j in range(G):
             merge_head(o_ptr, m_ptr, l_ptr, n_ptr, sink_ptr, out_ptr + r * HQ * D, log_ptr, step_ptr, h * G + j, r,
-                       HQ, D, SPLITS, live, SP, BLOCK_D, SINKS, LOG, True)
+                       HQ, D, SPLITS, SP, BLOCK_D, SINKS, LOG, True)
 
 
 @triton.jit
-def merge_head(o_ptr, m_ptr, l_ptr, n_ptr, sink_ptr, out_ptr, log_ptr, step_ptr, i, r, HQ, D, SPLITS, live,
+def merge_head(o_ptr, m_ptr, l_ptr, n_ptr, sink_ptr, out_ptr, log_ptr, step_ptr, i, r, HQ, D, SPLITS,
                SP: tl.constexpr, BLOCK_D: tl.constexpr, SINKS: tl.constexpr, LOG: tl.constexpr,
                FRESH: tl.constexpr):
     """Query head i of sequence r (o_ptr .. n_ptr: its partials, out_ptr: its output row): the
     softmax-weighted sum of the splits' partial outputs, 128 features at a time (a head of 256: two
     [SP, 128] tiles, the registers of one); with LOG, head 0 of sequence 0 also records the positions
-    attended. Splits from `live` on are not read (their maxima taken as -inf, their sums and outputs
-    as 0: what a split without positions stores). FRESH: the partials were stored by other programs of
-    this launch (read from L2, past this multiprocessor's L1)."""
+    attended. FRESH: the partials were stored by other programs of this launch (read from L2, past this
+    multiprocessor's L1)."""
     DC: tl.constexpr = min(BLOCK_D, 128)
     s = tl.arange(0, SP)
     d = tl.arange(0, DC)
     # The partial outputs first: their loads then go out with the maxima's and sums' (compiled for sm_90:
     # all before the reductions' barrier), not after the weights are known, one L2 latency later.
     o_ptrs = o_ptr + (s[:, None] * HQ + i) * D + d[None, :]
-    o = _partial(o_ptrs, (s < live)[:, None] & (d < D)[None, :], 0.0, FRESH)
-    ms = _partial(m_ptr + s * HQ + i, s < live, float("-inf"), FRESH)
-    ls = _partial(l_ptr + s * HQ + i, s < live, 0.0, FRESH)
+    o = _partial(o_ptrs, (s < SPLITS)[:, None] & (d < D)[None, :], 0.0, FRESH)
+    ms = _partial(m_ptr + s * HQ + i, s < SPLITS, float("-inf"), FRESH)
+    ls = _partial(l_ptr + s * HQ + i, s < SPLITS, 0.0, FRESH)
     top = tl.max(ms, axis=0)
     w = tl.where(s < SPLITS, tl.exp(ms - top), 0.0)
     w = tl.where(ms == float("-inf"), 0.0, w)
@@ -175,12 +170,12 @@ def merge_head(o_ptr, m_ptr, l_ptr, n_ptr, sink_ptr, out_ptr, log_ptr, step_ptr,
         total += tl.exp(tl.load(sink_ptr + i) - top)
     for c in tl.static_range(0, BLOCK_D, DC):
         if c > 0:
-            o = _partial(o_ptrs + c, (s < live)[:, None] & (c + d < D)[None, :], 0.0, FRESH)
+            o = _partial(o_ptrs + c, (s < SPLITS)[:, None] & (c + d < D)[None, :], 0.0, FRESH)
         out = tl.sum(o * w[:, None], axis=0) / total
         tl.store(out_ptr + i * D + c + d, out.to(out_ptr.dtype.element_ty), mask=c + d < D)
     if LOG:  # noqa: SIM102  (a constexpr condition, then a run-time one)
         if (i == 0) & (r == 0):
-            n = tl.sum(_partial(n_ptr + s, s < live, 0, FRESH), axis=0)
+            n = tl.sum(_partial(n_ptr + s, s < SPLITS, 0, FRESH), axis=0)
             tl.store(log_ptr + tl.load(step_ptr), n)
 
 

@@ -131,7 +131,7 @@ def _append_decode_kernel(qkv_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, cos_ptr, si
         tl.store(n_ptr + s, tl.maximum(end - begin, 0))
     if LAST:
         merge_last(count_ptr, o_ptr, m_ptr, l_ptr, n_ptr, sink_ptr, out_ptr, log_ptr, step_ptr, h, r, HQ, HKV, D,
-                   SPLITS, tl.cdiv(length - lo, chunk), G, SP, BLOCK_D, SINKS, LOG)
+                   SPLITS, G, SP, BLOCK_D, SINKS, LOG)
 
 
 def append_attend(attention: DecodeAttention, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
