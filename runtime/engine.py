@@ -64,16 +64,10 @@ class DecodeEngine:
     `fused_attention`: whether a layer's q/k norm, RoPE and KV append run inside its decode attention's
     split kernel (kernels/attention_append.py: two launches, not rope_append's three): None (default)
     times both ways in `warm_up` on a GPU and keeps the faster per kind of layer; True every layer;
-    False none.
-
-    `merge_last`: whether a layer's decode attention merges its splits in the split kernel, by the last
-    split program of each kv head to finish (attention.merge_last: one launch fewer, the same bits as the
-    merge launch): None (default) times both ways in `warm_up` on a GPU (with the attention path it
-    chose) and merges there only where that is faster at every timed length; True every layer; False
-    none."""
+    False none."""
 
     def __init__(self, executor, *, graphs: bool = True, finish_norm: bool | None = None,
-                 fused_attention: bool | None = None, merge_last: bool | None = None):
+                 fused_attention: bool | None = None):
         check_supported(executor)
         from .kernels import attention, norm, rope, sampling  # noqa: F401  (imports triton)
 
@@ -131,11 +125,9 @@ class DecodeEngine:
         # (id, cols) of the downs whose matvec finishes the residual norm over an elastic FFN level's prefix.
         self._finishing_prefixes: set[tuple[int, int]] = set()
         self._level_biases: dict[tuple[int, int], tuple] = {}  # (id(down), shift's address): (shift, bias + shift)
-        self.fused_attention, self.merge_last = fused_attention, merge_last
-        # {layer index: append_attend's repeat} of the layers whose attention appends, and the layers whose
-        # attention merges in its split kernel's last programs (warm_up times both).
-        self._appending, self._merging = appending_layers(executor, timed=False, fused=fused_attention,
-                                                          last=merge_last)
+        self.fused_attention = fused_attention
+        # {layer index: append_attend's repeat} of the layers whose attention appends (warm_up times it).
+        self._appending = appending_layers(executor, timed=False) if fused_attention else {}
         if finish_norm:
             choose_finishing(self, timed=False)
             choose_norm_routers(self, timed=False)
@@ -258,15 +250,13 @@ class DecodeEngine:
             if index in self._appending:  # chosen in warm_up
                 with mark("attention + qk norm + rope + append"):
                     append_attend(cache.attention, self.qkv, k_cache, v_cache, table, self.pos, self.attn,
-                                  rope=rope_tables(a), **qk_norm_args(a), repeat=self._appending[index],
-                                  last=index in self._merging, **options)
+                                  rope=rope_tables(a), **qk_norm_args(a), repeat=self._appending[index], **options)
             else:
                 with mark("qk norm + rope + append"):
                     rope_append(self.qkv, self.q, k_cache, v_cache, table, self.pos, self.num_heads,
                                 self.num_kv_heads, self.head_dim, rope=rope_tables(a), **qk_norm_args(a))
                 with mark("attention"):
-                    cache.attention(self.q, k_cache, v_cache, table, self.pos, self.attn,
-                                    last=index in self._merging, **options)
+                    cache.attention(self.q, k_cache, v_cache, table, self.pos, self.attn, **options)
             moe = self.moe.get(index)
             if moe is None or moe.norm_router is None:
                 self._add_norm(a.o, self.attn, "o", layer.attn_post_norm, layer.ffn_norm)
@@ -393,9 +383,8 @@ class DecodeEngine:
             choose_finishing(self, timed=True)
             choose_norm_routers(self, timed=True)
             choose_finishing_downs(self, timed=True)
-        if None in (self.fused_attention, self.merge_last) and self.device.type == "cuda":
-            self._appending, self._merging = appending_layers(self.ex, timed=True, fused=self.fused_attention,
-                                                              last=self.merge_last)
+        if self.fused_attention is None and self.device.type == "cuda":
+            self._appending = appending_layers(self.ex, timed=True)
 
     def _kernel_uses(self, uses: list[tuple]) -> list[tuple]:
         """The (op, mode, ...) uses of ops with launch configurations, each once, "partial" as the decode

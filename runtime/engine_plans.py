@@ -96,19 +96,13 @@ def qk_norm_args(a) -> dict:
     return {"q_norm": norm_args(a.q_norm), "k_norm": norm_args(a.k_norm)}
 
 
-def appending_layers(executor, timed: bool, fused: bool | None = None,
-                     last: bool | None = None) -> tuple[dict[int, bool], set[int]]:
-    """({layer index: `repeat`} of the layers whose decode attention runs rope_append's work inside its
-    split kernel (kernels/attention_append.py; the others keep rope_append + split), {layer indices whose
-    split kernel's last program of each kv head merges the splits (attention.merge_last; the others keep
-    the merge launch)}. Timed (attention_append.choose_appending, once per kind of layer: rotary dims,
-    q/k norms, window, softcap, sinks; on the first such layer's tables and weights), except what `fused`
-    / `last` force (True or False); untimed, None is False and fused layers take the first variant."""
+def appending_layers(executor, timed: bool) -> dict[int, bool]:
+    """{layer index: `repeat`} of the layers whose decode attention runs rope_append's work inside its
+    split kernel (kernels/attention_append.py); the others keep rope_append + split + merge. Timed
+    (attention_append.choose_appending, once per kind of layer: rotary dims, q/k norms, window, softcap,
+    sinks; on the first such layer's tables and weights), else every layer with the first variant."""
     from .kernels.attention_append import VARIANTS, choose_appending
 
-    if not timed or (fused is not None and last is not None):
-        everything = range(len(executor.layers))
-        return dict.fromkeys(everything, VARIANTS[0]) if fused else {}, set(everything) if last else set()
     kinds: dict[tuple, list[int]] = {}
     for index, layer in enumerate(executor.layers):
         a = layer.attention
@@ -116,13 +110,12 @@ def appending_layers(executor, timed: bool, fused: bool | None = None,
         key = (None if rope is None else rope[0].shape[-1], bool(qk_norm_args(a)), a.sliding_window,
                a.logit_softcap, getattr(a, "sinks", None) is None)
         kinds.setdefault(key, []).append(index)
-    appending, merging = {}, set()
+    chosen = {}
     for indices in kinds.values():
         a = executor.layers[indices[0]].attention
-        repeat, merged = choose_appending(
+        repeat = VARIANTS[0] if not timed else choose_appending(
             a.num_heads, a.num_kv_heads, a.head_dim, executor.dtype, executor.device, scale=a.scale,
             rope=rope_tables(a), **qk_norm_args(a), window=a.sliding_window, softcap=a.logit_softcap,
-            sinks=getattr(a, "sinks", None), fused=fused, last=last)
-        appending |= {index: repeat for index in indices if repeat is not None}
-        merging |= set(indices) if merged else set()
-    return appending, merging
+            sinks=getattr(a, "sinks", None))
+        chosen |= {index: repeat for index in indices if repeat is not None}
+    return chosen

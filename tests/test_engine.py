@@ -178,25 +178,3 @@ def test_graph_and_eager_steps_give_the_same_tokens_and_attend_every_position(mo
     assert tokens == _engine_tokens(eager, prompt, 20)
     attended = cache.attended[1:20].tolist()
     assert attended == [len(prompt) + i for i in range(1, 20)]
-
-
-@pytest.mark.parametrize("family", ["llama", "gemma2"])
-@pytest.mark.parametrize("fused", [False, True])
-def test_attention_merged_by_the_last_split_program(models, family, fused):
-    """merge_last=True (every layer's split kernel merges its splits in each kv head's last program,
-    attention.merge_last) against False (the merge launch), on either attention path: the executor's
-    tokens, the positions attended, the arrival counters back at zero, and the very same logits (the
-    same merge arithmetic in the same order: graphed on a GPU, eager under the interpreter)."""
-    model = models(family)
-    prompt = _prompt(seed=6)
-    merging = _engine(model, fused_attention=fused, merge_last=True)
-    plain = _engine(model, fused_attention=fused, merge_last=False)
-    assert merging._merging == set(range(len(model.executor.layers))) and not plain._merging
-    want = _executor_tokens(model, prompt, 8)
-    cache = merging.new_cache(64)
-    assert _engine_tokens(merging, prompt, 8, cache=cache) == want
-    assert not cache.attention.counts.any()
-    window = model.executor.layers[0].attention.sliding_window or 10 ** 9  # the log is layer 0's
-    assert cache.attended[1:8].tolist() == [min(len(prompt) + i, window) for i in range(1, 8)]
-    assert _engine_tokens(plain, prompt, 8) == want
-    assert torch.equal(merging.logits, plain.logits)

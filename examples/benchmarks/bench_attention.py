@@ -169,11 +169,10 @@ def main(argv=None) -> int:
             heads, kv_heads, dim, opts = SHAPES[shape]
             dev = torch.device("cuda")
             rope, norms, options = layer_args(shape, 8192, dev, torch.Generator(device=dev).manual_seed(0))
-            picked, last = choose_appending(heads, kv_heads, dim, torch.bfloat16, dev, scale=dim ** -0.5,
-                                            rope=rope, **norms, **options)
-            print(f"{shape}: the engine would take " + ("rope_append + split" if picked is None
-                                                        else f"the fused split kernel, repeat={picked}")
-                  + (", merged by the last split programs" if last else " + merge"))
+            picked = choose_appending(heads, kv_heads, dim, torch.bfloat16, dev, scale=dim ** -0.5, rope=rope,
+                                      **norms, **options)
+            print(f"{shape}: the engine would take " + ("rope_append + split + merge" if picked is None
+                                                        else f"the fused split kernel, repeat={picked}"))
     print("ALL OK" if not bad else f"FAILED: {bad}")
     return 1 if bad else 0
 

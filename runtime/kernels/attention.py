@@ -3,9 +3,7 @@
 Decode (one query token): split-KV ("flash-decoding"). Program (kv head h, split s) takes all the
 query heads that share kv head h (GQA: their keys and values are read once), walks its share of
 the visible positions in tiles of BT tokens (each token's cache slot found through the block
-table), and keeps an online softmax; a second kernel merges the splits, or (`last`) the last split
-of each kv head to finish merges its group's heads itself through a counter (norm.last_arrival): the
-same merge code reading the same partials in the same order, so the same bits. The number of visible
+table), and keeps an online softmax; a second kernel merges the splits. The number of visible
 positions is read from the device (pos + 1, bounded by a sliding window), so a captured decode
 step attends to exactly the tokens there are. Logit softcap (Gemma-2) and sinks (GPT-OSS: a
 per-head logit that joins the softmax's denominator only) are constexpr options. The merge can
@@ -25,7 +23,6 @@ import triton
 import triton.language as tl
 
 from .common import next_power_of_2
-from .norm import last_arrival
 
 
 @triton.jit
@@ -34,14 +31,12 @@ def _tanh(x):
 
 
 @triton.jit
-def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, n_ptr, count_ptr, sink_ptr, out_ptr,
-                   log_ptr, step_ptr, scale, softcap, window, HQ, HKV, D, SPLITS, table_stride, G: tl.constexpr,
-                   GP: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr,
-                   WINDOW: tl.constexpr, IEEE: tl.constexpr, LAST: tl.constexpr, SP: tl.constexpr,
-                   SINKS: tl.constexpr, LOG: tl.constexpr):
+def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, n_ptr, scale, softcap, window,
+                   HQ, HKV, D, SPLITS, table_stride, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
+                   BT: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
+                   IEEE: tl.constexpr):
     """Program (kv head h, split s, sequence r): sequence r's query heads of group h over split s of
-    its visible positions (its own position and row of the block table); with LAST, the last split of
-    (h, r) to finish then merges the group's heads (`merge_last`)."""
+    its visible positions (its own position and row of the block table)."""
     h = tl.program_id(0)
     s = tl.program_id(1)
     r = tl.program_id(2)
@@ -70,9 +65,6 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, o_ptr, m_ptr, l_ptr,
     tl.store(l_ptr + out, denom, mask=g < G)
     if h == 0:
         tl.store(n_ptr + s, tl.maximum(end - begin, 0))
-    if LAST:
-        merge_last(count_ptr, o_ptr, m_ptr, l_ptr, n_ptr, sink_ptr, out_ptr, log_ptr, step_ptr, h, r, HQ, HKV, D,
-                   SPLITS, G, SP, BLOCK_D, SINKS, LOG)
 
 
 @triton.jit
@@ -124,69 +116,34 @@ def capped(scores, softcap, SOFTCAP: tl.constexpr):
 @triton.jit
 def _merge_kernel(o_ptr, m_ptr, l_ptr, n_ptr, sink_ptr, out_ptr, log_ptr, step_ptr, HQ, D, SPLITS,
                   SP: tl.constexpr, BLOCK_D: tl.constexpr, SINKS: tl.constexpr, LOG: tl.constexpr):
-    """Query head i of sequence r: `merge_head`."""
+    """Query head i of sequence r: softmax-weighted sum of the splits' partial outputs."""
     i = tl.program_id(0)
     r = tl.program_id(1)
-    merge_head(o_ptr + r * SPLITS * HQ * D, m_ptr + r * SPLITS * HQ, l_ptr + r * SPLITS * HQ, n_ptr + r * SPLITS,
-               sink_ptr, out_ptr + r * HQ * D, log_ptr, step_ptr, i, r, HQ, D, SPLITS, SP, BLOCK_D, SINKS, LOG, False)
-
-
-@triton.jit
-def merge_last(count_ptr, o_ptr, m_ptr, l_ptr, n_ptr, sink_ptr, out_ptr, log_ptr, step_ptr, h, r, HQ, HKV, D, SPLITS,
-               G: tl.constexpr, SP: tl.constexpr, BLOCK_D: tl.constexpr, SINKS: tl.constexpr, LOG: tl.constexpr):
-    """Called by every split program of kv head h of sequence r after it stored its partials (o_ptr ..
-    n_ptr: sequence r's): the last of the SPLITS to arrive on the counter count_ptr[r, h]
-    (norm.last_arrival, which leaves it at zero again) merges the G query heads of the group in turn,
-    each by `merge_head` reading the partials past L1: the merge launch's arithmetic, in its order."""
-    if last_arrival(count_ptr + r * HKV + h, SPLITS):
-        for j in range(G):
-            merge_head(o_ptr, m_ptr, l_ptr, n_ptr, sink_ptr, out_ptr + r * HQ * D, log_ptr, step_ptr, h * G + j, r,
-                       HQ, D, SPLITS, SP, BLOCK_D, SINKS, LOG, True)
-
-
-@triton.jit
-def merge_head(o_ptr, m_ptr, l_ptr, n_ptr, sink_ptr, out_ptr, log_ptr, step_ptr, i, r, HQ, D, SPLITS,
-               SP: tl.constexpr, BLOCK_D: tl.constexpr, SINKS: tl.constexpr, LOG: tl.constexpr,
-               FRESH: tl.constexpr):
-    """Query head i of sequence r (o_ptr .. n_ptr: its partials, out_ptr: its output row): the
-    softmax-weighted sum of the splits' partial outputs, 128 features at a time (a head of 256: two
-    [SP, 128] tiles, the registers of one); with LOG, head 0 of sequence 0 also records the positions
-    attended. FRESH: the partials were stored by other programs of this launch (read from L2, past this
-    multiprocessor's L1)."""
-    DC: tl.constexpr = min(BLOCK_D, 128)
+    o_ptr += r * SPLITS * HQ * D
+    m_ptr += r * SPLITS * HQ
+    l_ptr += r * SPLITS * HQ
+    n_ptr += r * SPLITS
+    out_ptr += r * HQ * D
     s = tl.arange(0, SP)
-    d = tl.arange(0, DC)
+    d = tl.arange(0, BLOCK_D)
     # The partial outputs first: their loads then go out with the maxima's and sums' (compiled for sm_90:
     # all before the reductions' barrier), not after the weights are known, one L2 latency later.
-    o_ptrs = o_ptr + (s[:, None] * HQ + i) * D + d[None, :]
-    o = _partial(o_ptrs, (s < SPLITS)[:, None] & (d < D)[None, :], 0.0, FRESH)
-    ms = _partial(m_ptr + s * HQ + i, s < SPLITS, float("-inf"), FRESH)
-    ls = _partial(l_ptr + s * HQ + i, s < SPLITS, 0.0, FRESH)
+    o = tl.load(o_ptr + (s[:, None] * HQ + i) * D + d[None, :], mask=(s < SPLITS)[:, None] & (d < D)[None, :],
+                other=0.0)
+    ms = tl.load(m_ptr + s * HQ + i, mask=s < SPLITS, other=float("-inf"))
+    ls = tl.load(l_ptr + s * HQ + i, mask=s < SPLITS, other=0.0)
     top = tl.max(ms, axis=0)
     w = tl.where(s < SPLITS, tl.exp(ms - top), 0.0)
     w = tl.where(ms == float("-inf"), 0.0, w)
     total = tl.sum(w * ls, axis=0)
     if SINKS:
         total += tl.exp(tl.load(sink_ptr + i) - top)
-    for c in tl.static_range(0, BLOCK_D, DC):
-        if c > 0:
-            o = _partial(o_ptrs + c, (s < SPLITS)[:, None] & (c + d < D)[None, :], 0.0, FRESH)
-        out = tl.sum(o * w[:, None], axis=0) / total
-        tl.store(out_ptr + i * D + c + d, out.to(out_ptr.dtype.element_ty), mask=c + d < D)
+    out = tl.sum(o * w[:, None], axis=0) / total
+    tl.store(out_ptr + i * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
     if LOG:  # noqa: SIM102  (a constexpr condition, then a run-time one)
         if (i == 0) & (r == 0):
-            n = tl.sum(_partial(n_ptr + s, s < SPLITS, 0, FRESH), axis=0)
+            n = tl.sum(tl.load(n_ptr + s, mask=s < SPLITS, other=0), axis=0)
             tl.store(log_ptr + tl.load(step_ptr), n)
-
-
-@triton.jit
-def _partial(ptrs, mask, other, FRESH: tl.constexpr):
-    """Partials at ptrs (where mask, else other): FRESH, stored by other programs of this launch, from L2."""
-    if FRESH:  # noqa: SIM108  (constexpr branches: only one is compiled)
-        x = tl.load(ptrs, mask=mask, other=other, cache_modifier=".cg")
-    else:
-        x = tl.load(ptrs, mask=mask, other=other)
-    return x
 
 
 class DecodeAttention:
@@ -205,15 +162,12 @@ class DecodeAttention:
         self.m = torch.empty(rows, self.splits, num_heads, dtype=torch.float32, device=device)
         self.l = torch.empty(rows, self.splits, num_heads, dtype=torch.float32, device=device)
         self.n = torch.empty(rows, self.splits, dtype=torch.int32, device=device)
-        # Arrivals of each (sequence, kv head)'s splits when the last merges (`last`): zero between launches.
-        self.counts = torch.zeros(rows, num_kv_heads, dtype=torch.int32, device=device)
 
     def __call__(self, q, k_cache, v_cache, block_table, pos, out, *, scale: float, window: int | None = None,
                  softcap: float | None = None, sinks: torch.Tensor | None = None, log: torch.Tensor | None = None,
-                 step: torch.Tensor | None = None, last: bool = False) -> None:
+                 step: torch.Tensor | None = None) -> None:
         """q [num_heads, head_dim] of the token at position pos[0] (its key already appended) ->
-        out [num_heads * head_dim]; with `log`, log[step[0]] = positions attended (head 0). `last`: the
-        last split program of each kv head merges (`merge_last`, one launch), else the merge launch.
+        out [num_heads * head_dim]; with `log`, log[step[0]] = positions attended (head 0).
 
         With rows > 1: q [rows, num_heads, head_dim], pos [>= rows], block_table [>= rows, blocks]
         (sequence r at pos[r] through block_table[r]) -> out [rows, num_heads * head_dim]."""
@@ -222,25 +176,12 @@ class DecodeAttention:
                              "block table of one row per sequence")
         table_stride = block_table.stride(0) if block_table.dim() == 2 else 0
         _decode_kernel[(self.num_kv_heads, self.splits, self.rows)](
-            q, k_cache, v_cache, block_table, pos, self.o, self.m, self.l, self.n,
-            *self.merge_args(out, sinks, log, step), float(scale),
+            q, k_cache, v_cache, block_table, pos, self.o, self.m, self.l, self.n, float(scale),
             float(softcap or 1.0), int(window or 0), self.num_heads, self.num_kv_heads, self.head_dim, self.splits,
             table_stride, G=self.group, GP=max(16, next_power_of_2(self.group)), BS=k_cache.shape[2], BT=self.tile,
             BLOCK_D=next_power_of_2(self.head_dim), SOFTCAP=softcap is not None, WINDOW=window is not None,
-            IEEE=self.ieee(q.dtype), **self.merge_flags(last, sinks, log), num_warps=4)
-        if not last:
-            self.merge(out, sinks, log, step)
-
-    def merge_args(self, out, sinks, log, step) -> tuple:
-        """(counts, sinks, out, log, step) as the split kernels take them (the unused ones: any tensor)."""
-        return (self.counts, sinks if sinks is not None else self.m, out, log if log is not None else self.n,
-                step if step is not None else self.n)
-
-    def merge_flags(self, last: bool, sinks, log) -> dict:
-        """The split kernels' merging constexprs (all off without `last`: one compiled kernel for the
-        merge launch's split, whatever the merge's options)."""
-        return dict(LAST=last, SP=next_power_of_2(self.splits) if last else 1, SINKS=last and sinks is not None,
-                    LOG=last and log is not None)
+            IEEE=self.ieee(q.dtype), num_warps=4)
+        self.merge(out, sinks, log, step)
 
     def merge(self, out, sinks: torch.Tensor | None = None, log: torch.Tensor | None = None,
               step: torch.Tensor | None = None) -> None:

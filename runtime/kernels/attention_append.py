@@ -1,6 +1,6 @@
 """Decode attention that also appends: the q/k norm, RoPE and KV append of rope.py's rope_append
 done inside the split-KV kernel of attention.py, so a decode step's attention is two launches a
-layer (this split kernel, then attention.py's merge) instead of three, or one (`last`).
+layer (this split kernel, then attention.py's merge) instead of three.
 
 Every split program norms and rotates the query heads of its kv head from the raw qkv row (cheap,
 and the same in every split). The split that holds the new position (the last one with positions)
@@ -11,10 +11,8 @@ softcap, GQA, the partial outputs, the merge with its sinks and its log of posit
 attention.py's, so the two paths differ only in where q and the new key come from.
 
 Whether this beats rope_append + split-KV + merge is timed on the device (`choose_appending`),
-as the decode engine does at warm-up, and so is whether each kv head's last split program merges the
-splits (`last`, attention.merge_last: one launch a layer, the merge launch's very arithmetic) rather
-than the merge launch. (An earlier one-launch variant, whose last program merged in its own way,
-was slower past ~64 positions on the H200: BENCHMARKS, round 3.)
+as the decode engine does at warm-up; the earlier one-launch variant that also merged through an
+atomic counter was slower past ~64 positions on the H200 (BENCHMARKS, round 3).
 """
 
 from __future__ import annotations
@@ -26,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import DecodeAttention, capped, merge_last, online_softmax
+from .attention import DecodeAttention, capped, online_softmax
 from .common import next_power_of_2
 
 
@@ -61,16 +59,13 @@ def _heads(x_ptr, rows, valid, w_ptr, eps, cos_ptr, sin_ptr, position, D, R, d, 
 
 @triton.jit
 def _append_decode_kernel(qkv_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, cos_ptr, sin_ptr, qn_ptr, kn_ptr, q_eps, k_eps,
-                          o_ptr, m_ptr, l_ptr, n_ptr, count_ptr, sink_ptr, out_ptr, log_ptr, step_ptr, scale, softcap,
-                          window, HQ, HKV, D, R, SPLITS, table_stride, G: tl.constexpr, GQ: tl.constexpr,
-                          GP: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr, BLOCK_D: tl.constexpr,
-                          NORM: tl.constexpr, ROPE: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-                          IEEE: tl.constexpr, LAST: tl.constexpr, SP: tl.constexpr, SINKS: tl.constexpr,
-                          LOG: tl.constexpr):
+                          o_ptr, m_ptr, l_ptr, n_ptr, scale, softcap, window, HQ, HKV, D, R, SPLITS, table_stride,
+                          G: tl.constexpr, GQ: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr,
+                          BLOCK_D: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, SOFTCAP: tl.constexpr,
+                          WINDOW: tl.constexpr, IEEE: tl.constexpr):
     """Program (kv head h, split s, sequence r): attention.py's `_decode_kernel` over split s of
     sequence r's visible positions, its query heads made here from sequence r's raw qkv row; the
-    split holding the new position (pos[r]) also stores the new key and value and attends to them.
-    With LAST, the last split of (h, r) to finish merges the group's heads (attention.merge_last)."""
+    split holding the new position (pos[r]) also stores the new key and value and attends to them."""
     h = tl.program_id(0)
     s = tl.program_id(1)
     r = tl.program_id(2)
@@ -129,16 +124,13 @@ def _append_decode_kernel(qkv_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, cos_ptr, si
     tl.store(l_ptr + out, denom, mask=g < G)
     if h == 0:
         tl.store(n_ptr + s, tl.maximum(end - begin, 0))
-    if LAST:
-        merge_last(count_ptr, o_ptr, m_ptr, l_ptr, n_ptr, sink_ptr, out_ptr, log_ptr, step_ptr, h, r, HQ, HKV, D,
-                   SPLITS, G, SP, BLOCK_D, SINKS, LOG)
 
 
 def append_attend(attention: DecodeAttention, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_table: torch.Tensor, pos: torch.Tensor, out: torch.Tensor, *, scale: float, rope=None,
                   q_norm=None, k_norm=None, window: int | None = None, softcap: float | None = None,
                   sinks: torch.Tensor | None = None, log: torch.Tensor | None = None,
-                  step: torch.Tensor | None = None, repeat: bool = False, last: bool = False) -> None:
+                  step: torch.Tensor | None = None, repeat: bool = False) -> None:
     """rope_append then `attention` (DecodeAttention.__call__) in two launches: qkv [(num_heads + 2
     num_kv_heads) * head_dim], the raw projections of the token at position pos[0]; its key (normed by
     k_norm, rotated) and value go into their cache slots, and its query's (normed by q_norm, rotated)
@@ -146,9 +138,7 @@ def append_attend(attention: DecodeAttention, qkv: torch.Tensor, k_cache: torch.
     positions attended (head 0). `rope`: (cos, sin) tables [positions, rotary_dim] or None; q_norm /
     k_norm: per-head RMSNorms (weight [head_dim], eps) or None. `repeat`: each program makes its group's
     query heads once and repeats them to the 16 rows its products take, rather than making all 16 rows
-    (fewer instructions before the loop, another layout for q: `VARIANTS`, timed). `last`: the last
-    split program of each kv head merges the splits (attention.merge_last: one launch, the same bits),
-    else the merge launch follows.
+    (fewer instructions before the loop, another layout for q: `VARIANTS`, timed).
 
     With attention.rows > 1: qkv [rows, ...], pos [>= rows], block_table [>= rows, blocks] (sequence r
     at pos[r] through block_table[r]) -> out [rows, num_heads * head_dim]."""
@@ -165,16 +155,14 @@ def append_attend(attention: DecodeAttention, qkv: torch.Tensor, k_cache: torch.
     gp = max(16, next_power_of_2(attention.group))
     _append_decode_kernel[(attention.num_kv_heads, attention.splits, attention.rows)](
         qkv, k_cache, v_cache, block_table, pos, cos, sin, qn, kn, float(q_eps), float(k_eps), attention.o,
-        attention.m, attention.l, attention.n, *attention.merge_args(out, sinks, log, step), float(scale),
-        float(softcap or 1.0), int(window or 0), attention.num_heads, attention.num_kv_heads, attention.head_dim,
+        attention.m, attention.l, attention.n, float(scale), float(softcap or 1.0), int(window or 0),
+        attention.num_heads, attention.num_kv_heads, attention.head_dim,
         cos.shape[-1] if rope is not None else attention.head_dim, attention.splits,
         block_table.stride(0) if block_table.dim() == 2 else 0, G=attention.group,
         GQ=next_power_of_2(attention.group) if repeat else gp, GP=gp, BS=k_cache.shape[2], BT=attention.tile,
         BLOCK_D=next_power_of_2(attention.head_dim), NORM=q_norm is not None, ROPE=rope is not None,
-        SOFTCAP=softcap is not None, WINDOW=window is not None, IEEE=attention.ieee(qkv.dtype),
-        **attention.merge_flags(last, sinks, log), num_warps=4)
-    if not last:
-        attention.merge(out, sinks, log, step)
+        SOFTCAP=softcap is not None, WINDOW=window is not None, IEEE=attention.ieee(qkv.dtype), num_warps=4)
+    attention.merge(out, sinks, log, step)
 
 
 VARIANTS = (False, True)  # append_attend's `repeat`
@@ -183,15 +171,11 @@ VARIANTS = (False, True)  # append_attend's `repeat`
 def choose_appending(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device, *,
                      scale: float, rope=None, q_norm=None, k_norm=None, window: int | None = None,
                      softcap: float | None = None, sinks: torch.Tensor | None = None,
-                     lengths: tuple[int, ...] = (64, 1024, 4096), layers: int = 4, fused: bool | None = None,
-                     last: bool | None = None) -> tuple[bool | None, bool]:
-    """For one kind of attention layer (its RoPE tables, q/k norms, window, softcap, sinks): (repeat, last).
-    `repeat`: the variant of `append_attend` that runs fastest over `lengths` positions on this device,
-    among those faster than rope_append then the split-KV attention and its merge at every one of them;
-    None if none is (the three launches). `last`: whether that path with the merge done by each kv head's
-    last split program (attention.merge_last, the same bits) is faster than with the merge launch at every
-    length. `fused` / `last` True or False: that choice forced, not timed (fused True: the first variant).
-    Timed as the decode step's CUDA graph runs them: back to back on the stream (common.median_ms),
+                     lengths: tuple[int, ...] = (64, 1024, 4096), layers: int = 4) -> bool | None:
+    """For one kind of attention layer (its RoPE tables, q/k norms, window, softcap, sinks): the variant of
+    `append_attend` (its `repeat`) that runs fastest over `lengths` positions on this device, among those
+    faster than rope_append then the split-KV attention and its merge at every one of them; None if none
+    is. Timed as the decode step's CUDA graph runs them: back to back on the stream (common.median_ms),
     each launch on the next of `layers` scratch caches in turn, so that at the longer lengths the keys
     and values come from DRAM. Logs the times on the "thin.runtime" log."""
     from ..paged_kv import PagedKVCache
@@ -214,43 +198,30 @@ def choose_appending(num_heads: int, num_kv_heads: int, head_dim: int, dtype: to
     turn = itertools.count()
     options = dict(window=window, softcap=softcap, sinks=sinks)
 
-    def run(repeat, merged):
+    def old():
         k_cache, v_cache = cache.layer(next(turn) % layers)
-        if repeat is None:
-            rope_append(qkv, q, k_cache, v_cache, cache.block_table, pos, num_heads, num_kv_heads, head_dim,
-                        rope=rope, q_norm=q_norm, k_norm=k_norm)
-            attention(q, k_cache, v_cache, cache.block_table, pos, out, scale=scale, last=merged, **options)
-        else:
-            append_attend(attention, qkv, k_cache, v_cache, cache.block_table, pos, out, scale=scale, rope=rope,
-                          q_norm=q_norm, k_norm=k_norm, repeat=repeat, last=merged, **options)
+        rope_append(qkv, q, k_cache, v_cache, cache.block_table, pos, num_heads, num_kv_heads, head_dim, rope=rope,
+                    q_norm=q_norm, k_norm=k_norm)
+        attention(q, k_cache, v_cache, cache.block_table, pos, out, scale=scale, **options)
+
+    def fused(repeat):
+        k_cache, v_cache = cache.layer(next(turn) % layers)
+        append_attend(attention, qkv, k_cache, v_cache, cache.block_table, pos, out, scale=scale, rope=rope,
+                      q_norm=q_norm, k_norm=k_norm, repeat=repeat, **options)
 
     # Repeating changes nothing where the group already fills the 16 rows.
     variants = VARIANTS if next_power_of_2(attention.group) < 16 else VARIANTS[:1]
-    paths = (None, *variants) if fused is None else VARIANTS[:1] if fused else (None,)
-    merges = (False, True) if last is None else (last,)
-    times = {(p, m): [] for p in paths for m in merges}
+    times = {name: [] for name in ("old", *variants)}
     for length in lengths:
         pos.fill_(length - 1)
-        for p, m in times:
-            times[p, m].append(median_ms(lambda p=p, m=m: run(p, m), inner=2 * layers))
-
-    def faster(a, b):
-        return all(t < o for t, o in zip(times[a], times[b], strict=True))
-
-    base = merges[0]  # the merge launch, unless `last` is forced on
-    if fused is None:
-        quicker = [r for r in variants if faster((r, base), (None, base))]
-        repeat = min(quicker, key=lambda r: sum(times[r, base])) if quicker else None
-    else:
-        repeat = paths[0]
-    merged = merges[0] if last is not None else faster((repeat, True), (repeat, False))
-
-    def name(p, m):
-        return (("rope_append + split" if p is None else f"fused, repeat={p}")
-                + (", last program merges" if m else " + merge"))
-
-    shown = "; ".join(f"{name(*key)} " + ", ".join(f"{1e3 * t:.1f}" for t in ts) for key, ts in times.items())
+        times["old"].append(median_ms(old, inner=2 * layers))
+        for repeat in variants:
+            times[repeat].append(median_ms(lambda r=repeat: fused(r), inner=2 * layers))
+    faster = [r for r in variants if all(t < o for t, o in zip(times[r], times["old"], strict=True))]
+    best = min(faster, key=lambda r: sum(times[r])) if faster else None
+    shown = "; ".join(f"{'rope_append + split + merge' if name == 'old' else f'fused, repeat={name}'} "
+                      + ", ".join(f"{1e3 * t:.1f}" for t in ts) for name, ts in times.items())
     logging.getLogger("thin.runtime").info(
         f"decode attention {num_heads}/{num_kv_heads} heads of {head_dim}, us at {lengths} positions: {shown} -> "
-        + name(repeat, merged))
-    return repeat, merged
+        + ("rope_append + split + merge" if best is None else f"fused, repeat={best}"))
+    return best

@@ -162,14 +162,8 @@ def last_program(counter_ptr):
     Every thread's stores are ordered before the arrival by a barrier, then the arrival is an atomic
     increment with acquire-release semantics at GPU scope (Triton's scalar atomic issues it from one
     thread and hands the old count to the others through shared memory, behind another barrier)."""
-    return last_arrival(counter_ptr, tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2))
-
-
-@triton.jit
-def last_arrival(counter_ptr, total):
-    """`last_program` among `total` programs that count on counter_ptr (a part of a launch: e.g. the
-    split programs of one kv head, attention.merge_last)."""
     tl.debug_barrier()
+    total = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
     arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
     last = arrived == total - 1
     if last:
