@@ -265,6 +265,41 @@ def test_the_kernels_and_the_decode_engine_run_each_level_like_the_executor(comp
             linear.unregister("int4", "cpu", "triton")
 
 
+def test_fp8_levels_decode_on_the_engine_like_the_executor(tmp_path):
+    """Levels over fp8_e4m3 weights (rowwise8's prefix matvecs; an fp8 down finishes the norm at no level):
+    the decode engine's greedy tokens are the executor's at every level, switching levels on one engine."""
+    from thin.runtime import linear, load
+    from thin.runtime.engine import DecodeEngine
+    from thin.runtime.engine import generate as engine_generate
+    from thin.runtime.generate import generate
+    from thin.runtime.sampling import GenerationOptions
+
+    path = _checkpoint(tmp_path / "src")
+    out = tmp_path / "m.thin"
+    run = _cli("thinc", "compile", path, "-o", out, "--quant", "fp8_e4m3", "--ffn-levels", "1,0.75,1/2",
+               "--calib-tokens", "512", "--device", "cpu")
+    assert run.returncode == 0, run.stderr
+    added = DEVICE.type == "cpu"
+    if added:
+        linear.register("fp8_e4m3", "cpu", linear.Implementation("triton", "thin.runtime.kernels.rowwise8:make"))
+    try:
+        model = load(out, device=DEVICE.type)
+        assert {op.implementation for op in model.executor.linear_ops()} == {"triton"}
+        engine = DecodeEngine(model.executor)
+        engine.warm_up()
+        prompt = model.encode(TEXT)[:12]
+        opts = GenerationOptions(max_new_tokens=6, stop_token_ids=())
+        seen = {}
+        for keep in (0.5, 1.0, 0.75):
+            model.set_ffn_keep(keep)
+            seen[keep] = list(engine_generate(engine, prompt, opts))
+            assert seen[keep] == list(generate(model.executor, prompt, opts)), keep
+        assert seen[0.5] != seen[1.0]
+    finally:
+        if added:
+            linear.unregister("fp8_e4m3", "cpu", "triton")
+
+
 def test_a_levels_model_finishes_the_residual_norm_at_every_level(compiled):
     """finish_norm=True on a model with levels (int4 down: grouped-int finishes over a column prefix): o's
     and down's matvecs finish the residual norm, down's at each level over its prefix with a configuration
