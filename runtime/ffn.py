@@ -102,8 +102,17 @@ def run_moe(x: torch.Tensor, p: MoEPlan) -> torch.Tensor:
         for slot, (_, expert) in enumerate(_experts(p, chosen[0].tolist())):
             out += run_mlp(x, expert) * weights[0, slot]
     else:  # prefill: each expert once, on the tokens that chose it
-        for e, expert in _experts(p, torch.unique(chosen).tolist()):
-            token, slot = torch.where(chosen == e)
+        # One sort groups the (token, slot) pairs by expert, in token order within each, and one read of
+        # the counts is the only wait on the device a layer (not a nonzero per expert).
+        flat = chosen.reshape(-1)
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=p.router_weight.shape[0]).tolist()
+        starts = [0]
+        for c in counts:
+            starts.append(starts[-1] + c)
+        tokens, slots = order // p.top_k, order % p.top_k
+        for e, expert in _experts(p, [e for e, c in enumerate(counts) if c]):
+            token, slot = tokens[starts[e]:starts[e + 1]], slots[starts[e]:starts[e + 1]]
             out.index_add_(0, token, run_mlp(x[token], expert) * weights[token, slot, None])
     if p.shared_expert is not None:
         shared = run_mlp(x, p.shared_expert)

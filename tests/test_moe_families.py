@@ -307,3 +307,41 @@ def test_synth_moe_shapes_write_what_thin_and_transformers_read(shape, tmp_path)
         want = reference(ids[None]).logits[0].float()
     got = Executor(source.program.model, source.program.load).forward(ids)
     assert F.cosine_similarity(got, want, dim=-1).min() > 0.9999 and torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+def test_prefill_runs_each_expert_on_the_tokens_that_chose_it():
+    """run_moe over many tokens (the (token, slot) pairs grouped by expert with one sort): bit for bit each
+    chosen expert run once on its tokens in token order, and what it gives token by token (the decode
+    path: each token's k experts in turn; the router's float32 products may round apart), with an expert
+    no token chooses and experts many do."""
+    from thin.runtime.ffn import MLPPlan, MoEPlan, run_moe
+
+    gen = torch.Generator().manual_seed(0)
+    hidden, inter, n, top_k = 16, 24, 8, 2
+
+    def linear(fan_in, fan_out):
+        layer = torch.nn.Linear(fan_in, fan_out, bias=False).double()
+        layer.weight.data.copy_(0.3 * torch.randn(fan_out, fan_in, generator=gen, dtype=torch.float64))
+        return layer
+
+    experts = [MLPPlan("silu", True, [linear(hidden, 2 * inter)], linear(inter, hidden)) for _ in range(n)]
+    bias = torch.zeros(n)
+    bias[5] = -1e4  # never among the top k
+    plan = MoEPlan(top_k, True, "softmax", torch.randn(n, hidden, generator=gen), bias, experts, None, None)
+    x = torch.randn(37, hidden, generator=gen, dtype=torch.float64)
+    with torch.no_grad():
+        got = run_moe(x, plan)
+        want = torch.cat([run_moe(x[t:t + 1], plan) for t in range(x.shape[0])])
+        probs = torch.softmax(torch.nn.functional.linear(x.float(), plan.router_weight, bias), -1)
+        weights, chosen = torch.topk(probs, top_k)
+        weights = (weights / weights.sum(-1, keepdim=True)).double()
+        each = torch.zeros_like(x)
+        for e in range(n):
+            token, slot = torch.where(chosen == e)
+            if token.numel():
+                each.index_add_(0, token, experts[e].down(torch.nn.functional.silu(
+                    experts[e].up[0](x[token])[:, :inter]) * experts[e].up[0](x[token])[:, inter:])
+                    * weights[token, slot, None])
+    assert 5 not in chosen.tolist() and torch.bincount(chosen.reshape(-1)).max() > 4
+    assert torch.equal(got, each)
+    assert torch.allclose(got, want, rtol=0, atol=1e-6)
