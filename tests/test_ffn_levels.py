@@ -4,6 +4,7 @@ the certificate carries every level, and the runtime refuses what was not certif
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import os
@@ -218,25 +219,38 @@ def test_thin_exec_runs_a_certified_level_and_refuses_others(compiled):
     assert forced.returncode == 0 and "UNCERTIFIED" in forced.stderr
 
 
+@contextlib.contextmanager
+def _kernel_engine(path, fmt: str, family: str):
+    """(model, engine): the artifact at `path` on the Triton kernels of `fmt` (thin.runtime.kernels.`family`,
+    registered for the CPU's interpreter while the block runs) and a decode engine on it, warmed up (each
+    level's prefixes have launch configurations of their own)."""
+    from thin.runtime import linear, load
+    from thin.runtime.engine import DecodeEngine
+
+    added = DEVICE.type == "cpu"
+    if added:
+        linear.register(fmt, "cpu", linear.Implementation("triton", f"thin.runtime.kernels.{family}:make"))
+    try:
+        model = load(path, device=DEVICE.type)
+        assert {op.implementation for op in model.executor.linear_ops()} == {"triton"}
+        engine = DecodeEngine(model.executor)
+        engine.warm_up()
+        yield model, engine
+    finally:
+        if added:
+            linear.unregister(fmt, "cpu", "triton")
+
+
 def test_the_kernels_and_the_decode_engine_run_each_level_like_the_executor(compiled):
     """Every level through the Triton kernels (the interpreter on a CPU) and the decode engine: the
     prefill's last logits and the greedy tokens are the executor's at the same level, switching levels
     back and forth on one engine (the CUDA graph is captured again per level on a GPU)."""
-    from thin.runtime import linear, load
-    from thin.runtime.engine import DecodeEngine
     from thin.runtime.engine import generate as engine_generate
     from thin.runtime.generate import generate
     from thin.runtime.sampling import GenerationOptions
 
     _, out, _ = compiled
-    added = DEVICE.type == "cpu"
-    if added:
-        linear.register("int4", "cpu", linear.Implementation("triton", "thin.runtime.kernels.grouped_int:make"))
-    try:
-        model = load(out, device=DEVICE.type)
-        assert {op.implementation for op in model.executor.linear_ops()} == {"triton"}
-        engine = DecodeEngine(model.executor)
-        engine.warm_up()  # each level's prefixes have launch configurations of their own
+    with _kernel_engine(out, "int4", "grouped_int") as (model, engine):
         for level in model.executor.ffn_levels[1:]:
             for layer, (width, _, _) in zip(model.executor.layers, level):
                 mlp = layer.ffn
@@ -260,16 +274,11 @@ def test_the_kernels_and_the_decode_engine_run_each_level_like_the_executor(comp
             assert torch.allclose(engine.logits.float().cpu(), want, atol=1e-3, rtol=1e-3), keep
             seen[keep] = want
         assert not torch.allclose(seen[1.0], seen[0.5], atol=1e-2)
-    finally:
-        if added:
-            linear.unregister("int4", "cpu", "triton")
 
 
 def test_fp8_levels_decode_on_the_engine_like_the_executor(tmp_path):
     """Levels over fp8_e4m3 weights (rowwise8's prefix matvecs; an fp8 down finishes the norm at no level):
     the decode engine's greedy tokens are the executor's at every level, switching levels on one engine."""
-    from thin.runtime import linear, load
-    from thin.runtime.engine import DecodeEngine
     from thin.runtime.engine import generate as engine_generate
     from thin.runtime.generate import generate
     from thin.runtime.sampling import GenerationOptions
@@ -279,14 +288,7 @@ def test_fp8_levels_decode_on_the_engine_like_the_executor(tmp_path):
     run = _cli("thinc", "compile", path, "-o", out, "--quant", "fp8_e4m3", "--ffn-levels", "1,0.75,1/2",
                "--calib-tokens", "512", "--device", "cpu")
     assert run.returncode == 0, run.stderr
-    added = DEVICE.type == "cpu"
-    if added:
-        linear.register("fp8_e4m3", "cpu", linear.Implementation("triton", "thin.runtime.kernels.rowwise8:make"))
-    try:
-        model = load(out, device=DEVICE.type)
-        assert {op.implementation for op in model.executor.linear_ops()} == {"triton"}
-        engine = DecodeEngine(model.executor)
-        engine.warm_up()
+    with _kernel_engine(out, "fp8_e4m3", "rowwise8") as (model, engine):
         prompt = model.encode(TEXT)[:12]
         opts = GenerationOptions(max_new_tokens=6, stop_token_ids=())
         seen = {}
@@ -295,9 +297,6 @@ def test_fp8_levels_decode_on_the_engine_like_the_executor(tmp_path):
             seen[keep] = list(engine_generate(engine, prompt, opts))
             assert seen[keep] == list(generate(model.executor, prompt, opts)), keep
         assert seen[0.5] != seen[1.0]
-    finally:
-        if added:
-            linear.unregister("fp8_e4m3", "cpu", "triton")
 
 
 def test_a_levels_model_finishes_the_residual_norm_at_every_level(compiled):
