@@ -100,13 +100,7 @@ def x_octet(x_ptr, first, cmask, EVEN: tl.constexpr):
 @triton.jit
 def octet_split(xs):
     """[C, 8] activations (8 a lane) -> a tuple of eight float32 [C], column j of each chunk."""
-    return octet_columns(xs.to(tl.float32))
-
-
-@triton.jit
-def octet_columns(xs):
-    """[C, 8] (8 a lane) -> its eight columns [C], in registers, of xs's dtype."""
-    xs = tl.reshape(xs, [xs.shape[0], 2, 2, 2])
+    xs = tl.reshape(xs.to(tl.float32), [xs.shape[0], 2, 2, 2])
     a0, a1 = tl.split(xs)
     b00, b01 = tl.split(a0)
     b10, b11 = tl.split(a1)
