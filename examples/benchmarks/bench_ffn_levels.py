@@ -11,7 +11,8 @@
    the per-layer sensitivities are noise); with --baseline also the plain `--quant FORMAT` artifact;
 3. loads the artifact once and runs `thin-exec bench`'s measurement (runtime/bench.py: CUDA graph,
    greedy, checks) at each level in turn, switching levels in place (no weight copy, one captured
-   graph per level);
+   graph per level); with --profile, one process per level (a graph captured after the profiler has run
+   in a process replays slower);
 4. prints one markdown table: per level the weight bytes a token reads, decode tok/s, the speed-up
    over keep 1.0 of the same artifact and the share of the bandwidth roofline; with --profile a second
    one: per level the whole captured step's replay and the device time of its gate/up and down
@@ -210,13 +211,21 @@ def main() -> None:
     results = {}
     for label, (dst, _) in artifacts.items():
         measure = keeps if label == "levels" else [1.0]
-        cmd = [sys.executable, __file__, "--bench-levels", str(dst), ",".join(map(str, measure)), "--prompt-len",
-               str(args.prompt_len), "--gen", str(args.gen), "--runs", str(args.runs)]
-        cmd += ["--profile"] if args.profile else []
-        run = log_run(cmd, args.out / f"bench-{label}.log", env)
-        results[label] = [json.loads(ln) for ln in run.stdout.splitlines() if ln.startswith("{")]
-        if run.returncode != 0:
-            print(f"bench {label} failed ({run.returncode}): see {args.out}/bench-{label}.log", file=sys.stderr)
+        # With --profile each level is measured in a process of its own: once torch.profiler has run in a
+        # process, a CUDA graph captured there afterwards replays with ~0.4 us more before each of its
+        # launches (measured on the H200: 80-110 us a llama-8b step), which would slow every level after
+        # the first. Without it, one process switches levels in place.
+        batches = [[keep] for keep in measure] if args.profile else [measure]
+        results[label] = []
+        for batch in batches:
+            cmd = [sys.executable, __file__, "--bench-levels", str(dst), ",".join(map(str, batch)), "--prompt-len",
+                   str(args.prompt_len), "--gen", str(args.gen), "--runs", str(args.runs)]
+            cmd += ["--profile"] if args.profile else []
+            log = args.out / (f"bench-{label}.log" if len(batches) == 1 else f"bench-{label}-{batch[0]:g}.log")
+            run = log_run(cmd, log, env)
+            results[label] += [json.loads(ln) for ln in run.stdout.splitlines() if ln.startswith("{")]
+            if run.returncode != 0:
+                print(f"bench {label} failed ({run.returncode}): see {log}", file=sys.stderr)
         stage(f"bench {label}")
     (args.out / "bench_ffn_levels.json").write_text(json.dumps({"shape": name, "format": args.format,
                                                                 "compiled": compiled, "results": results}, indent=1))
