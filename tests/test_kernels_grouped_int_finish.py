@@ -91,7 +91,7 @@ def test_finishing_matvec_over_the_row_in_chunks(fmt, asymmetric, packed, bias, 
         assert within_an_ulp(got[1], want[1]) and counts == [0, 0], split
 
 
-def test_finish_candidates_holding_the_row_come_first():
+def test_finish_candidates_hold_the_row():
     """Every finishing candidate: a partial-sum candidate of at most max_split splits, those that hold the
     row (32 values of it a thread at most) first, the untimed choice among them (norm.finishing_first)."""
     from thin.runtime.kernels.common import MatvecConfig
