@@ -312,8 +312,7 @@ class Finish:
                     norm_ptr=norm_w, normed_ptr=self.normed, post_eps=float(post_eps), eps=float(eps), FINISH=True,
                     FINISH_BIAS=self.bias is not None, POST=self.post is not None, NORM=self.norm is not None,
                     H_BLOCK=next_power_of_2(H), N_PARTS=parts if parts <= MAX_UNROLLED else 0,
-                    **({} if num_warps is None else {"H_CHUNK": finish_chunk(H, num_warps, parts,
-                                                                             self.post is not None)}))
+                    **({} if num_warps is None else {"H_CHUNK": finish_chunk(H, num_warps, parts)}))
 
 
 # Values of the row a thread of a finishing matvec's last program holds at most: the whole row where it
@@ -333,15 +332,14 @@ def finishing_first(configs: list, H: int) -> list:
     return [c for c in configs if holds_row(H, c.num_warps)] + [c for c in configs if not holds_row(H, c.num_warps)]
 
 
-def finish_chunk(H: int, num_warps: int, parts: int = 1, post: bool = False) -> int:
-    """The H_CHUNK of a finishing matvec of `num_warps` warps over `parts` partial sums (and a post-norm):
-    0 (the whole row at once) where its threads hold the row, else the values its last program takes a
-    pass step: ROW_VALUES a thread, half that over more than 2 partial sums or a post-norm's 2 (all loaded
-    at once, ptxas spills there at 32 a thread: the Triton 3.6 sm_90 builds of int4 o's 16-row tilings
-    over 4 splits, of int3 down's 8-row ones over 2 with a post-norm)."""
+def finish_chunk(H: int, num_warps: int, parts: int = 1) -> int:
+    """The H_CHUNK of a finishing matvec of `num_warps` warps over `parts` partial sums: 0 (the whole row
+    at once) where its threads hold the row, else the values its last program takes a pass step:
+    ROW_VALUES a thread, half that over more than 2 partial sums (all loaded at once: at 4 and 32 values
+    a thread, ptxas spills, the Triton 3.6 sm_90 build of o's 16-row tilings)."""
     if holds_row(H, num_warps):
         return 0
-    return num_warps * 32 * (ROW_VALUES if parts <= (1 if post else 2) else ROW_VALUES // 2)
+    return num_warps * 32 * (ROW_VALUES if parts <= 2 else ROW_VALUES // 2)
 
 
 def fastest_fused(device, separate, launches, what: str):
