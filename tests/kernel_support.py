@@ -34,21 +34,6 @@ def within_an_ulp(got: torch.Tensor, want: torch.Tensor) -> bool:
     return bool(torch.isfinite(got).all() and ((got - want).abs() <= want.abs() * 2.0 ** -7).all())
 
 
-def finishing_sample(candidates: list, H: int) -> list:
-    """Of a weight's finishing candidates (finish_candidates), those whose last program holds the H-long
-    row, and the first of the others for each warp count and chunk (norm.finish_chunk): the GPU tests'
-    cover of both row paths without compiling every tiling of the chunked one."""
-    from thin.runtime.kernels.norm import finish_chunk
-
-    seen, out = set(), []
-    for c in candidates:
-        key = (c.num_warps, finish_chunk(H, c.num_warps, c.split))
-        if key[1] == 0 or key not in seen:
-            seen.add(key)
-            out.append(c)
-    return out
-
-
 def tolerance(dtype: torch.dtype) -> float:
     """What an output rounded to `dtype` (plus float32 accumulation) may miss by."""
     return {torch.float32: 2e-5, torch.bfloat16: 1.2e-2, torch.float16: 2e-3}[dtype]

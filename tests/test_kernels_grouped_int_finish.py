@@ -3,7 +3,7 @@ against their partial sums then add_rmsnorm."""
 
 import pytest
 import torch
-from kernel_support import DEVICE, finishing_sample, poisoned, rel_err, within_an_ulp
+from kernel_support import DEVICE, poisoned, rel_err, within_an_ulp
 from linear_kernel_cases import make_op
 
 # (format, asymmetric, bf16 pairs): int4 both arithmetics, asymmetric int3 (2-bit low plane + 1-bit
@@ -111,14 +111,13 @@ def test_finish_candidates_hold_the_row():
 @pytest.mark.parametrize(("fmt", "asymmetric"), [("int4", 0), ("int4", 1), ("int3", 1)])
 def test_finishing_matvec_real_shapes_on_gpu(fmt, asymmetric):
     """At llama-8b's o and down shapes (and down's half prefix, a level's), group 32, every finishing
-    candidate that holds the row and one of each chunked kind (finishing_sample) twice in a row: the
-    residual as the separate launches leave it, the normed row up to the sum's order, the counter back
-    to zero."""
+    candidate twice in a row: the residual as the separate launches leave it, the normed row up to the
+    sum's order, the counter back to zero."""
     for shape, cols in [((4096, 4096), None), ((4096, 14336), None), ((4096, 14336), 7168)]:
         op, _, _ = make_op(fmt, shape, {"group_size": 32, "asymmetric": asymmetric}, dtype=torch.bfloat16)
         candidates = op.finish_candidates(8, cols)
         assert candidates and any(c.num_warps < 4 for c in candidates) and candidates[0].num_warps >= 4
-        for config in finishing_sample(candidates, shape[0]):
+        for config in candidates:
             got, want, counts = _finish_case(fmt, asymmetric, shape, config, bias=True, post=False, cols=cols,
                                              launches=2)
             assert torch.equal(got[0], want[0]), config
