@@ -27,13 +27,6 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got - want).norm() / want.norm().clamp_min(1e-30))
 
 
-def within_an_ulp(got: torch.Tensor, want: torch.Tensor) -> bool:
-    """Whether every element of bfloat16 `got` is want's or a neighbouring bfloat16 value (a float32
-    sum in another order, rounded)."""
-    got, want = got.float().cpu(), want.float().cpu()
-    return bool(torch.isfinite(got).all() and ((got - want).abs() <= want.abs() * 2.0 ** -7).all())
-
-
 def tolerance(dtype: torch.dtype) -> float:
     """What an output rounded to `dtype` (plus float32 accumulation) may miss by."""
     return {torch.float32: 2e-5, torch.bfloat16: 1.2e-2, torch.float16: 2e-3}[dtype]

@@ -4,7 +4,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from kernel_support import DEVICE, poisoned, rel_err, tolerance, within_an_ulp
+from kernel_support import DEVICE, poisoned, rel_err, tolerance
 from linear_kernel_cases import check_all, check_glu, check_matvec, make_op
 
 from thin.runtime.ffn import activate
@@ -132,9 +132,8 @@ def test_fp8_loads_ahead_real_shapes_on_gpu(inline_asm, monkeypatch):
         check_glu(op, dense, None, torch.bfloat16, "silu")
 
 
-def _finish_case(fmt, shape, config, *, bias, post, dtype=torch.bfloat16, seed=11, launches=1):
-    """(finishing matvec's (residual, normed), separate partials + add_rmsnorm's, the counter after each
-    launch) of one case, `launches` times in a row on the same residual."""
+def _finish_case(fmt, shape, config, *, bias, post, dtype=torch.bfloat16, seed=11):
+    """(finishing matvec's (residual, normed), separate partials + add_rmsnorm's, counter after) of one case."""
     from thin.runtime.kernels.norm import Finish, add_rmsnorm
 
     op, _, b = make_op(fmt, shape, dtype=dtype, bias=bias, seed=seed)
@@ -145,18 +144,14 @@ def _finish_case(fmt, shape, config, *, bias, post, dtype=torch.bfloat16, seed=1
     post_norm = (weight.flip(0).contiguous(), 1e-5) if post else None
     norm = (weight, 1e-6)
     op._configs["partial"] = config
+    want_res, want_out = residual.clone(), poisoned(shape[0], dtype=dtype)
+    parts = op.matvec(x, partials=poisoned(8, shape[0], dtype=torch.float32))
+    add_rmsnorm(want_res, want_out, partials=parts, bias=b, post=post_norm, norm=norm)
     op.finish_config = config
     counter = torch.zeros(1, dtype=torch.int32, device=DEVICE)
-    want_res, want_out = residual.clone(), poisoned(shape[0], dtype=dtype)
     got_res, got_out = residual.clone(), poisoned(shape[0], dtype=dtype)
-    counts = []
-    for _ in range(launches):
-        parts = op.matvec(x, partials=poisoned(8, shape[0], dtype=torch.float32))
-        add_rmsnorm(want_res, want_out, partials=parts, bias=b, post=post_norm, norm=norm)
-        op.matvec_finish(x, poisoned(8, shape[0], dtype=torch.float32),
-                         Finish(counter, got_res, got_out, b, post_norm, norm))
-        counts.append(int(counter))
-    return (got_res, got_out), (want_res, want_out), counts
+    op.matvec_finish(x, poisoned(8, shape[0], dtype=torch.float32), Finish(counter, got_res, got_out, b, post_norm, norm))
+    return (got_res, got_out), (want_res, want_out), counter
 
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
@@ -170,9 +165,9 @@ def test_finishing_matvec_is_add_rmsnorm(fmt, bias, post):
     chunk = 64 if fmt == "fp8_e4m3" else 32
     for split in (1, 2, 3):
         config = MatvecConfig(32, chunk, split, 4)
-        got, want, counts = _finish_case(fmt, (96, 192), config, bias=bias, post=post)
+        got, want, counter = _finish_case(fmt, (96, 192), config, bias=bias, post=post)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), split
-        assert counts == [0]
+        assert int(counter) == 0
 
 
 @pytest.mark.gpu
@@ -183,26 +178,9 @@ def test_finishing_matvec_real_shapes_on_gpu(fmt):
     for shape in [(4096, 4096), (4096, 14336)]:
         op, _, _ = make_op(fmt, shape, dtype=torch.bfloat16)
         candidates = op.finish_candidates(8)
-        assert candidates and any(c.num_warps < 4 for c in candidates) and candidates[0].num_warps >= 4
+        assert candidates and all(c.num_warps >= 4 for c in candidates)
         for config in candidates:
-            got, want, counts = _finish_case(fmt, shape, config, bias=True, post=False, launches=2)
-            assert torch.equal(got[0], want[0]), config
-            assert rel_err(got[1], want[1]) < 1e-2 and counts == [0, 0], config
-
-
-@pytest.mark.parametrize("fmt", ["int8", "fp8_e4m3"])
-@pytest.mark.parametrize(("bias", "post"), [(False, False), (True, False), (True, True)])
-def test_finishing_matvec_over_the_row_in_chunks(fmt, bias, post):
-    """A tiling whose threads cannot hold the row (1 warp, 1100 outputs: norm.finish_chunk's 1024 values,
-    512 over 3 splits, then a ragged 76): its last program goes over the row in chunks, the sums of
-    squares chunk by chunk.
-    The residual is add_rmsnorm's bit for bit without a post-norm, else within a bfloat16 ulp, as normed
-    is; for 1 and 3 splits, twice in a row, the counter back to zero after each."""
-    from thin.runtime.kernels.common import MatvecConfig
-
-    chunk = 64 if fmt == "fp8_e4m3" else 32
-    for split in (1, 3):
-        config = MatvecConfig(1024, chunk, split, 1)
-        got, want, counts = _finish_case(fmt, (1100, 192), config, bias=bias, post=post, launches=2)
-        assert (torch.equal(got[0], want[0]) if not post else within_an_ulp(got[0], want[0])), split
-        assert within_an_ulp(got[1], want[1]) and counts == [0, 0], split
+            for _ in range(2):
+                got, want, counter = _finish_case(fmt, shape, config, bias=True, post=False)
+                assert torch.equal(got[0], want[0]), config
+                assert rel_err(got[1], want[1]) < 1e-2 and int(counter) == 0, config

@@ -36,7 +36,7 @@ from .common import (
     sm_count,
 )
 from .grouped_int_batch import _codes
-from .norm import finish_partials, finishing_first, prefetch_norms
+from .norm import finish_partials, prefetch_norms
 from .pairs import PAIR_MAGIC, pair_sum, word_dot, x_pairs, zero_pair
 from .prefill import MatmulConfig, TiledPrefill, matmul_blocks, tile_candidates, token_bucket
 from .tiles import (
@@ -159,14 +159,13 @@ def _matvec_kernel(low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, level_ptr
                    res_ptr=None, finish_bias_ptr=None, post_ptr=None, norm_ptr=None, normed_ptr=None, post_eps=0.0,
                    eps=0.0, FINISH: tl.constexpr = False, FINISH_BIAS: tl.constexpr = False,
                    POST: tl.constexpr = False, NORM: tl.constexpr = False, H_BLOCK: tl.constexpr = 1,
-                   N_PARTS: tl.constexpr = 0, PREFETCH: tl.constexpr = False, H_CHUNK: tl.constexpr = 0):
+                   N_PARTS: tl.constexpr = 0, PREFETCH: tl.constexpr = False):
     """Program (i, s): output rows i*BN.., chunks of split s. With ACT >= 0 the weight is [gate; up]
     and the tile holds both rows of each output (gate row r, up row n + r), one pass over x; LEVEL:
     the product times level_ptr[r] (an elastic FFN level's scale, instead of a launch of its own).
     FINISH (with PARTIAL): the launch's last program also adds the partial sums into the residual and
-    norms it (norm.Finish), so no residual-norm launch follows (H_CHUNK > 0: over the row in chunks of
-    that many, norm.finish_chunk); PREFETCH: program (0, 0) first asks L2 for the norm weights that
-    program reads (as rowwise8's matvec)."""
+    norms it (norm.Finish), so no residual-norm launch follows; PREFETCH: program (0, 0) first asks L2
+    for the norm weights that program reads (as rowwise8's matvec)."""
     if PREFETCH:
         prefetch_norms(norm_ptr, post_ptr, n, NORM, POST)
     total = _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K, split_chunks, magic, WL, WH, MID, ASYM,
@@ -177,7 +176,7 @@ def _matvec_kernel(low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, level_ptr
         store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL)
     if FINISH:
         finish_partials(counter_ptr, res_ptr, out_ptr, finish_bias_ptr, post_ptr, norm_ptr, normed_ptr, n,
-                        tl.num_programs(1), post_eps, eps, FINISH_BIAS, POST, NORM, H_BLOCK, N_PARTS, H_CHUNK)
+                        tl.num_programs(1), post_eps, eps, FINISH_BIAS, POST, NORM, H_BLOCK, N_PARTS)
 
 
 @triton.jit
@@ -415,11 +414,11 @@ class GroupedIntLinear(TiledPrefill, KernelLinear):
 
     def finish_candidates(self, max_split: int, cols: int | None = None) -> list[MatvecConfig]:
         """Split-K configurations whose matvec can also finish the residual norm (`matvec_finish`, over
-        the first `cols` columns when given): the partial-sum candidates of at most `max_split` splits,
-        first those with threads enough to hold the row (norm.holds_row: 4 warps at 4096), then the
-        others, whose last program goes over the row in chunks (as rowwise8's)."""
-        return finishing_first([c for c in self.candidates("partial", None, cols) if c.split <= max_split],
-                               self.out_features)
+        the first `cols` columns when given): the partial-sum candidates of at most `max_split` splits
+        with threads enough to hold the row (the last program keeps the out_features-long row in
+        registers: at most 32 values a thread, so 4 warps at 4096, as rowwise8's)."""
+        return [c for c in self.candidates("partial", None, cols)
+                if c.num_warps * 32 * 32 >= self.out_features and c.split <= max_split]
 
     def _matvec(self, x, out, config, act, partial, rows=None, cols=None, scale=None, finish=None):
         n, programs, config = prefix_rows(self, config, act, rows)
@@ -439,8 +438,7 @@ class GroupedIntLinear(TiledPrefill, KernelLinear):
             BN=config.block_n, EVEN_N=n % config.block_n == 0, EVEN_K=launch.even, ASM=launch.asm, ACT=act,
             HAS_BIAS=self.bias is not None, PARTIAL=partial, PACKED=config.packed,
             ZERO_BITS=zero_pair(self.mid) if config.packed else 0, AHEAD=config.ahead, LEVEL=scale is not None,
-            num_warps=config.num_warps,
-            **(finish.launch_args(config.split, n, config.num_warps) if finish is not None else {}))
+            num_warps=config.num_warps, **(finish.launch_args(config.split, n) if finish is not None else {}))
         return config.split
 
     def matmul_candidates(self, T: int, K: int) -> list[MatmulConfig]:

@@ -144,91 +144,13 @@ def prefetch_norms(norm_ptr, post_ptr, n, NORM: tl.constexpr, POST: tl.constexpr
 @triton.jit
 def finish_partials(counter_ptr, res_ptr, parts_ptr, bias_ptr, post_ptr, norm_ptr, normed_ptr, n, n_parts, post_eps,
                     eps, HAS_BIAS: tl.constexpr, POST: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,
-                    N_PARTS: tl.constexpr, CHUNK: tl.constexpr = 0):
+                    N_PARTS: tl.constexpr):
     """Called by every program of a launch after it stored its rows of the float32 partial sums
     [n_parts, n] at parts_ptr: the last to arrive (`last_program`) runs add_rmsnorm's row over them
-    (`residual_norm_row`, the partials read past L1), so no residual-norm launch follows (norm.Finish).
-    CHUNK > 0: the program's threads cannot hold the row, so it goes over the row CHUNK values at a
-    time instead (`residual_norm_chunks`)."""
+    (`residual_norm_row`, the partials read past L1), so no residual-norm launch follows (norm.Finish)."""
     if last_program(counter_ptr):
-        if CHUNK > 0:
-            residual_norm_chunks(res_ptr, parts_ptr, bias_ptr, post_ptr, norm_ptr, normed_ptr, n, n_parts, post_eps,
-                                 eps, HAS_BIAS, POST, NORM, CHUNK, N_PARTS)
-        else:
-            residual_norm_row(res_ptr, parts_ptr, bias_ptr, post_ptr, norm_ptr, normed_ptr, 0, n, n_parts, n,
-                              post_eps, eps, 1, HAS_BIAS, POST, NORM, BLOCK, N_PARTS, True)
-
-
-@triton.jit
-def _chunk_delta(parts_ptr, bias_ptr, cols, mask, n, n_parts, HAS_BIAS: tl.constexpr, N_PARTS: tl.constexpr,
-                 CHUNK: tl.constexpr):
-    """The partial sums [n_parts, n] at `cols` (CHUNK of them) summed in split order, then the bias:
-    float32, as `residual_norm_values` sums h (read past L1)."""
-    h = tl.zeros([CHUNK], dtype=tl.float32)
-    if N_PARTS > 0:
-        for s in tl.static_range(N_PARTS):
-            h += _part(parts_ptr + s * n + cols, mask, True)
-    else:
-        for s in range(0, n_parts):
-            h += _part(parts_ptr + s * n + cols, mask, True)
-    if HAS_BIAS:
-        h += tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    return h
-
-
-@triton.jit
-def residual_norm_chunks(res_ptr, parts_ptr, bias_ptr, post_ptr, norm_ptr, out_ptr, n, n_parts, post_eps, eps,
-                         HAS_BIAS: tl.constexpr, POST: tl.constexpr, NORM: tl.constexpr, CHUNK: tl.constexpr,
-                         N_PARTS: tl.constexpr):
-    """`residual_norm_row` over the one row (n values) of the float32 partial sums at parts_ptr, CHUNK
-    values at a time, for a program whose threads cannot hold the row: each value rounded as there,
-    the sums of squares in float32 summed chunk by chunk in a fixed order (not the whole row's order,
-    so normed may differ from add_rmsnorm's in the last bit). Passes over the row, each after the one
-    before (a barrier between, though each thread reads back only what it stored):
-    with POST, first h (rounded) into out_ptr and its sum of squares, for the post-norm; then the
-    residual += h (post-normed) stored in place, and its sum of squares; then, with NORM, normed from
-    the residual just stored (L1/L2)."""
-    dtype = res_ptr.dtype.element_ty
-    offs = tl.arange(0, CHUNK)
-    if POST:
-        post_sq = tl.zeros([CHUNK], dtype=tl.float32)
-        for c0 in range(0, n, CHUNK):
-            cols = c0 + offs
-            mask = cols < n
-            h = _chunk_delta(parts_ptr, bias_ptr, cols, mask, n, n_parts, HAS_BIAS, N_PARTS, CHUNK).to(dtype)
-            tl.store(out_ptr + cols, h, mask=mask)
-            h = h.to(tl.float32)
-            post_sq += h * h
-        post_inv = 1.0 / tl.sqrt(tl.sum(post_sq, axis=0) / n + post_eps)
-        tl.debug_barrier()
-    sq = tl.zeros([CHUNK], dtype=tl.float32)
-    for c0 in range(0, n, CHUNK):
-        cols = c0 + offs
-        mask = cols < n
-        res = tl.load(res_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        if POST:
-            h = tl.load(out_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            post_w = tl.load(post_ptr + cols, mask=mask, other=0.0)
-            h = (h * post_inv * post_w).to(dtype).to(tl.float32)
-        else:
-            h = _chunk_delta(parts_ptr, bias_ptr, cols, mask, n, n_parts, HAS_BIAS, N_PARTS, CHUNK)
-            h = h.to(dtype).to(tl.float32)
-        res = (res + h).to(dtype)
-        tl.store(res_ptr + cols, res, mask=mask)
-        if NORM:
-            res = res.to(tl.float32)
-            sq += res * res
-        else:
-            tl.store(out_ptr + cols, res, mask=mask)
-    if NORM:
-        inv = 1.0 / tl.sqrt(tl.sum(sq, axis=0) / n + eps)
-        tl.debug_barrier()
-        for c0 in range(0, n, CHUNK):
-            cols = c0 + offs
-            mask = cols < n
-            res = tl.load(res_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-            norm_w = tl.load(norm_ptr + cols, mask=mask, other=0.0)
-            tl.store(out_ptr + cols, (res * inv * norm_w).to(dtype), mask=mask)
+        residual_norm_row(res_ptr, parts_ptr, bias_ptr, post_ptr, norm_ptr, normed_ptr, 0, n, n_parts, n, post_eps,
+                          eps, 1, HAS_BIAS, POST, NORM, BLOCK, N_PARTS, True)
 
 
 @triton.jit
@@ -293,10 +215,8 @@ class Finish:
     post: tuple | None = None
     norm: tuple | None = None
 
-    def launch_args(self, parts: int, H: int, num_warps: int | None = None) -> dict:
-        """The matvec kernel's finishing arguments for `parts` partial sums of H values; `num_warps`: the
-        launch's, where its last program goes over the row in chunks when its threads cannot hold the row
-        (`finish_chunk`)."""
+    def launch_args(self, parts: int, H: int) -> dict:
+        """The matvec kernel's finishing arguments for `parts` partial sums of H values."""
         if self.residual.numel() != H or self.normed.numel() != H:
             raise ValueError(f"a finishing matvec norms one row of {H} values, got a residual of "
                              f"{self.residual.numel()} and an output of {self.normed.numel()}")
@@ -311,35 +231,7 @@ class Finish:
                     counter_ptr=self.counter, res_ptr=self.residual, finish_bias_ptr=self.bias, post_ptr=post_w,
                     norm_ptr=norm_w, normed_ptr=self.normed, post_eps=float(post_eps), eps=float(eps), FINISH=True,
                     FINISH_BIAS=self.bias is not None, POST=self.post is not None, NORM=self.norm is not None,
-                    H_BLOCK=next_power_of_2(H), N_PARTS=parts if parts <= MAX_UNROLLED else 0,
-                    **({} if num_warps is None else {"H_CHUNK": finish_chunk(H, num_warps, parts)}))
-
-
-# Values of the row a thread of a finishing matvec's last program holds at most: the whole row where it
-# fits (residual_norm_row), else chunks of this many a thread (residual_norm_chunks).
-ROW_VALUES = 32
-
-
-def holds_row(H: int, num_warps: int) -> bool:
-    """Whether a finishing matvec's last program of `num_warps` warps keeps the whole H-long row in
-    registers (residual_norm_row), at most ROW_VALUES values a thread."""
-    return num_warps * 32 * ROW_VALUES >= H
-
-
-def finishing_first(configs: list, H: int) -> list:
-    """Matvec configurations (with num_warps) that may finish the residual norm of an H-long row, those
-    whose last program holds the row first (the untimed choice takes the first), each group in order."""
-    return [c for c in configs if holds_row(H, c.num_warps)] + [c for c in configs if not holds_row(H, c.num_warps)]
-
-
-def finish_chunk(H: int, num_warps: int, parts: int = 1) -> int:
-    """The H_CHUNK of a finishing matvec of `num_warps` warps over `parts` partial sums: 0 (the whole row
-    at once) where its threads hold the row, else the values its last program takes a pass step:
-    ROW_VALUES a thread, half that over more than 2 partial sums (all loaded at once: at 4 and 32 values
-    a thread, ptxas spills, the Triton 3.6 sm_90 build of o's 16-row tilings)."""
-    if holds_row(H, num_warps):
-        return 0
-    return num_warps * 32 * (ROW_VALUES if parts <= 2 else ROW_VALUES // 2)
+                    H_BLOCK=next_power_of_2(H), N_PARTS=parts if parts <= MAX_UNROLLED else 0)
 
 
 def fastest_fused(device, separate, launches, what: str):

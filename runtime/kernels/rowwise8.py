@@ -31,7 +31,7 @@ from .common import (
     prefix_rows,
     prefix_split,
 )
-from .norm import finish_partials, finishing_first, holds_row, prefetch_norms
+from .norm import finish_partials, prefetch_norms
 from .prefill import matmul_blocks, matmul_prefix
 from .tiles import (
     dot_tile,
@@ -186,13 +186,12 @@ def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, split, flip
                    post_ptr=None, norm_ptr=None, normed_ptr=None, post_eps=0.0, eps=0.0,
                    FINISH: tl.constexpr = False, FINISH_BIAS: tl.constexpr = False, POST: tl.constexpr = False,
                    NORM: tl.constexpr = False, H_BLOCK: tl.constexpr = 1, N_PARTS: tl.constexpr = 0,
-                   PREFETCH: tl.constexpr = False, H_CHUNK: tl.constexpr = 0):
+                   PREFETCH: tl.constexpr = False):
     """Program (i, s): output rows i*BN.., the columns of split s (`split` of them: columns for
     fp8, chunks for int8; STEP per loop step). ACT >= 0: the weight is [gate; up] and the tile
     holds both rows of each output (gate row r, up row n + r), one pass over x. FINISH (with
     PARTIAL): the launch's last program also adds the partial sums into the residual and norms it
-    (norm.Finish), so no residual-norm launch follows (H_CHUNK > 0: over the row in chunks of that
-    many, norm.finish_chunk); PREFETCH: program (0, 0) first asks L2 for the
+    (norm.Finish), so no residual-norm launch follows; PREFETCH: program (0, 0) first asks L2 for the
     norm weights that program reads (bulk prefetches, sm_90), so they are not a DRAM latency at the end."""
     if PREFETCH:
         prefetch_norms(norm_ptr, post_ptr, n, NORM, POST)
@@ -209,7 +208,7 @@ def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, split, flip
     store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL)
     if FINISH:
         finish_partials(counter_ptr, res_ptr, out_ptr, finish_bias_ptr, post_ptr, norm_ptr, normed_ptr, n,
-                        tl.num_programs(1), post_eps, eps, FINISH_BIAS, POST, NORM, H_BLOCK, N_PARTS, H_CHUNK)
+                        tl.num_programs(1), post_eps, eps, FINISH_BIAS, POST, NORM, H_BLOCK, N_PARTS)
 
 
 @triton.jit
@@ -282,16 +281,16 @@ class Rowwise8Linear(KernelLinear):
 
     def finish_candidates(self, max_split: int) -> list[MatvecConfig]:
         """Split-K configurations whose matvec can also finish the residual norm (`matvec_finish`): the
-        partial-sum candidates of at most `max_split` splits, first those with threads enough to hold
-        the row (norm.holds_row: 4 warps or more at 4096), then the others, whose last program goes over
-        the row in chunks."""
-        out = [c for c in self.candidates("partial") if c.split <= max_split]
-        holding = [c for c in out if holds_row(self.out_features, c.num_warps)]
-        # fp8: the tilings that hold the row again pipelined through shared memory where a program takes
-        # 3 steps or more (the partial candidates pipeline only the 1- and 2-warp tilings).
-        staged = [replace(c, stages=3) for c in holding if self.fp8 and not c.ahead and not c.stages
+        partial-sum candidates of at most `max_split` splits with threads enough to hold the row (the
+        last program keeps the out_features-long row in registers: at most 32 values a thread, so 4 warps
+        or more at 4096)."""
+        out = [c for c in self.candidates("partial")
+               if c.num_warps * 32 * 32 >= self.out_features and c.split <= max_split]
+        # fp8: the plain tilings again pipelined through shared memory where a program takes 3 steps or more
+        # (the partial candidates pipeline only 1- and 2-warp tilings, which cannot hold a 4096 row).
+        staged = [replace(c, stages=3) for c in out if self.fp8 and not c.ahead and not c.stages
                   and not interpreting() and fp8_steps(self.in_features, c) >= 3]
-        return finishing_first(out + [c for c in staged if c not in out], self.out_features)
+        return out + [c for c in staged if c not in out]
 
     def _matvec(self, x, out, config, act, partial, rows=None, cols=None, finish=None):
         n, programs, config = prefix_rows(self, config, act, rows)
@@ -316,7 +315,7 @@ class Rowwise8Linear(KernelLinear):
             FP8=self.fp8, BN=config.block_n, STEP=step, EVEN_N=n % config.block_n == 0, EVEN_K=even, ASM=asm,
             ACT=act, HAS_BIAS=self.bias is not None, PARTIAL=partial, AHEAD=config.ahead if self.fp8 else 0,
             STAGES=config.stages if self.fp8 else 0, num_warps=config.num_warps,
-            **(finish.launch_args(config.split, n, config.num_warps) if finish is not None else {}))
+            **(finish.launch_args(config.split, n) if finish is not None else {}))
         return config.split
 
     def _matmul(self, x, rows=None, cols=None, halves=1):
