@@ -24,51 +24,34 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import DecodeAttention, capped, kv_tile, softmax_over, softmax_tile
+from .attention import DecodeAttention, capped, online_softmax
 from .common import next_power_of_2
 
 
 @triton.jit
-def _head_loads(x_ptr, rows, valid, w_ptr, cos_ptr, sin_ptr, position, D, R, d, NORM: tl.constexpr,
-                ROPE: tl.constexpr):
-    """What `_make_heads` reads for heads `rows` [N] (where `valid`) of the qkv row at x_ptr, loaded at
-    once (no load waits on another): (features [N, BLOCK_D], their rotation partners, the norm weight at
-    d and at the partners, cos and sin at `position`); placeholders where NORM / ROPE leave one unused."""
+def _heads(x_ptr, rows, valid, w_ptr, eps, cos_ptr, sin_ptr, position, D, R, d, NORM: tl.constexpr,
+                 ROPE: tl.constexpr):
+    """Heads `rows` [N] (where `valid`; zeros elsewhere) of the qkv row at x_ptr, normed (NORM) and
+    rotated (ROPE) at `position` as rope.py's `_head` does one head: [N, BLOCK_D] float32, rounded
+    to x_ptr's dtype at each of the torch path's steps."""
+    ty = x_ptr.dtype.element_ty
     base = x_ptr + rows[:, None] * D
-    x = tl.load(base + d[None, :], mask=valid[:, None] & (d < D)[None, :], other=0.0)
-    other, w, w_partner, cos, sin = x, d, d, d, d
-    if NORM:
-        w = tl.load(w_ptr + d, mask=d < D, other=0.0)
-    if ROPE:
-        half = R // 2
-        rot = d < R
-        partner = tl.where(d < half, d + half, d - half)
-        other = tl.load(base + partner[None, :], mask=valid[:, None] & rot[None, :], other=0.0)
-        if NORM:  # the partner feature is normed too (same row statistics)
-            w_partner = tl.load(w_ptr + partner, mask=rot, other=0.0)
-        cos = tl.load(cos_ptr + position * R + d, mask=rot, other=1.0)
-        sin = tl.load(sin_ptr + position * R + d, mask=rot, other=0.0)
-    return x, other, w, w_partner, cos, sin
-
-
-@triton.jit
-def _make_heads(x, other, w, w_partner, cos, sin, ty: tl.constexpr, eps, D, R, d, NORM: tl.constexpr,
-                ROPE: tl.constexpr):
-    """The heads `_head_loads` read, normed (NORM) and rotated (ROPE) as rope.py's `_head` does one head:
-    [N, BLOCK_D] float32, rounded to `ty` at each of the torch path's steps."""
-    x = x.to(tl.float32)
+    x = tl.load(base + d[None, :], mask=valid[:, None] & (d < D)[None, :], other=0.0).to(tl.float32)
     if NORM:
         inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / D + eps)
+        w = tl.load(w_ptr + d, mask=d < D, other=0.0)
         x = (x * inv[:, None] * w[None, :]).to(ty).to(tl.float32)
     if ROPE:
         half = R // 2
         rot = d < R
-        other = other.to(tl.float32)
-        if NORM:
+        partner = tl.where(d < half, d + half, d - half)
+        other = tl.load(base + partner[None, :], mask=valid[:, None] & rot[None, :], other=0.0).to(tl.float32)
+        if NORM:  # the partner feature is normed too (same row statistics)
+            w_partner = tl.load(w_ptr + partner, mask=rot, other=0.0)
             other = (other * inv[:, None] * w_partner[None, :]).to(ty).to(tl.float32)
         other = tl.where((d < half)[None, :], -other, other)
-        cos = cos.to(tl.float32)
-        sin = sin.to(tl.float32)
+        cos = tl.load(cos_ptr + position * R + d, mask=rot, other=1.0).to(tl.float32)
+        sin = tl.load(sin_ptr + position * R + d, mask=rot, other=0.0).to(tl.float32)
         rotated = ((x * cos[None, :]).to(ty).to(tl.float32) + (other * sin[None, :]).to(ty).to(tl.float32)).to(ty)
         x = tl.where(rot[None, :], rotated.to(tl.float32), x)
     return x
@@ -100,44 +83,32 @@ def _append_decode_kernel(qkv_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, cos_ptr, si
     chunk = tl.cdiv(tl.cdiv(length - lo, SPLITS), BT) * BT
     begin = lo + s * chunk
     end = tl.minimum(begin + chunk, length)
-    stop = tl.minimum(end, new)  # the cached positions this split reads (the new one comes from registers)
     holds = (begin <= new) & (new < end)
     g = tl.arange(0, GP)
     d = tl.arange(0, BLOCK_D)
     head = h * G + g
     ty = qkv_ptr.dtype.element_ty
-    # Every load that needs only the position goes out before any arithmetic waits on one: the query heads
-    # (GQ rows, repeated to the GP rows the dot takes where GQ < GP; the rows past G are never stored), the
-    # new key and value, the new slot's block, and the split's first tile of cached keys and values (the
-    # rest come in `softmax_over`'s pipelined loop). In turn, each was a memory latency after the last.
+    # The group's query heads, made GQ rows at a time, repeated to the GP rows the dot takes (the rows past
+    # G are never stored): GQ = GP makes all GP rows.
     j = tl.arange(0, GQ)
-    one = tl.zeros([1], dtype=tl.int32)
-    qx, qo, qw, qwp, qc, qs = _head_loads(qkv_ptr, h * G + j, j < G, qn_ptr, cos_ptr, sin_ptr, new, D, R, d, NORM,
-                                          ROPE)
-    kx, ko, kw, kwp, kc, ks = _head_loads(qkv_ptr, one + HQ + h, one == 0, kn_ptr, cos_ptr, sin_ptr, new, D, R, d,
-                                          NORM, ROPE)
-    v_new = tl.load(qkv_ptr + (HQ + HKV + h) * D + d[None, :], mask=(d < D)[None, :], other=0.0)
-    block = tl.load(table_ptr + new // BS)
-    k0, v0, valid0 = kv_tile(k_ptr, v_ptr, table_ptr, begin, stop, h, HKV, D, BS, BT, BLOCK_D)
-    q = _make_heads(qx, qo, qw, qwp, qc, qs, ty, q_eps, D, R, d, NORM, ROPE).to(ty)
+    q = _heads(qkv_ptr, h * G + j, j < G, qn_ptr, q_eps, cos_ptr, sin_ptr, new, D, R, d, NORM, ROPE).to(ty)
     if GQ < GP:
         q = tl.reshape(tl.broadcast_to(q[None, :, :], (GP // GQ, GQ, BLOCK_D)), (GP, BLOCK_D))
-    # The new key and value: made in every split, stored by the split that holds the new position only.
-    # Their slot is not read by any program of this launch.
-    k_new = _make_heads(kx, ko, kw, kwp, kc, ks, ty, k_eps, D, R, d, NORM, ROPE).to(k_ptr.dtype.element_ty)
-    v_new = v_new.to(v_ptr.dtype.element_ty)  # [1, BLOCK_D]
+    # The new key and value: made in every split (one head's features, loaded beside q's), stored by the
+    # split that holds the new position only. Their slot is not read by any program of this launch.
+    one = tl.zeros([1], dtype=tl.int32)
+    k_new = _heads(qkv_ptr, one + HQ + h, one == 0, kn_ptr, k_eps, cos_ptr, sin_ptr, new, D, R, d, NORM,
+                   ROPE).to(k_ptr.dtype.element_ty)  # [1, BLOCK_D]
+    v_new = tl.load(qkv_ptr + (HQ + HKV + h) * D + d[None, :], mask=(d < D)[None, :], other=0.0)
+    v_new = v_new.to(v_ptr.dtype.element_ty)
+    block = tl.load(table_ptr + new // BS)
     slot = ((block * HKV + h) * BS + new % BS).to(tl.int64) * D
     place = tl.where(d < D, new, -1)[None, :]  # each feature's position; -1 past the head's features
     stored = (place >= begin) & (place < end)  # all (d < D) in the split that holds the new position, else none
     tl.store(k_ptr + slot + d[None, :], k_new, mask=stored)
     tl.store(v_ptr + slot + d[None, :], v_new, mask=stored)
-    m = tl.full([GP], float("-inf"), dtype=tl.float32)
-    denom = tl.zeros([GP], dtype=tl.float32)
-    acc = tl.zeros([GP, BLOCK_D], dtype=tl.float32)
-    if begin < stop:
-        m, denom, acc = softmax_tile(q, k0, v0, valid0, m, denom, acc, scale, softcap, SOFTCAP, IEEE)
-    m, denom, acc = softmax_over(q, k_ptr, v_ptr, table_ptr, begin + BT, stop, h, m, denom, acc, scale, softcap, HKV,
-                                 D, BS, BT, BLOCK_D, SOFTCAP, IEEE)
+    m, denom, acc = online_softmax(q, k_ptr, v_ptr, table_ptr, begin, tl.minimum(end, new), h, scale, softcap, HKV, D,
+                                   GP, BS, BT, BLOCK_D, SOFTCAP, IEEE)
     if holds:  # the new position, last (as it comes last in the old path's last tile)
         score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * scale
         score = capped(score, softcap, SOFTCAP)
