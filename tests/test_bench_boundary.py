@@ -43,12 +43,13 @@ def test_stream_sums_each_tile_and_adds_the_previous_launchs_value():
     assert torch.equal(b.long().cpu(), want_b.cpu())
 
 
+@pytest.mark.parametrize("prefetch", [False, True])
 @pytest.mark.parametrize("grid", [1, 3, 9])
-def test_persistent_without_barrier_sums_every_grid_th_tile(grid):
-    tiles = 7  # more tiles than programs (3), fewer (9): a program may get none
+def test_persistent_without_barrier_sums_every_grid_th_tile(grid, prefetch):
+    tiles = 7  # more tiles than programs (3), fewer (9): a program may get none (and prefetches nothing)
     src = _pool(2 * tiles * BLOCK, seed=grid)
     a, b, err = _zeros(grid), _zeros(grid), _zeros(1)
-    bench.persistent(src, a, b, _zeros(1), err, grid, BLOCK, barrier=False)
+    bench.persistent(src, a, b, _zeros(1), err, grid, BLOCK, barrier=False, prefetch=prefetch)
     half = tiles * BLOCK
     for p in range(grid):
         want_a = sum(int(src[t * BLOCK:(t + 1) * BLOCK].sum()) for t in range(p, tiles, grid))
@@ -58,12 +59,13 @@ def test_persistent_without_barrier_sums_every_grid_th_tile(grid):
     assert int(err) == 0
 
 
-@pytest.mark.parametrize("poll_load", [False, True])
-def test_barrier_of_one_program_passes_and_counts_an_epoch_a_launch(poll_load):
+@pytest.mark.parametrize(("poll_load", "prefetch"), [(False, False), (True, False), (False, True)])
+def test_barrier_of_one_program_passes_and_counts_an_epoch_a_launch(poll_load, prefetch):
     src = _pool(2 * 3 * BLOCK)
     a, b, counter, err = _zeros(1), _zeros(1), _zeros(1), _zeros(1)
     for launch in range(1, 4):
-        bench.persistent(src, a, b, counter, err, 1, BLOCK, barrier=True, poll_load=poll_load, max_spin=4)
+        bench.persistent(src, a, b, counter, err, 1, BLOCK, barrier=True, poll_load=poll_load, max_spin=4,
+                         prefetch=prefetch)
         assert int(counter) == launch and int(err) == 0
     want_a = int(src[:3 * BLOCK].sum())
     assert int(a) == want_a and int(b) == int(src[3 * BLOCK:].sum()) + want_a
@@ -145,14 +147,14 @@ def test_script_runs_end_to_end_with_the_gpu_faked(monkeypatch, capsys, sms):
                 "--persistent-block-kb", "1", "--warps", "1", "--replays", "1", "--min-units", "1",
                 "--max-spin", "2"])
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 | ")]
-    table = [r for r in rows if len(r) == 12]
+    table = [r for r in rows if len(r) == 14]
     assert [r[5] for r in table] == ["1", "2"] and [r[6] for r in table] == [str(sms), str(2 * sms)]
     # k=2 has no known occupancy under the interpreter: not run.
-    assert table[1][7] == "k>1" and table[1][8] == "k>1" and table[1][10] == "k>1"
+    assert table[1][7] == table[1][8] == table[1][10] == table[1][12] == "k>1"
     if sms == 1:
-        assert all(_is_number(table[0][i]) for i in (7, 8, 9, 10, 11))
+        assert all(_is_number(table[0][i]) for i in range(7, 14))
     else:
-        assert _is_number(table[0][7]) and table[0][8] == table[0][10] == "barrier timed out"
+        assert _is_number(table[0][7]) and table[0][8] == table[0][10] == table[0][12] == "barrier timed out"
 
 
 def _is_number(text):

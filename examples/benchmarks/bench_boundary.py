@@ -23,6 +23,12 @@ pool (default 256 MB, five times the H200's L2), so no phase reads from L2.
    acquire read. A poll gives up after --max-spin tries and sets an error flag, reported as
    "barrier timed out" instead of a hang; k is capped by the kernel's occupancy (registers,
    warps, shared memory) so that all programs are resident at once.
+4. the same persistent kernel with each program's first tile of phase B loaded into registers while
+   it waits at the barrier (issued after its arrival, whose release fence would otherwise wait for
+   them; acquire poll): B's data does not depend on A, so a kernel made of phases can have the next
+   phase's first bytes in flight while it waits; the barrier then costs the difference against the
+   kernel without one. (A persistent decode layer would do the same with the next projection's
+   weights.)
 
 Every configuration is checked against torch's sums before it is timed (phase A's outputs are
 poisoned first, so a barrier that lets B run early shows as a wrong number, not a fast time).
@@ -59,11 +65,22 @@ def _stream_kernel(src_ptr, out_ptr, prev_ptr, n_prev, BLOCK: tl.constexpr, HAS_
 @triton.jit
 def _grid_barrier(counter_ptr, err_ptr, max_spin, POLL_LOAD: tl.constexpr):
     """Wait until every program of this launch has arrived (see epoch_target for the arithmetic)."""
+    seen, target = _grid_arrive(counter_ptr)
+    _grid_wait(counter_ptr, err_ptr, seen, target, max_spin, POLL_LOAD)
+
+
+@triton.jit
+def _grid_arrive(counter_ptr):
+    """This program's arrival at the grid barrier: (the count it saw, the count that ends the wait)."""
     grid = tl.num_programs(0)
     tl.debug_barrier()  # every thread of the program is past its phase-A stores
     ticket = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
-    target = (ticket // grid + 1) * grid  # epoch_target(ticket, grid)
-    seen = ticket + 1
+    return ticket + 1, (ticket // grid + 1) * grid  # epoch_target(ticket, grid)
+
+
+@triton.jit
+def _grid_wait(counter_ptr, err_ptr, seen, target, max_spin, POLL_LOAD: tl.constexpr):
+    """Poll until the counter reaches `target` (or max_spin polls: then the error flag)."""
     spins = 0
     while (seen < target) & (spins < max_spin):
         if POLL_LOAD:
@@ -81,11 +98,13 @@ def _grid_barrier(counter_ptr, err_ptr, max_spin, POLL_LOAD: tl.constexpr):
 
 @triton.jit
 def _persistent_kernel(src_ptr, out_a_ptr, out_b_ptr, counter_ptr, err_ptr, tiles, max_spin,
-                       BLOCK: tl.constexpr, BARRIER: tl.constexpr, POLL_LOAD: tl.constexpr):
+                       BLOCK: tl.constexpr, BARRIER: tl.constexpr, POLL_LOAD: tl.constexpr,
+                       PREFETCH: tl.constexpr):
     """Phase A sums tiles [0, tiles), phase B tiles [tiles, 2 tiles), program pid every grid-th tile.
 
     With BARRIER, the phases are separated by a grid barrier and B adds out_a[(pid + grid // 2) % grid]
-    (written by another program in A); without, B adds nothing."""
+    (written by another program in A); without, B adds nothing. PREFETCH: the program's first tile of B
+    is loaded between its arrival at the barrier and its wait (it does not depend on A), summed after."""
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     offs = tl.arange(0, BLOCK)
@@ -93,10 +112,20 @@ def _persistent_kernel(src_ptr, out_a_ptr, out_b_ptr, counter_ptr, err_ptr, tile
     for t in range(pid, tiles, grid):
         acc += tl.load(src_ptr + t * BLOCK + offs)
     tl.store(out_a_ptr + pid, tl.sum(acc, axis=0))
-    if BARRIER:
-        _grid_barrier(counter_ptr, err_ptr, max_spin, POLL_LOAD)
-    acc = tl.zeros([BLOCK], dtype=tl.int32)
-    for t in range(pid, tiles, grid):
+    if PREFETCH:
+        # Loaded after the arrival (whose release fence would wait for them) and before the wait.
+        if BARRIER:
+            seen, target = _grid_arrive(counter_ptr)
+        acc = tl.load(src_ptr + (tiles + pid) * BLOCK + offs, mask=(pid + 0 * offs) < tiles, other=0)
+        if BARRIER:
+            _grid_wait(counter_ptr, err_ptr, seen, target, max_spin, POLL_LOAD)
+        first = pid + grid
+    else:
+        if BARRIER:
+            _grid_barrier(counter_ptr, err_ptr, max_spin, POLL_LOAD)
+        acc = tl.zeros([BLOCK], dtype=tl.int32)
+        first = pid
+    for t in range(first, tiles, grid):
         acc += tl.load(src_ptr + (tiles + t) * BLOCK + offs)
     total = tl.sum(acc, axis=0)
     if BARRIER:
@@ -124,11 +153,12 @@ def stream(src: torch.Tensor, out: torch.Tensor, block: int, prev: torch.Tensor 
 
 def persistent(src: torch.Tensor, out_a: torch.Tensor, out_b: torch.Tensor, counter: torch.Tensor,
                err: torch.Tensor, grid: int, block: int, barrier: bool, poll_load: bool = False,
-               max_spin: int = 1 << 20, warps: int = 4):
-    """Launch _persistent_kernel on `grid` programs: phase A over the first half of `src`, B the second."""
+               max_spin: int = 1 << 20, warps: int = 4, prefetch: bool = False):
+    """Launch _persistent_kernel on `grid` programs: phase A over the first half of `src`, B the second
+    (with `prefetch`, each program's first tile of B loaded before the barrier)."""
     tiles = src.numel() // (2 * block)
     _persistent_kernel[(grid,)](src, out_a, out_b, counter, err, tiles, max_spin, BLOCK=block,
-                                BARRIER=barrier, POLL_LOAD=poll_load, num_warps=warps)
+                                BARRIER=barrier, POLL_LOAD=poll_load, PREFETCH=prefetch, num_warps=warps)
 
 
 def program_sums(src: torch.Tensor, block: int, grid: int) -> torch.Tensor:
@@ -243,7 +273,8 @@ def time_dependent_pair(timer: Timer, out_a: torch.Tensor, out_b: torch.Tensor, 
 
 
 def time_persistent(timer: Timer, out_a: torch.Tensor, out_b: torch.Tensor, s: int, sms: int, k: int,
-                    block: int, warps: int, barrier: bool, poll_load: bool, max_spin: int) -> float | str:
+                    block: int, warps: int, barrier: bool, poll_load: bool, max_spin: int,
+                    prefetch: bool = False) -> float | str:
     """3. Microseconds of the persistent kernel over 2S on SMs x k programs, or why it was not timed."""
     elems, grid = s * MB // 4, sms * k
     src = timer.pool[:2 * elems]
@@ -251,7 +282,8 @@ def time_persistent(timer: Timer, out_a: torch.Tensor, out_b: torch.Tensor, s: i
     err = torch.zeros(1, dtype=torch.int32, device=DEVICE)
     try:  # compile without launching, to read the registers a thread
         kernel = _persistent_kernel.warmup(src, out_a, out_b, counter, err, elems // block, max_spin, BLOCK=block,
-                                           BARRIER=barrier, POLL_LOAD=poll_load, num_warps=warps, grid=(1,))
+                                           BARRIER=barrier, POLL_LOAD=poll_load, PREFETCH=prefetch,
+                                           num_warps=warps, grid=(1,))
         kernel._init_handles()
         fit = blocks_per_sm(kernel.n_regs, warps, kernel.metadata.shared)
     except Exception:  # noqa: BLE001 - occupancy unknown (the interpreter): one program an SM always fits
@@ -260,7 +292,7 @@ def time_persistent(timer: Timer, out_a: torch.Tensor, out_b: torch.Tensor, s: i
         return f"k>{fit}"
 
     def launch(region):
-        persistent(region, out_a, out_b, counter, err, grid, block, barrier, poll_load, max_spin, warps)
+        persistent(region, out_a, out_b, counter, err, grid, block, barrier, poll_load, max_spin, warps, prefetch)
 
     out_a[:grid] = POISON
     launch(src)
@@ -268,7 +300,7 @@ def time_persistent(timer: Timer, out_a: torch.Tensor, out_b: torch.Tensor, s: i
         return "barrier timed out"
     sums_a = program_sums(src[:elems], block, grid)
     sums_b = program_sums(src[elems:], block, grid) + (shifted(sums_a) if barrier else 0)
-    name = f"persistent {s} MB k={k} barrier={barrier} poll_load={poll_load}"
+    name = f"persistent {s} MB k={k} barrier={barrier} poll_load={poll_load} prefetch={prefetch}"
     check(name + " (phase A)", out_a[:grid], sums_a)
     check(name + " (phase B)", out_b[:grid], sums_b)
     t = timer.unit_us(launch, 2 * elems)
@@ -287,10 +319,10 @@ def print_table(rows: list) -> None:
 
     print("\nboundary = A;B - one 2S launch; barrier cost = persistent with barrier - without (us)\n")
     print("| S MB | one S | one 2S | A;B | boundary | k | grid | persistent 2S | +barrier, acquire poll | cost "
-          "| +barrier, volatile poll | cost |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| +barrier, volatile poll | cost | +barrier, B's first tile before it | cost |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for s, t1, t2, ab, k, grid, cells in rows:
-        polls = " | ".join(f"{us(cells[name])} | {cost(cells, name)}" for name in ("acquire", "volatile"))
+        polls = " | ".join(f"{us(cells[name])} | {cost(cells, name)}" for name in ("acquire", "volatile", "prefetch"))
         print(f"| {s} | {t1:.2f} | {t2:.2f} | {ab:.2f} | {ab - t2:.2f} | {k} | {grid} | {us(cells['none'])} "
               f"| {polls} |")
 
@@ -348,9 +380,11 @@ def main(argv: list[str] | None = None) -> None:
         ab = time_dependent_pair(timer, out_a, out_b, s, block, w)
         for k in ks:
             cells = {name: time_persistent(timer, out_a, out_b, s, sms, k, pblock, w, barrier, poll_load,
-                                           args.max_spin)
-                     for name, barrier, poll_load in (("none", False, False), ("acquire", True, False),
-                                                      ("volatile", True, True))}
+                                           args.max_spin, prefetch)
+                     for name, barrier, poll_load, prefetch in (("none", False, False, False),
+                                                                ("acquire", True, False, False),
+                                                                ("volatile", True, True, False),
+                                                                ("prefetch", True, False, True))}
             rows.append((s, one[s], one[2 * s], ab, k, sms * k, cells))
     print_table(rows)
 
