@@ -31,11 +31,12 @@ def _zeros(n):
     return torch.zeros(n, dtype=torch.int32, device=DEVICE)
 
 
-def test_stream_sums_each_tile_and_adds_the_previous_launchs_value():
+@pytest.mark.parametrize("pdl", [False, True])
+def test_stream_sums_each_tile_and_adds_the_previous_launchs_value(pdl):
     src = _pool(2 * 5 * BLOCK)
     a, b = _zeros(5), _zeros(5)
-    bench.stream(src[:5 * BLOCK], a, BLOCK)
-    bench.stream(src[5 * BLOCK:], b, BLOCK, prev=a)
+    bench.stream(src[:5 * BLOCK], a, BLOCK, pdl=pdl)
+    bench.stream(src[5 * BLOCK:], b, BLOCK, prev=a, pdl=pdl)
     want_a = src[:5 * BLOCK].view(5, BLOCK).sum(1)
     assert torch.equal(a.long().cpu(), want_a.cpu())
     # B adds A's value from program (p + 2) % 5, another program.
@@ -147,10 +148,11 @@ def test_script_runs_end_to_end_with_the_gpu_faked(monkeypatch, capsys, sms):
                 "--persistent-block-kb", "1", "--warps", "1", "--replays", "1", "--min-units", "1",
                 "--max-spin", "2"])
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 | ")]
-    table = [r for r in rows if len(r) == 14]
+    table = [r for r in rows if len(r) == 16]
     assert [r[5] for r in table] == ["1", "2"] and [r[6] for r in table] == [str(sms), str(2 * sms)]
     # k=2 has no known occupancy under the interpreter: not run.
     assert table[1][7] == table[1][8] == table[1][10] == table[1][12] == "k>1"
+    assert all(_is_number(r[i]) for r in table for i in (14, 15))  # the dependent launches' pair
     if sms == 1:
         assert all(_is_number(table[0][i]) for i in range(7, 14))
     else:

@@ -12,7 +12,9 @@ pool (default 256 MB, five times the H200's L2), so no phase reads from L2.
 1. one launch of s bytes, for each --sizes-mb: GB/s, and a least-squares line t = intercept +
    bytes / bandwidth (the intercept is the fixed cost of a launch in a graph);
 2. two dependent launches of S each (B adds a value A wrote) against one launch of 2S: the
-   boundary costs t(A;B) - t(2S);
+   boundary costs t(A;B) - t(2S); then the same pair as programmatic dependent launches (sm_90: each
+   program lets the next launch in at once and loads its tile before it waits for the previous one;
+   the last two columns);
 3. one persistent kernel of SMs x k programs: phase A over S, a grid barrier, phase B over S (B
    adds a value another program wrote in A), against the same kernel with no barrier: the
    barrier costs the difference. The barrier is an int32 counter: each program adds 1 (acq_rel,
@@ -38,12 +40,14 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import statistics
 import sys
 
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 MB = 2**20
 POISON = -(2**30)
@@ -51,11 +55,22 @@ DEVICE = "cuda"
 
 
 @triton.jit
-def _stream_kernel(src_ptr, out_ptr, prev_ptr, n_prev, BLOCK: tl.constexpr, HAS_PREV: tl.constexpr):
-    """One tile of BLOCK int32 a program: out[pid] = its sum (+ prev[(pid + n_prev // 2) % n_prev])."""
+def _stream_kernel(src_ptr, out_ptr, prev_ptr, n_prev, BLOCK: tl.constexpr, HAS_PREV: tl.constexpr,
+                   PDL: tl.constexpr):
+    """One tile of BLOCK int32 a program: out[pid] = its sum (+ prev[(pid + n_prev // 2) % n_prev]).
+
+    PDL 2 (a programmatic dependent launch, sm_90): the program lets the next launch's programs start
+    at once, loads its tile (nothing before writes it), then waits for the previous launch to finish
+    before it reads `prev` or stores; 1: that order without the grid-dependency instructions (Triton's
+    interpreter has none); 0: a plain launch."""
     pid = tl.program_id(0)
+    if PDL == 2:
+        gdc_launch_dependents()
     # The whole tile in one go: BLOCK / (32 * num_warps) int32 a thread, 16-byte loads.
-    total = tl.sum(tl.load(src_ptr + pid * BLOCK + tl.arange(0, BLOCK)), axis=0)
+    tile = tl.load(src_ptr + pid * BLOCK + tl.arange(0, BLOCK))
+    if PDL == 2:
+        gdc_wait()
+    total = tl.sum(tile, axis=0)
     if HAS_PREV:
         # The dependence on the previous launch: a value another program of it wrote.
         total += tl.load(prev_ptr + (pid + n_prev // 2) % n_prev)
@@ -143,12 +158,16 @@ def epoch_target(ticket: int, grid: int) -> int:
     return (ticket // grid + 1) * grid
 
 
-def stream(src: torch.Tensor, out: torch.Tensor, block: int, prev: torch.Tensor | None = None, warps: int = 4):
-    """Launch _stream_kernel over all of `src` (a multiple of `block` int32); out gets a sum a tile."""
+def stream(src: torch.Tensor, out: torch.Tensor, block: int, prev: torch.Tensor | None = None, warps: int = 4,
+           pdl: bool = False):
+    """Launch _stream_kernel over all of `src` (a multiple of `block` int32); out gets a sum a tile.
+    `pdl`: as a programmatic dependent launch (on a GPU; its reordered code under the interpreter)."""
     grid = src.numel() // block
     has_prev = prev is not None
+    level = (1 if os.environ.get("TRITON_INTERPRET") == "1" else 2) if pdl else 0
     _stream_kernel[(grid,)](src, out, prev if has_prev else out, prev.numel() if has_prev else 1,
-                            BLOCK=block, HAS_PREV=has_prev, num_warps=warps)
+                            BLOCK=block, HAS_PREV=has_prev, PDL=level, num_warps=warps,
+                            **({"launch_pdl": True} if level == 2 else {}))
 
 
 def persistent(src: torch.Tensor, out_a: torch.Tensor, out_b: torch.Tensor, counter: torch.Tensor,
@@ -256,19 +275,21 @@ def time_launches(timer: Timer, out: torch.Tensor, sizes: list[int], block: int,
 
 
 def time_dependent_pair(timer: Timer, out_a: torch.Tensor, out_b: torch.Tensor, s: int, block: int,
-                        warps: int) -> float:
-    """2. Microseconds of launch A over S then launch B over the next S, B adding a value A wrote."""
+                        warps: int, pdl: bool = False) -> float:
+    """2. Microseconds of launch A over S then launch B over the next S, B adding a value A wrote
+    (with `pdl`, both programmatic dependent launches: each loads its tiles before it waits)."""
     elems, n = s * MB // 4, s * MB // 4 // block
 
     def pair(region):
-        stream(region[:elems], out_a, block, warps=warps)
-        stream(region[elems:], out_b, block, prev=out_a[:n], warps=warps)
+        stream(region[:elems], out_a, block, warps=warps, pdl=pdl)
+        stream(region[elems:], out_b, block, prev=out_a[:n], warps=warps, pdl=pdl)
 
     src = timer.pool[:2 * elems]
     out_a[:n] = POISON
     pair(src)
     want_a = src[:elems].view(-1, block).sum(1)
-    check(f"A;B of {s} MB", out_b[:n], src[elems:].view(-1, block).sum(1) + shifted(want_a))
+    check(f"A;B of {s} MB{' (dependent launches)' if pdl else ''}", out_b[:n],
+          src[elems:].view(-1, block).sum(1) + shifted(want_a))
     return timer.unit_us(pair, 2 * elems)
 
 
@@ -319,12 +340,13 @@ def print_table(rows: list) -> None:
 
     print("\nboundary = A;B - one 2S launch; barrier cost = persistent with barrier - without (us)\n")
     print("| S MB | one S | one 2S | A;B | boundary | k | grid | persistent 2S | +barrier, acquire poll | cost "
-          "| +barrier, volatile poll | cost | +barrier, B's first tile before it | cost |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for s, t1, t2, ab, k, grid, cells in rows:
+          "| +barrier, volatile poll | cost | +barrier, B's first tile before it | cost | A;B dependent launches "
+          "| boundary |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for s, t1, t2, ab, k, grid, cells, ab_pdl in rows:
         polls = " | ".join(f"{us(cells[name])} | {cost(cells, name)}" for name in ("acquire", "volatile", "prefetch"))
         print(f"| {s} | {t1:.2f} | {t2:.2f} | {ab:.2f} | {ab - t2:.2f} | {k} | {grid} | {us(cells['none'])} "
-              f"| {polls} |")
+              f"| {polls} | {ab_pdl:.2f} | {ab_pdl - t2:.2f} |")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -378,6 +400,7 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for s in boundary:
         ab = time_dependent_pair(timer, out_a, out_b, s, block, w)
+        ab_pdl = time_dependent_pair(timer, out_a, out_b, s, block, w, pdl=True)
         for k in ks:
             cells = {name: time_persistent(timer, out_a, out_b, s, sms, k, pblock, w, barrier, poll_load,
                                            args.max_spin, prefetch)
@@ -385,7 +408,7 @@ def main(argv: list[str] | None = None) -> None:
                                                                 ("acquire", True, False, False),
                                                                 ("volatile", True, True, False),
                                                                 ("prefetch", True, False, True))}
-            rows.append((s, one[s], one[2 * s], ab, k, sms * k, cells))
+            rows.append((s, one[s], one[2 * s], ab, k, sms * k, cells, ab_pdl))
     print_table(rows)
 
 
