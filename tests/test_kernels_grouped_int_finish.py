@@ -114,7 +114,9 @@ def test_choose_finish_times_a_column_prefix(monkeypatch):
         ran.append(launch)
         return 2.0 if len(ran) == 1 else 1.0  # the separate launches first
 
-    monkeypatch.setattr(common, "median_ms", timed)
     ops = [make_op("int4", (96, 256), {"group_size": 32}, dtype=torch.bfloat16, seed=s)[0] for s in (1, 2)]
+    for op in ops:  # the prefix's partial-sum configuration first: on a GPU choosing it times candidates too
+        op.config("partial", None, 128)
+    monkeypatch.setattr(common, "median_ms", timed)
     config = choose_finish(ops, 8, False, True, cols=128)
     assert config in ops[0].finish_candidates(8, 128) and len(ran) == 1 + len(ops[0].finish_candidates(8, 128))
