@@ -27,7 +27,6 @@ int8 weights, float32 math, bf16 between phases).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -36,25 +35,12 @@ import triton
 import triton.language as tl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_attention import time_graph  # noqa: E402
 from bench_boundary import _grid_arrive, _grid_wait, blocks_per_sm  # noqa: E402
 
+from thin.runtime.kernels.norm import l2_prefetch  # noqa: E402
+
 LLAMA_8B = (4096, 6144, 14336)  # hidden, qkv rows, FFN channels
-
-
-@triton.jit
-def _prefetch_l2(ptr, nbytes, ON: tl.constexpr):
-    """Ask L2 for the nbytes at ptr (16-byte aligned, a multiple of 16), issued by the program's first
-    thread, returning at once (sm_90: cp.async.bulk.prefetch.L2); nothing unless ON."""
-    if ON:
-        tl.inline_asm_elementwise(
-            """{
-            .reg .pred p;
-            .reg .u32 t;
-            mov.u32 t, %tid.x;
-            setp.eq.u32 p, t, 0;
-            @p cp.async.bulk.prefetch.L2.global [$1], $2;
-            mov.u32 $0, 0;
-            }""", "=r,l,r", [ptr.to(tl.int64), nbytes], dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -97,7 +83,8 @@ def _between(counter_ptr, err_ptr, max_spin, w_next, K_next, pid, BN: tl.constex
     phase's weight (BN rows of K_next int8) is asked of L2 after its arrival, before its wait."""
     if BARRIER:
         seen, target = _grid_arrive(counter_ptr)
-        _prefetch_l2(w_next + pid.to(tl.int64) * BN * K_next, BN * K_next, PREFETCH)
+        if PREFETCH:  # one thread's cp.async.bulk.prefetch.L2 (sm_90): returns at once
+            l2_prefetch(w_next + pid.to(tl.int64) * BN * K_next, BN * K_next)
         _grid_wait(counter_ptr, err_ptr, seen, target, max_spin, False)
 
 
@@ -191,26 +178,6 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
 
-def graph_us(run, replays: int) -> float:
-    """Median microseconds of one `run` (captured once in a CUDA graph)."""
-    run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        run()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        stop.record()
-        stop.synchronize()
-        times.append(start.elapsed_time(stop) * 1e3)
-    return statistics.median(times)
-
-
 def occupancy(chain: Chain, bn: int, bk: int, warps: int, prefetch: bool) -> int:
     """Programs of the persistent kernel an SM holds at once (from its compiled registers and shared
     memory)."""
@@ -265,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
             return
         if not err < 5e-2:  # bf16 roundings between phases may differ by an ulp; a race gives ~1
             bad.append(name)
-        us = graph_us(run, args.replays) / args.layers
+        us = time_graph(run, launches=1, replays=args.replays) / args.layers
         rate = layer_bytes / us * 1e6  # bytes a second
         rows.append((name, f"{us:.2f}", f"{rate / 1e9:.0f} ({100 * rate / bandwidth:.0f}%)", f"{err:.1e}"))
 
