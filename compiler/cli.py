@@ -36,6 +36,9 @@ _TIE_HELP = "Give q/k/v and gate/up one format each so they fuse into one matmul
 _EXPERT_FORMATS_HELP = ("Routed experts take only these formats (any of their group sizes), e.g. q2, q1,q2 or trellis "
                         "(a 2-3 bit trellis code for experts only; slow to encode); the planner spends the rest of the "
                         "budget on everything else. Needs a budget and a MoE model.")
+_MAX_EXPERT_FORMATS_HELP = ("At most N formats (each with its parameters) among a layer's routed experts, per "
+                            "projection (gate/up, down): the GPU runs one launch per format, so fewer are faster; "
+                            "the planner re-solves the budget with them. Needs a budget and a MoE model.")
 _FORMATS_HELP = ("The planner picks among only these formats (any of their parameters) and each tensor's stored one, "
                  "e.g. int4,q2. Needs a budget. trellis is for routed experts only: --expert-formats.")
 _STREAM_HELP = ("With --vram: the budget bounds the GPU only, and routed experts that do not fit it stay in host "
@@ -66,6 +69,8 @@ FfnLevels = Annotated[str | None, typer.Option("--ffn-levels", metavar="F[,F...]
 StreamExperts = Annotated[bool, typer.Option("--stream-experts", help=_STREAM_HELP)]
 ExpertFormats = Annotated[str | None, typer.Option("--expert-formats", metavar="FORMAT[,FORMAT...]",
                                                    help=_EXPERT_FORMATS_HELP)]
+MaxExpertFormats = Annotated[int | None, typer.Option("--max-expert-formats", metavar="N",
+                                                     help=_MAX_EXPERT_FORMATS_HELP)]
 Formats = Annotated[str | None, typer.Option("--formats", metavar="FORMAT[,FORMAT...]", help=_FORMATS_HELP)]
 
 
@@ -78,12 +83,12 @@ def _config(no_fuse: bool, quant: str | None, group_size: int | None, asymmetric
 
 
 def _budget(vram, bpw, ctx, calib, calib_tokens, method, max_kld, allow_uncertified, device, tie_fused,
-            expert_formats=None, formats=None) -> dict:
+            expert_formats=None, formats=None, max_expert_formats=None) -> dict:
     """The planner, calibration and certificate flags as CompileConfig's flat options."""
     return {"vram": vram, "bpw": bpw, "ctx": ctx, "calib_source": "file" if calib is not None else None,
             "calib_tokens": calib_tokens, "method": method, "max_kld": max_kld,
             "allow_uncertified": allow_uncertified, "device": device, "tie_fused": tie_fused,
-            "expert_formats": expert_formats, "formats": formats}
+            "expert_formats": expert_formats, "formats": formats, "max_expert_formats": max_expert_formats}
 
 
 def _fail(message: str, code: int = 1) -> None:
@@ -193,6 +198,7 @@ def compile(
     device: Device = None,
     tie_fused: TieFused = False,
     expert_formats: ExpertFormats = None,
+    max_expert_formats: MaxExpertFormats = None,
     formats: Formats = None,
     ffn_levels: FfnLevels = None,
     stream_experts: StreamExperts = False,
@@ -208,7 +214,7 @@ def compile(
         config = _config(no_fuse, quant, group_size, asymmetric, keep_lm_head, ffn_levels=ffn_levels,
                          stream_experts=stream_experts, **_budget(
             vram, bpw, ctx, calib, calib_tokens, method, max_kld, allow_uncertified, device, tie_fused,
-            expert_formats, formats))
+            expert_formats, formats, max_expert_formats))
         return build(model_dir, output, config, cache_dir=cache_dir, dump_ir=dump_ir,
                      progress=_StageProgress(quiet), calib=calib)
 
@@ -299,6 +305,7 @@ def key(
     device: Device = None,
     tie_fused: TieFused = False,
     expert_formats: ExpertFormats = None,
+    max_expert_formats: MaxExpertFormats = None,
     formats: Formats = None,
     ffn_levels: FfnLevels = None,
     stream_experts: StreamExperts = False,
@@ -314,7 +321,7 @@ def key(
         config = _config(no_fuse, quant, group_size, asymmetric, keep_lm_head, ffn_levels=ffn_levels,
                          stream_experts=stream_experts, **_budget(
             vram, bpw, ctx, calib, calib_tokens, method, max_kld, allow_uncertified, device, tie_fused,
-            expert_formats, formats))
+            expert_formats, formats, max_expert_formats))
         inputs = {name: inventory.folder.path / name for name in inventory.names()}
         return input_key(inputs, inventory.folder.identities, config, *evaluation_texts(config, calib))
 
@@ -337,6 +344,7 @@ def plan(
     device: Device = None,
     tie_fused: TieFused = False,
     expert_formats: ExpertFormats = None,
+    max_expert_formats: MaxExpertFormats = None,
     formats: Formats = None,
     no_fuse: NoFuse = False,
     as_json: bool = typer.Option(False, "--json", help="Print the rows as JSON."),
@@ -351,7 +359,7 @@ def plan(
         return plan_budgets(model_dir, budgets, progress=_StageProgress(quiet), calib=calib, ctx=ctx,
                             calib_tokens=calib_tokens, method=method, device=device, tie_fused=tie_fused,
                             expert_formats=expert_formats, formats=formats,
-                            fuse_projections=not no_fuse)
+                            max_expert_formats=max_expert_formats, fuse_projections=not no_fuse)
 
     result = _guard(run)
     typer.echo(json.dumps(result, indent=2, sort_keys=True) if as_json else render_plan(result))

@@ -115,7 +115,7 @@ class CompileConfig:
     def from_options(cls, **options) -> CompileConfig:
         """Build from keyword options, refusing names that are not options. The pass options may be
         given flat: quant="int4", group_size=64, asymmetric=True, keep_lm_head=True, method="gptq",
-        bpw=4.5, vram="8G", ctx=4096, tie_fused=True, calib_tokens=8192, calib_source="file",
+        bpw=4.5, vram="8G", ctx=4096, tie_fused=True, max_expert_formats=2, calib_tokens=8192, calib_source="file",
         max_kld=0.01, allow_uncertified=True, formats=("int4", "q2"), expert_formats="q2", ffn_levels=(0.75, 0.5),
         ffn_importance="output", ffn_per_layer=True, ffn_correction="scale", stream_experts=True (with vram:
         the budget then bounds the device and the residency plan meets it). `device` defaults to cuda
@@ -124,7 +124,8 @@ class CompileConfig:
                 "asymmetric": ("quantize", "asymmetric"), "keep_lm_head": ("quantize", "keep_lm_head"),
                 "method": ("quantize", "method"), "act_order": ("quantize", "act_order"),
                 "bpw": ("plan", "bpw"), "vram": ("plan", "vram"), "ctx": ("plan", "ctx"),
-                "tie_fused": ("plan", "tie_fused"), "calib_tokens": ("calibrate", "tokens"),
+                "tie_fused": ("plan", "tie_fused"), "max_expert_formats": ("plan", "max_expert_formats"),
+                "calib_tokens": ("calibrate", "tokens"),
                 "calib_source": ("calibrate", "source"), "formats": ("score", "formats"),
                 "probe_windows": ("score", "probe_windows"),
                 "expert_formats": ("score", "expert_formats"), "max_kld": ("certify", "max_kld"),
@@ -217,9 +218,9 @@ def _check_flags(options: dict, groups: dict) -> None:
     quantizes = planned or "format" in groups.get("quantize", {})
     gptq = planned or groups.get("quantize", {}).get("method") == "gptq"
     streams = "residency" in groups
-    if not planned and "tie_fused" in groups.get("plan", {}) or not (planned or streams) and "ctx" in groups.get(
-            "plan", {}):
-        raise CompileOptionError("--ctx and --tie-fused need a budget (--bpw or --vram)")
+    if not planned and ("tie_fused" in groups.get("plan", {}) or "max_expert_formats" in groups.get("plan", {})) \
+            or not (planned or streams) and "ctx" in groups.get("plan", {}):
+        raise CompileOptionError("--ctx, --tie-fused and --max-expert-formats need a budget (--bpw or --vram)")
     levels = "levels" in groups.get("ffn", {})
     if not gptq and not levels and not streams and "calibrate" in groups:
         raise CompileOptionError("--calib and --calib-tokens need calibration: a budget (--bpw / --vram), "

@@ -38,6 +38,8 @@ def check_budget(program: Program, ctx: PassContext) -> Program:
     annotations['budget'] records the bytes the weights may take and the ledger's other lines."""
     options: PlanOptions = ctx.config.plan
     model = program.model
+    if options.max_expert_formats is not None and not any(t.expert is not None for t in model.tensors):
+        raise BudgetError("--max-expert-formats applies to routed experts, and this model has none")
     budget, fixed = weight_budget(model, options)
     smallest = stored_bytes(model, smallest_encodings(program, ctx.config.score), ctx.config.fuse_projections)
     if smallest > budget:

@@ -34,6 +34,9 @@ class PlanOptions:
     ctx: int = DEFAULT_CTX  # tokens of KV cache the --vram ledger reserves
     # Give fused q/k/v and gate/up one format, so they fuse into one matmul (speed over quality).
     tie_fused: bool = False
+    # At most this many encodings (format and parameters) among a layer's routed experts, per projection
+    # (gate/up, down): the GPU runs one launch per encoding (speed over quality). None: no limit.
+    max_expert_formats: int | None = None
 
     def __post_init__(self):
         if self.bpw is not None and (not isinstance(self.bpw, (int, float)) or not 0 < self.bpw <= 32):
@@ -44,6 +47,10 @@ class PlanOptions:
             raise BudgetError(f"--ctx must be a positive number of tokens, got {self.ctx!r}")
         if type(self.tie_fused) is not bool:
             raise BudgetError("tie_fused must be true or false")
+        if self.max_expert_formats is not None and (type(self.max_expert_formats) is not int
+                                                    or self.max_expert_formats < 1):
+            raise BudgetError(f"--max-expert-formats must be a positive number of formats, got "
+                              f"{self.max_expert_formats!r}")
 
     @property
     def planned(self) -> bool:
@@ -273,6 +280,9 @@ def plan_precision(program: Program, ctx: PassContext) -> Program:
                                                                 records[n].encoding.params) for n in scores)
     fuse = ctx.config.fuse_projections
     chosen = _solve_within(model, items, members, budget - fixed, budget, fuse)
+    if options.max_expert_formats is not None:
+        chosen = _cap_expert_formats(model, items, members, chosen, options.max_expert_formats, budget - fixed,
+                                     budget, fuse)
     total_bytes = stored_bytes(model, chosen, fuse)
     choices = {}
     predicted = 0.0
@@ -289,7 +299,8 @@ def plan_precision(program: Program, ctx: PassContext) -> Program:
     plan = {"budget": {"bpw": options.bpw, "vram": options.vram, "weight_bytes": budget},
             "weight_bytes": total_bytes, "parameters": params_count,
             "bits_per_weight": round(8 * total_bytes / params_count, 4), "predicted_kld": predicted,
-            "method": ctx.config.quantize.method, "tie_fused": options.tie_fused, "choices": choices}
+            "method": ctx.config.quantize.method, "tie_fused": options.tie_fused,
+            "max_expert_formats": options.max_expert_formats, "choices": choices}
     experts = [name for name in scores if records[name].expert is not None]
     if experts:  # the share of the weights' bytes the routed experts took
         expert_bytes, expert_params = (sum(choices[n]["bytes"] for n in experts),
@@ -312,6 +323,62 @@ def expert_groups(model: Model) -> list[list[str]]:
                 if m.gate is not None and m.up is not None:
                     groups.append([m.gate.weight, m.up.weight])
     return groups
+
+
+def expert_slots(model: Model) -> dict[str, tuple[int, str]]:
+    """{routed expert weight: (layer, "gate_up" or "down")}: the launches the GPU runs a layer's experts in,
+    one per encoding among the experts of each (runtime/kernels/experts.py)."""
+    slots = {}
+    for i, layer in enumerate(model.layers):
+        if isinstance(layer.ffn, MoE):
+            for m in layer.ffn.experts:
+                for kind, linears in (("gate_up", (m.gate, m.up)), ("down", (m.down,))):
+                    slots.update({lin.weight: (i, kind) for lin in linears if lin is not None})
+    return slots
+
+
+def _cap_expert_formats(model, items, members, chosen: dict[str, Encoding], cap: int, budget: int, total_budget: int,
+                        fuse: bool) -> dict[str, Encoding]:
+    """`chosen` with at most `cap` encodings among each layer's routed experts per projection: where a plan
+    has more, each of that slot's experts may take only the `cap` encodings that held the most of its
+    bytes, and the plan is solved again (the rest of the model with it). Should those leave the budget
+    unreachable, the slot keeps its smallest encoding in place of the last of them."""
+    slots = expert_slots(model)
+    held: dict[tuple[int, str], dict[Encoding, int]] = {}
+    keys: dict[tuple[int, str], list[str]] = {}
+    for key, (names, encs) in members.items():
+        slot = slots.get(names[0])
+        if slot is None:
+            continue
+        enc = chosen[names[0]]
+        size = items[key][encs.index(enc)][0]
+        held.setdefault(slot, {})[enc] = held.get(slot, {}).get(enc, 0) + size
+        keys.setdefault(slot, []).append(key)
+    over = {slot: used for slot, used in held.items() if len(used) > cap}
+    if not over:
+        return chosen
+
+    def restricted(smallest_kept: bool):
+        new_items, new_members = dict(items), dict(members)
+        for slot, used in over.items():
+            keep = sorted(used, key=lambda e: -used[e])[:cap]
+            if smallest_kept:
+                smallest = min(used, key=lambda e: min(items[k][members[k][1].index(e)][0] for k in keys[slot]
+                                                       if e in members[k][1]))
+                if smallest not in keep:
+                    keep[-1] = smallest
+            for key in keys[slot]:
+                names, encs = members[key]
+                allowed = [i for i, e in enumerate(encs) if e in keep]
+                if allowed:  # an expert that can take none of them (another shape) keeps its options
+                    new_items[key] = [items[key][i] for i in allowed]
+                    new_members[key] = (names, [encs[i] for i in allowed])
+        return new_items, new_members
+
+    try:
+        return _solve_within(model, *restricted(False), budget, total_budget, fuse)
+    except BudgetError:
+        return _solve_within(model, *restricted(True), budget, total_budget, fuse)
 
 
 def _items(model: Model, encodings, costs, tie: bool):
@@ -385,5 +452,5 @@ def _encodings(members, choice) -> dict[str, Encoding]:
     return out
 
 
-__all__ = ["BudgetError", "PlanOptions", "fused_groups", "parameters", "plan_precision", "solve", "stored_bytes",
-           "weight_budget"]
+__all__ = ["BudgetError", "PlanOptions", "expert_slots", "fused_groups", "parameters", "plan_precision", "solve",
+           "stored_bytes", "weight_budget"]

@@ -150,7 +150,8 @@ def test_key_follows_calibration_text_planner_options_and_thresholds(checkpoint,
             key("--bpw", "4.5", "--max-kld", "0.5", *FAST), key("--bpw", "4.5", "--method", "rtn", *FAST),
             key("--bpw", "4.5", "--calib", tmp_path / "a.txt", *FAST),
             key("--bpw", "4.5", "--calib", tmp_path / "b.txt", *FAST),
-            key("--vram", "800M", *FAST), key("--vram", "800M", "--ctx", "256", *FAST)]
+            key("--vram", "800M", *FAST), key("--vram", "800M", "--ctx", "256", *FAST),
+            key("--bpw", "4.5", "--max-expert-formats", "2", *FAST)]
     assert len(set(keys)) == len(keys)
     # The same text as JSON lines is the same calibration text.
     assert key("--bpw", "4.5", "--calib", tmp_path / "c.jsonl", *FAST) == keys[5]
@@ -161,6 +162,7 @@ def test_flags_that_would_do_nothing_are_refused(checkpoint, tmp_path):
                           (["--max-kld", "0.1"], "need a quantized compile"),
                           (["--quant", "int4", "--allow-uncertified"], "needs a certificate"),
                           (["--ctx", "100"], "need a budget"),
+                          (["--max-expert-formats", "2"], "need a budget"),
                           (["--bpw", "4", "--quant", "int4"], "not both"),
                           (["--bpw", "4", "--method", "fast"], "--method takes")):
         run = _cli("thinc", "compile", checkpoint, "-o", tmp_path / "m.thin", *args)

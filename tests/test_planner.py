@@ -260,3 +260,43 @@ def test_each_routed_experts_gate_and_up_share_one_format():
                 assert (gate["format"], gate["params"]) == (up["format"], up["params"]), (bpw, p)
                 finer_down += down["bytes"] > up["bytes"]
     assert finer_down, "down never took more bits than gate/up: the test does not see the tie's scope"
+
+
+def _expert_formats_per_slot(plan) -> dict:
+    """{(layer, "gate_up" | "down"): {(format, params)}} of a plan's routed experts."""
+    slots: dict = {}
+    for c in plan["choices"].values():
+        if c["expert"] is not None:
+            kind = "down" if c["role"].endswith(".down") else "gate_up"
+            slots.setdefault((c["layer"], kind), set()).add((c["format"], str(c["params"])))
+    return slots
+
+
+@pytest.mark.parametrize("cap", [1, 2])
+def test_max_expert_formats_caps_each_layers_expert_launches_and_keeps_the_budget(cap):
+    """--max-expert-formats N: at most N encodings among a layer's routed experts per projection (one GPU
+    launch each), the plan solved again within the same budget, at a predicted error no better than the
+    unconstrained plan's; the rest of the model is still planned. A dense model refuses it."""
+    model = _moe_model(experts=6)
+    # Experts routed unevenly (expert e's errors cost 2^e): unconstrained, a layer's experts spread over formats.
+    program = _scored(model, lambda name: 2.0 ** int(name.split(".moe.")[1].split(".")[0])
+                      if ".moe." in name and "router" not in name else 4.0)
+    for bpw in (3.5, 5.0):
+        free = plan_precision(program, _ctx(bpw=bpw)).annotations["precision_plan"]
+        assert max(len(v) for v in _expert_formats_per_slot(free).values()) > cap, "nothing to cap here"
+        capped = plan_precision(program, _ctx(bpw=bpw, max_expert_formats=cap)).annotations["precision_plan"]
+        assert capped["max_expert_formats"] == cap
+        assert max(len(v) for v in _expert_formats_per_slot(capped).values()) <= cap
+        assert capped["bits_per_weight"] <= bpw
+        assert capped["predicted_kld"] >= free["predicted_kld"] - 1e-12
+        # gate and up still share one format per expert
+        for name, c in capped["choices"].items():
+            if name.endswith(".gate.weight"):
+                up = capped["choices"][name.replace(".gate.", ".up.")]
+                assert (c["format"], c["params"]) == (up["format"], up["params"])
+    with pytest.raises(BudgetError, match="has none"):
+        check_budget(_scored(tiny_model(num_layers=2, hidden=64, vocab=64, inter=128), lambda n: 1.0),
+                     _ctx(bpw=4.0, max_expert_formats=2))
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(BudgetError, match="max-expert-formats"):
+            PlanOptions(bpw=4.0, max_expert_formats=bad)
