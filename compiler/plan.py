@@ -62,9 +62,18 @@ def plan_budgets(model_dir, budgets: list[dict], *, progress=None, calib=None, *
                        predicted_kld=plan["predicted_kld"], formats=dict(sorted(mix.items())))
             if "experts" in plan:
                 row["expert_bits_per_weight"] = plan["experts"]["bits_per_weight"]
+                row["expert_formats"] = {k: plan["experts"][k] for k in ("most_formats_in_a_layer",
+                                                                         "launches_per_token")}
             rows.append(row)
     return {"model": str(model_dir), "method": first.quantize.method, "device": first.device, "rows": rows,
             "seconds": {k: round(v, 2) for k, v in seconds.items()}}
+
+
+def _launches(row: dict) -> str:
+    """", up to K formats in a layer, N expert launches a token" where the plan says (a MoE plan)."""
+    f = row.get("expert_formats")
+    return "" if not f else (f", up to {f['most_formats_in_a_layer']} formats in a layer, "
+                             f"{f['launches_per_token']} expert launches a token")
 
 
 def render_plan(result: dict) -> str:
@@ -86,7 +95,7 @@ def render_plan(result: dict) -> str:
         sizes = [human_size(lines[k]) for k in ("weights", "kv_cache", "activations", "workspace", "cuda_context")]
         rows.append((name, *sizes, human_size(r["memory"]["total"]), f"{r['bits_per_weight']:.3f}",
                      f"{r['predicted_kld']:.5f}"))
-        experts = f" (routed experts {r['expert_bits_per_weight']:.2f} bits per weight)" \
+        experts = f" (routed experts {r['expert_bits_per_weight']:.2f} bits per weight{_launches(r)})" \
             if "expert_bits_per_weight" in r else ""
         notes.append(f"{name}: " + ", ".join(f"{k} x{v}" for k, v in r["formats"].items()) + experts)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]

@@ -305,8 +305,15 @@ def plan_precision(program: Program, ctx: PassContext) -> Program:
     if experts:  # the share of the weights' bytes the routed experts took
         expert_bytes, expert_params = (sum(choices[n]["bytes"] for n in experts),
                                        sum(prod(records[n].shape) for n in experts))
+        # The GPU runs one gate/up and one down launch per encoding among a layer's experts.
+        per_slot: dict[tuple[int, str], set] = {}
+        for name, slot in expert_slots(model).items():
+            if name in chosen:
+                per_slot.setdefault(slot, set()).add(chosen[name])
         plan["experts"] = {"tensors": len(experts), "parameters": expert_params, "weight_bytes": expert_bytes,
-                           "bits_per_weight": round(8 * expert_bytes / expert_params, 4)}
+                           "bits_per_weight": round(8 * expert_bytes / expert_params, 4),
+                           "most_formats_in_a_layer": max(len(v) for v in per_slot.values()),
+                           "launches_per_token": sum(len(v) for v in per_slot.values())}
     memory = ledger(model, total_bytes, ctx=options.ctx)
     memory["budget"] = options.vram
     return program.replace(annotations={**program.annotations, "precision_plan": plan, "memory": memory})

@@ -287,6 +287,10 @@ def test_max_expert_formats_caps_each_layers_expert_launches_and_keeps_the_budge
         capped = plan_precision(program, _ctx(bpw=bpw, max_expert_formats=cap)).annotations["precision_plan"]
         assert capped["max_expert_formats"] == cap
         assert max(len(v) for v in _expert_formats_per_slot(capped).values()) <= cap
+        for plan in (free, capped):  # what `thinc plan` and the compile summary print
+            slots = _expert_formats_per_slot(plan)
+            assert plan["experts"]["most_formats_in_a_layer"] == max(len(v) for v in slots.values())
+            assert plan["experts"]["launches_per_token"] == sum(len(v) for v in slots.values())
         assert capped["bits_per_weight"] <= bpw
         assert capped["predicted_kld"] >= free["predicted_kld"] - 1e-12
         # gate and up still share one format per expert
