@@ -386,15 +386,15 @@ def _quality_rows(report) -> list[tuple[str, str]]:
     from thin.artifacts import certificate_summary, human_size
     from thin.artifacts.describe import residency_summary
 
+    from .plan import describe_experts
+
     rows = []
     plan = (report.precision_plan or {}).get("plan")
     if plan is not None:
         budget = plan["budget"]
         asked = " and ".join(x for x in (f"--bpw {budget['bpw']}" if budget["bpw"] is not None else "",
                                          f"--vram {human_size(budget['vram'])}" if budget["vram"] else "") if x)
-        e = plan.get("experts")
-        experts = "" if not e else f", routed experts {e['bits_per_weight']:.2f}" + (
-            f" in up to {e['most_formats_in_a_layer']} formats a layer" if "most_formats_in_a_layer" in e else "")
+        experts = f", {describe_experts(plan['experts'])}" if plan.get("experts") else ""
         rows.append(("plan", f"{asked}: {plan['bits_per_weight']:.3f} bits per weight{experts}, predicted KLD "
                              f"{plan['predicted_kld']:.5f} ({plan['method']})"))
     if report.memory is not None:

@@ -69,11 +69,12 @@ def plan_budgets(model_dir, budgets: list[dict], *, progress=None, calib=None, *
             "seconds": {k: round(v, 2) for k, v in seconds.items()}}
 
 
-def _launches(row: dict) -> str:
-    """", up to K formats in a layer, N expert launches a token" where the plan says (a MoE plan)."""
-    f = row.get("expert_formats")
-    return "" if not f else (f", up to {f['most_formats_in_a_layer']} formats in a layer, "
-                             f"{f['launches_per_token']} expert launches a token")
+def describe_experts(experts: dict) -> str:
+    """A MoE plan's routed experts in words (precision_plan's "experts": bits per weight, the most formats in
+    a layer, the expert launches a decoded token takes on the GPU)."""
+    return (f"routed experts {experts['bits_per_weight']:.2f} bits per weight, up to "
+            f"{experts['most_formats_in_a_layer']} formats in a layer, {experts['launches_per_token']} expert "
+            "launches a token")
 
 
 def render_plan(result: dict) -> str:
@@ -95,8 +96,8 @@ def render_plan(result: dict) -> str:
         sizes = [human_size(lines[k]) for k in ("weights", "kv_cache", "activations", "workspace", "cuda_context")]
         rows.append((name, *sizes, human_size(r["memory"]["total"]), f"{r['bits_per_weight']:.3f}",
                      f"{r['predicted_kld']:.5f}"))
-        experts = f" (routed experts {r['expert_bits_per_weight']:.2f} bits per weight{_launches(r)})" \
-            if "expert_bits_per_weight" in r else ""
+        experts = "" if "expert_bits_per_weight" not in r else \
+            f" ({describe_experts({'bits_per_weight': r['expert_bits_per_weight'], **r['expert_formats']})})"
         notes.append(f"{name}: " + ", ".join(f"{k} x{v}" for k, v in r["formats"].items()) + experts)
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     out = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows]

@@ -459,5 +459,5 @@ def _encodings(members, choice) -> dict[str, Encoding]:
     return out
 
 
-__all__ = ["BudgetError", "PlanOptions", "expert_slots", "fused_groups", "parameters", "plan_precision", "solve",
-           "stored_bytes", "weight_budget"]
+__all__ = ["BudgetError", "PlanOptions", "fused_groups", "parameters", "plan_precision", "solve", "stored_bytes",
+           "weight_budget"]

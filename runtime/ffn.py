@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -107,9 +108,7 @@ def run_moe(x: torch.Tensor, p: MoEPlan) -> torch.Tensor:
         flat = chosen.reshape(-1)
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=p.router_weight.shape[0]).tolist()
-        starts = [0]
-        for c in counts:
-            starts.append(starts[-1] + c)
+        starts = [0, *itertools.accumulate(counts)]
         tokens, slots = order // p.top_k, order % p.top_k
         for e, expert in _experts(p, [e for e, c in enumerate(counts) if c]):
             token, slot = tokens[starts[e]:starts[e + 1]], slots[starts[e]:starts[e + 1]]

@@ -204,7 +204,9 @@ def profile_step(engine, cache, sampler, replays: int = 20, step_us: float | Non
     step captured against `cache` for `sampler` (decode_n_tokens, as bench runs it). The step is captured
     again inside that profile (its first step runs eagerly and captures; those kernels are no graph
     launch's): a graph captured before CUPTI starts may replay without kernel records. Both decode
-    right after the prompt again, so `cache` must hold positions for `replays` + 1 more tokens."""
+    right after the prompt again, so `cache` must hold positions for `replays` + 1 more tokens. Time
+    nothing in the same process afterwards: graphs captured after the profiler has run can replay slower
+    (on the H200 ~0.4 us before every launch; bench_ffn_levels profiles each level in its own process)."""
     import torch
     from torch.profiler import ProfilerActivity, profile, record_function
 
