@@ -20,13 +20,15 @@ round-robin, float32 sums, bf16 between phases):
    (cp.async.bulk.prefetch.L2, one thread) between its arrival at the barrier and its wait.
 
 Prints microseconds a layer (CUDA-graph replays, median of --replays) and the weight bytes a second against
-a device-to-device copy, after checking each path's output of the last layer against torch (the same
-int8 weights, float32 math, bf16 between phases).
+a device-to-device copy, after checking each path's output against torch on a chain of two layers of their
+own (the same int8 weights, float32 math, bf16 between phases; over more random layers without norms, an ulp
+of difference between phases grows to several percent on every path alike).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -218,25 +220,30 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{torch.cuda.get_device_name()}, {sms} SMs, triton {triton.__version__}; {args.layers} layers of llama-8b "
           f"matvecs, int8 + row scales, {layer_bytes / 1e6:.1f} MB a layer; BN {bn}, BK {bk}, {warps} warps; "
           f"copy {bandwidth / 1e9:.0f} GB/s")
-    want = chain.reference()
+    # Checked on two layers of their own: over --layers random layers without norms an ulp of bf16
+    # between phases (torch sums in another order) grows to several percent on every path alike.
+    probe = Chain(2, H, NQ, F, dev, seed=1)
+    want = probe.reference()
     rows, bad = [], []
 
     def measure(name: str, run) -> None:
-        chain.x.copy_(chain.x0)
-        chain.err.zero_()
-        run()
+        for c in (probe, chain):
+            c.x.copy_(c.x0)
+            c.err.zero_()
+        run(probe)
         torch.cuda.synchronize()
-        err = rel_err(chain.x, want)
-        if int(chain.err.item()):
+        err = rel_err(probe.x, want)
+        if int(probe.err.item()):
             rows.append((name, "barrier timed out", "", ""))
             return
-        if not err < 5e-2:  # bf16 roundings between phases may differ by an ulp; a race gives ~1
+        if not err < 2e-2:  # bf16 roundings between phases may differ by an ulp; a race gives ~1
             bad.append(name)
+        run = functools.partial(run, chain)
         us = time_graph(run, launches=1, replays=args.replays) / args.layers
         rate = layer_bytes / us * 1e6  # bytes a second
         rows.append((name, f"{us:.2f}", f"{rate / 1e9:.0f} ({100 * rate / bandwidth:.0f}%)", f"{err:.1e}"))
 
-    measure("launches (4 a layer)", lambda: chain.launches(bn, bk, warps))
+    measure("launches (4 a layer)", lambda c: c.launches(bn, bk, warps))
     for k in sorted({int(x) for x in args.ks.split(",")}):
         for prefetch in (False, True):
             name = f"persistent, {sms} x {k} programs{', L2 prefetch at each barrier' if prefetch else ''}"
@@ -244,8 +251,8 @@ def main(argv: list[str] | None = None) -> int:
             if k > fit:
                 rows.append((name, f"k > {fit} (occupancy)", "", ""))
                 continue
-            measure(name, lambda k=k, p=prefetch: chain.persistent(sms * k, bn, bk, warps, prefetch=p,
-                                                                   max_spin=args.max_spin))
+            measure(name, lambda c, k=k, p=prefetch: c.persistent(sms * k, bn, bk, warps, prefetch=p,
+                                                                  max_spin=args.max_spin))
     print("\n| path | us a layer | weight GB/s (of copy) | rel err vs torch |\n| --- | ---: | ---: | ---: |")
     for row in rows:
         print("| " + " | ".join(row) + " |")
