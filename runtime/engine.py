@@ -32,7 +32,6 @@ from collections.abc import Iterator, Sequence
 import torch
 
 from .engine_fusions import choose_finishing, choose_finishing_downs, choose_norm_routers
-from .engine_launch import choose_dependent
 from .engine_plans import (
     appending_layers,
     block_table,
@@ -65,15 +64,10 @@ class DecodeEngine:
     `fused_attention`: whether a layer's q/k norm, RoPE and KV append run inside its decode attention's
     split kernel (kernels/attention_append.py: two launches, not rope_append's three): None (default)
     times both ways in `warm_up` on a GPU and keeps the faster per kind of layer; True every layer;
-    False none.
-
-    `dependent_launch`: whether the step's matvecs, norms, RoPE and attention launch as programmatic
-    dependents (kernels/dependent.py: each may start while the kernel before it finishes): None (default)
-    times the captured step both ways in `warm_up` on a GPU with graphs and keeps the faster
-    (engine_launch.py); True always; False never."""
+    False none."""
 
     def __init__(self, executor, *, graphs: bool = True, finish_norm: bool | None = None,
-                 fused_attention: bool | None = None, dependent_launch: bool | None = None):
+                 fused_attention: bool | None = None):
         check_supported(executor)
         from .kernels import attention, norm, rope, sampling  # noqa: F401  (imports triton)
 
@@ -132,8 +126,6 @@ class DecodeEngine:
         self._finishing_prefixes: set[tuple[int, int]] = set()
         self._level_biases: dict[tuple[int, int], tuple] = {}  # (id(down), shift's address): (shift, bias + shift)
         self.fused_attention = fused_attention
-        self.dependent_launch = dependent_launch
-        self._dependent = bool(dependent_launch)  # what the step does now (warm_up may choose it)
         # {layer index: append_attend's repeat} of the layers whose attention appends (warm_up times it).
         self._appending = appending_layers(executor, timed=False) if fused_attention else {}
         if finish_norm:
@@ -237,12 +229,6 @@ class DecodeEngine:
     def decode_one_token(self, cache: PagedKVCache, sampler) -> None:
         """Feed self.token at position self.pos; leave the next token in self.token (and in
         cache.out_tokens[step]), then advance pos and step. Reads nothing from the host."""
-        from .kernels.dependent import launching
-
-        with launching(self._dependent):
-            self._step(cache, sampler)
-
-    def _step(self, cache: PagedKVCache, sampler) -> None:
         from .kernels.attention_append import append_attend
         from .kernels.norm import Finish, add_rmsnorm
         from .kernels.rope import rope_append
@@ -337,8 +323,8 @@ class DecodeEngine:
         if not graph:
             self.decode_one_token(cache, sampler)
             return
-        # A captured step holds its launches' sizes and addresses: one per sampler, FFN level and launch kind.
-        key = (sampler.key, self.ffn_key(), self._dependent)
+        # A captured step holds its launches' sizes and addresses: one per sampler and FFN level.
+        key = (sampler.key, self.ffn_key())
         captured = cache.graphs.get(key)
         if captured is not None:
             captured.replay()
@@ -399,8 +385,6 @@ class DecodeEngine:
             choose_finishing_downs(self, timed=True)
         if self.fused_attention is None and self.device.type == "cuda":
             self._appending = appending_layers(self.ex, timed=True)
-        if self.dependent_launch is None and self.use_graphs:  # last: it times the step as chosen above
-            self._dependent = choose_dependent(self)
 
     def _kernel_uses(self, uses: list[tuple]) -> list[tuple]:
         """The (op, mode, ...) uses of ops with launch configurations, each once, "partial" as the decode

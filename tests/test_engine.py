@@ -133,57 +133,6 @@ def test_attention_that_appends_in_its_split_kernel(models, family):
         assert rel_err(fused.logits, plain.logits) < 1e-5
 
 
-@pytest.mark.parametrize("quant, fused", [(None, False), ("fp8_e4m3", True), ("int8", False), ("int4", True)])
-def test_dependent_launches_change_no_result(models, quant, fused):
-    """dependent_launch=True (the step's matvecs, norms, RoPE and attention launched as programmatic
-    dependents, kernels/dependent.py) against False: the executor's tokens, the positions attended at every
-    step, the finishing matvecs' counter back at zero, and under the interpreter (level 1: the kernels'
-    dependent code without the grid-dependency instructions) the very logits."""
-    model = models("llama", quant)
-    prompt = _prompt(seed=13)
-    options = dict(fused_attention=fused, finish_norm=True)
-    dependent, plain = _engine(model, dependent_launch=True, **options), _engine(model, dependent_launch=False, **options)
-    assert dependent._dependent and not plain._dependent
-    want = _executor_tokens(model, prompt, 7)
-    cache = dependent.new_cache(64)
-    assert _engine_tokens(dependent, prompt, 7, cache=cache) == want
-    assert cache.attended[1:7].tolist() == [len(prompt) + i for i in range(1, 7)]
-    assert int(dependent.counter) == 0
-    assert _engine_tokens(plain, prompt, 7) == want
-    if not HAS_CUDA:
-        assert torch.equal(dependent.logits, plain.logits)
-
-
-def test_dependent_launch_levels():
-    """What a kernel launch takes: nothing outside `launching(True)`; inside it level 1 under the
-    interpreter (no grid-dependency instructions, no launch attribute) and 2 on a GPU (the attribute)."""
-    from thin.runtime.kernels import dependent, interpreting
-
-    assert dependent.level() == 0 and dependent.kernel_args() == {}
-    with dependent.launching(True):
-        want = {"PDL": 1} if interpreting() else {"PDL": 2, "launch_pdl": True}
-        assert dependent.kernel_args() == want
-        with dependent.launching(False):
-            assert dependent.kernel_args() == {}
-    assert dependent.level() == 0
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="times CUDA graphs")
-def test_choose_dependent_times_the_step_and_puts_the_state_back(models, caplog):
-    from thin.runtime.engine_launch import choose_dependent
-
-    model = models("llama", "fp8_e4m3")
-    engine = _engine(model, dependent_launch=False)
-    with caplog.at_level("INFO", logger="thin.runtime"):
-        chosen = choose_dependent(engine, positions=64, replays=2, rounds=2)
-    assert isinstance(chosen, bool) and not engine._dependent
-    assert int(engine.pos) == 0 and int(engine.step) == 0
-    assert "programmatic dependents" in caplog.text
-    prompt = _prompt(seed=3)
-    assert _engine_tokens(engine, prompt, 5) == _executor_tokens(model, prompt, 5)
-
-
 def test_conversation_cache_prefills_only_the_new_turn(models):
     model = models("qwen3")
     engine = _engine(model)

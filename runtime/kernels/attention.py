@@ -22,9 +22,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from . import dependent
 from .common import next_power_of_2
-from .dependent import release_next, wait_previous
 
 
 @triton.jit
@@ -36,11 +34,9 @@ def _tanh(x):
 def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, n_ptr, scale, softcap, window,
                    HQ, HKV, D, SPLITS, table_stride, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
                    BT: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-                   IEEE: tl.constexpr, PDL: tl.constexpr = 0):
+                   IEEE: tl.constexpr):
     """Program (kv head h, split s, sequence r): sequence r's query heads of group h over split s of
-    its visible positions (its own position and row of the block table). PDL: dependent.py."""
-    wait_previous(PDL)
-    release_next(PDL)
+    its visible positions (its own position and row of the block table)."""
     h = tl.program_id(0)
     s = tl.program_id(1)
     r = tl.program_id(2)
@@ -119,11 +115,8 @@ def capped(scores, softcap, SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _merge_kernel(o_ptr, m_ptr, l_ptr, n_ptr, sink_ptr, out_ptr, log_ptr, step_ptr, HQ, D, SPLITS,
-                  SP: tl.constexpr, BLOCK_D: tl.constexpr, SINKS: tl.constexpr, LOG: tl.constexpr,
-                  PDL: tl.constexpr = 0):
-    """Query head i of sequence r: softmax-weighted sum of the splits' partial outputs. PDL: dependent.py."""
-    wait_previous(PDL)
-    release_next(PDL)
+                  SP: tl.constexpr, BLOCK_D: tl.constexpr, SINKS: tl.constexpr, LOG: tl.constexpr):
+    """Query head i of sequence r: softmax-weighted sum of the splits' partial outputs."""
     i = tl.program_id(0)
     r = tl.program_id(1)
     o_ptr += r * SPLITS * HQ * D
@@ -187,7 +180,7 @@ class DecodeAttention:
             float(softcap or 1.0), int(window or 0), self.num_heads, self.num_kv_heads, self.head_dim, self.splits,
             table_stride, G=self.group, GP=max(16, next_power_of_2(self.group)), BS=k_cache.shape[2], BT=self.tile,
             BLOCK_D=next_power_of_2(self.head_dim), SOFTCAP=softcap is not None, WINDOW=window is not None,
-            IEEE=self.ieee(q.dtype), num_warps=4, **dependent.kernel_args())
+            IEEE=self.ieee(q.dtype), num_warps=4)
         self.merge(out, sinks, log, step)
 
     def merge(self, out, sinks: torch.Tensor | None = None, log: torch.Tensor | None = None,
@@ -197,7 +190,7 @@ class DecodeAttention:
             self.o, self.m, self.l, self.n, sinks if sinks is not None else self.m, out,
             log if log is not None else self.n, step if step is not None else self.n, self.num_heads, self.head_dim,
             self.splits, SP=next_power_of_2(self.splits), BLOCK_D=next_power_of_2(self.head_dim),
-            SINKS=sinks is not None, LOG=log is not None, num_warps=4, **dependent.kernel_args())
+            SINKS=sinks is not None, LOG=log is not None, num_warps=4)
 
     @staticmethod
     def ieee(dtype: torch.dtype) -> bool:

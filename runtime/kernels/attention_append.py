@@ -24,10 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
-from . import dependent
 from .attention import DecodeAttention, capped, online_softmax
 from .common import next_power_of_2
-from .dependent import release_next, wait_previous
 
 
 @triton.jit
@@ -64,13 +62,10 @@ def _append_decode_kernel(qkv_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, cos_ptr, si
                           o_ptr, m_ptr, l_ptr, n_ptr, scale, softcap, window, HQ, HKV, D, R, SPLITS, table_stride,
                           G: tl.constexpr, GQ: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr,
                           BLOCK_D: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, SOFTCAP: tl.constexpr,
-                          WINDOW: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = 0):
+                          WINDOW: tl.constexpr, IEEE: tl.constexpr):
     """Program (kv head h, split s, sequence r): attention.py's `_decode_kernel` over split s of
     sequence r's visible positions, its query heads made here from sequence r's raw qkv row; the
-    split holding the new position (pos[r]) also stores the new key and value and attends to them.
-    PDL: launched as a programmatic dependent (dependent.py), waiting at its top."""
-    wait_previous(PDL)
-    release_next(PDL)
+    split holding the new position (pos[r]) also stores the new key and value and attends to them."""
     h = tl.program_id(0)
     s = tl.program_id(1)
     r = tl.program_id(2)
@@ -166,8 +161,7 @@ def append_attend(attention: DecodeAttention, qkv: torch.Tensor, k_cache: torch.
         block_table.stride(0) if block_table.dim() == 2 else 0, G=attention.group,
         GQ=next_power_of_2(attention.group) if repeat else gp, GP=gp, BS=k_cache.shape[2], BT=attention.tile,
         BLOCK_D=next_power_of_2(attention.head_dim), NORM=q_norm is not None, ROPE=rope is not None,
-        SOFTCAP=softcap is not None, WINDOW=window is not None, IEEE=attention.ieee(qkv.dtype), num_warps=4,
-        **dependent.kernel_args())
+        SOFTCAP=softcap is not None, WINDOW=window is not None, IEEE=attention.ieee(qkv.dtype), num_warps=4)
     attention.merge(out, sinks, log, step)
 
 

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from thin.ir.formats.grouped_int import PLANES
 
-from . import common, dependent, interpreting
+from . import common, interpreting
 from .common import (
     MAGIC_BITS,
     KernelLinear,
@@ -35,7 +35,6 @@ from .common import (
     prefix_rows,
     sm_count,
 )
-from .dependent import release_next, wait_previous
 from .grouped_int_batch import _codes
 from .norm import finish_partials, prefetch_norms
 from .pairs import PAIR_MAGIC, pair_sum, word_dot, x_pairs, zero_pair
@@ -160,18 +159,15 @@ def _matvec_kernel(low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, level_ptr
                    res_ptr=None, finish_bias_ptr=None, post_ptr=None, norm_ptr=None, normed_ptr=None, post_eps=0.0,
                    eps=0.0, FINISH: tl.constexpr = False, FINISH_BIAS: tl.constexpr = False,
                    POST: tl.constexpr = False, NORM: tl.constexpr = False, H_BLOCK: tl.constexpr = 1,
-                   N_PARTS: tl.constexpr = 0, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = 0):
+                   N_PARTS: tl.constexpr = 0, PREFETCH: tl.constexpr = False):
     """Program (i, s): output rows i*BN.., chunks of split s. With ACT >= 0 the weight is [gate; up]
     and the tile holds both rows of each output (gate row r, up row n + r), one pass over x; LEVEL:
     the product times level_ptr[r] (an elastic FFN level's scale, instead of a launch of its own).
     FINISH (with PARTIAL): the launch's last program also adds the partial sums into the residual and
     norms it (norm.Finish), so no residual-norm launch follows; PREFETCH: program (0, 0) first asks L2
-    for the norm weights that program reads (as rowwise8's matvec). PDL: launched as a programmatic
-    dependent (dependent.py), waiting at its top."""
+    for the norm weights that program reads (as rowwise8's matvec)."""
     if PREFETCH:
         prefetch_norms(norm_ptr, post_ptr, n, NORM, POST)
-    wait_previous(PDL)
-    release_next(PDL)
     total = _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K, split_chunks, magic, WL, WH, MID, ASYM,
                       G, C, BN, ACT >= 0, EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS, AHEAD)
     if LEVEL:
@@ -442,8 +438,7 @@ class GroupedIntLinear(TiledPrefill, KernelLinear):
             BN=config.block_n, EVEN_N=n % config.block_n == 0, EVEN_K=launch.even, ASM=launch.asm, ACT=act,
             HAS_BIAS=self.bias is not None, PARTIAL=partial, PACKED=config.packed,
             ZERO_BITS=zero_pair(self.mid) if config.packed else 0, AHEAD=config.ahead, LEVEL=scale is not None,
-            num_warps=config.num_warps, **(finish.launch_args(config.split, n) if finish is not None else {}),
-            **dependent.kernel_args())
+            num_warps=config.num_warps, **(finish.launch_args(config.split, n) if finish is not None else {}))
         return config.split
 
     def matmul_candidates(self, T: int, K: int) -> list[MatmulConfig]:

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import common, dependent, interpreting
+from . import common, interpreting
 from .common import (
     MAGIC_BITS,
     KernelLinear,
@@ -31,7 +31,6 @@ from .common import (
     prefix_rows,
     prefix_split,
 )
-from .dependent import release_next, wait_previous
 from .norm import finish_partials, prefetch_norms
 from .prefill import matmul_blocks, matmul_prefix
 from .tiles import (
@@ -187,18 +186,15 @@ def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, split, flip
                    post_ptr=None, norm_ptr=None, normed_ptr=None, post_eps=0.0, eps=0.0,
                    FINISH: tl.constexpr = False, FINISH_BIAS: tl.constexpr = False, POST: tl.constexpr = False,
                    NORM: tl.constexpr = False, H_BLOCK: tl.constexpr = 1, N_PARTS: tl.constexpr = 0,
-                   PREFETCH: tl.constexpr = False, PDL: tl.constexpr = 0):
+                   PREFETCH: tl.constexpr = False):
     """Program (i, s): output rows i*BN.., the columns of split s (`split` of them: columns for
     fp8, chunks for int8; STEP per loop step). ACT >= 0: the weight is [gate; up] and the tile
     holds both rows of each output (gate row r, up row n + r), one pass over x. FINISH (with
     PARTIAL): the launch's last program also adds the partial sums into the residual and norms it
     (norm.Finish), so no residual-norm launch follows; PREFETCH: program (0, 0) first asks L2 for the
-    norm weights that program reads (bulk prefetches, sm_90), so they are not a DRAM latency at the end.
-    PDL: launched as a programmatic dependent (dependent.py), waiting at its top."""
+    norm weights that program reads (bulk prefetches, sm_90), so they are not a DRAM latency at the end."""
     if PREFETCH:
         prefetch_norms(norm_ptr, post_ptr, n, NORM, POST)
-    wait_previous(PDL)
-    release_next(PDL)
     rows, row_mask = tile_rows(tl.program_id(0), n, BN, ACT >= 0)
     if FP8 and AHEAD:  # v_ptr: int32 words; split and STEP in chunks of 8 columns
         starts = tile_starts(tl.program_id(0), n, K // 8, BN, ACT >= 0, ASM)
@@ -319,8 +315,7 @@ class Rowwise8Linear(KernelLinear):
             FP8=self.fp8, BN=config.block_n, STEP=step, EVEN_N=n % config.block_n == 0, EVEN_K=even, ASM=asm,
             ACT=act, HAS_BIAS=self.bias is not None, PARTIAL=partial, AHEAD=config.ahead if self.fp8 else 0,
             STAGES=config.stages if self.fp8 else 0, num_warps=config.num_warps,
-            **(finish.launch_args(config.split, n) if finish is not None else {}),
-            **dependent.kernel_args())
+            **(finish.launch_args(config.split, n) if finish is not None else {}))
         return config.split
 
     def _matmul(self, x, rows=None, cols=None, halves=1):
