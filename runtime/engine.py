@@ -126,8 +126,6 @@ class DecodeEngine:
         self._finishing_prefixes: set[tuple[int, int]] = set()
         self._level_biases: dict[tuple[int, int], tuple] = {}  # (id(down), shift's address): (shift, bias + shift)
         self.fused_attention = fused_attention
-        # Whether the decode attention asks L2 for o's weight, and when (kernels/attention.Prefetch.where): 0 not.
-        self.next_weights = 0
         # {layer index: append_attend's repeat} of the layers whose attention appends (warm_up times it).
         self._appending = appending_layers(executor, timed=False) if fused_attention else {}
         if finish_norm:
@@ -249,7 +247,6 @@ class DecodeEngine:
                 self._whole_qk_norm(a, self.qkv[None])
             options = dict(scale=a.scale, window=a.sliding_window, softcap=a.logit_softcap,
                            sinks=getattr(a, "sinks", None), log=cache.attended if index == 0 else None, step=self.step)
-            options["prefetch"] = self._prefetch(a.o)
             if index in self._appending:  # chosen in warm_up
                 with mark("attention + qk norm + rope + append"):
                     append_attend(cache.attention, self.qkv, k_cache, v_cache, table, self.pos, self.attn,
@@ -327,7 +324,7 @@ class DecodeEngine:
             self.decode_one_token(cache, sampler)
             return
         # A captured step holds its launches' sizes and addresses: one per sampler and FFN level.
-        key = (sampler.key, self.ffn_key(), self.next_weights)
+        key = (sampler.key, self.ffn_key())
         captured = cache.graphs.get(key)
         if captured is not None:
             captured.replay()
@@ -397,17 +394,6 @@ class DecodeEngine:
         return list(dict.fromkeys(uses))
 
     # ---- pieces ----------------------------------------------------------------------------------
-
-    def _prefetch(self, op: LinearOp):
-        """What the decode attention asks L2 for while it runs (kernels/attention.Prefetch): `op`'s packed
-        weight (o's, the matvec after it), where `next_weights` says (0: nothing)."""
-        raw = getattr(op, "raw", None)
-        if not self.next_weights or self.device.type != "cuda" or raw is None or not raw.is_contiguous():
-            return None
-        from .kernels.attention import Prefetch
-
-        data = raw.reshape(-1).view(torch.uint8)
-        return Prefetch(data, self.next_weights) if data.data_ptr() % 16 == 0 else None
 
     def _linear_ops(self) -> list[LinearOp]:
         return self.ex.linear_ops()

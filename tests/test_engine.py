@@ -133,23 +133,6 @@ def test_attention_that_appends_in_its_split_kernel(models, family):
         assert rel_err(fused.logits, plain.logits) < 1e-5
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not HAS_CUDA, reason="bulk L2 prefetches are sm_90 instructions")
-@pytest.mark.parametrize("fused", [False, True])
-def test_attention_asking_l2_for_the_next_weight_changes_no_token(models, fused):
-    """next_weights 1, 2, 3 (the decode attention's split or merge programs ask L2 for o's packed weight,
-    kernels/attention.Prefetch): the executor's tokens and the positions attended, graphed."""
-    model = models("llama", "fp8_e4m3")
-    prompt = _prompt(seed=21)
-    want = _executor_tokens(model, prompt, 6)
-    engine = _engine(model, fused_attention=fused)
-    for way in (1, 2, 3):
-        engine.next_weights = way
-        cache = engine.new_cache(64)
-        assert _engine_tokens(engine, prompt, 6, cache=cache) == want
-        assert cache.attended[1:6].tolist() == [len(prompt) + i for i in range(1, 6)]
-
-
 def test_conversation_cache_prefills_only_the_new_turn(models):
     model = models("qwen3")
     engine = _engine(model)

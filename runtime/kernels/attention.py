@@ -17,15 +17,12 @@ sinks, an explicit softmax.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from .common import next_power_of_2
-from .norm import l2_prefetch
 
 
 @triton.jit
@@ -37,15 +34,12 @@ def _tanh(x):
 def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, n_ptr, scale, softcap, window,
                    HQ, HKV, D, SPLITS, table_stride, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
                    BT: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-                   IEEE: tl.constexpr, next_ptr=None, next_bytes=0, NEXT: tl.constexpr = 0):
+                   IEEE: tl.constexpr):
     """Program (kv head h, split s, sequence r): sequence r's query heads of group h over split s of
-    its visible positions (its own position and row of the block table). NEXT (`Prefetch`): 1 or 2, the
-    program asks L2 for its share of the next_bytes at next_ptr first or last."""
+    its visible positions (its own position and row of the block table)."""
     h = tl.program_id(0)
     s = tl.program_id(1)
     r = tl.program_id(2)
-    if NEXT == 1:
-        prefetch_share(next_ptr, next_bytes)
     table_ptr += r * table_stride
     q_ptr += r * HQ * D
     o_ptr += r * SPLITS * HQ * D
@@ -71,40 +65,6 @@ def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, o_ptr, m_ptr, l_ptr,
     tl.store(l_ptr + out, denom, mask=g < G)
     if h == 0:
         tl.store(n_ptr + s, tl.maximum(end - begin, 0))
-    if NEXT == 2:
-        prefetch_share(next_ptr, next_bytes)
-
-
-@triton.jit
-def prefetch_share(ptr, nbytes):
-    """This program's share of the nbytes at ptr (bytes; 16-aligned), asked of L2 (`l2_prefetch`, one bulk
-    prefetch by its first thread, sm_90): the launch's programs in order split it in 16-byte pieces."""
-    index = (tl.program_id(2) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(0) + tl.program_id(0)
-    count = tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2)
-    share = tl.cdiv(tl.cdiv(nbytes, count), 16) * 16
-    start = index * share
-    n = tl.minimum(share, nbytes - start) // 16 * 16
-    if n > 0:
-        l2_prefetch(ptr + start, n)
-
-
-@dataclass(frozen=True)
-class Prefetch:
-    """Bytes the decode attention's programs ask L2 for while they wait on their own loads (the weight of
-    the matvec that follows: o's), and when: 1 at each split program's start, 2 at its end, 3 at each merge
-    program's start."""
-
-    data: torch.Tensor  # uint8, contiguous, 16-byte aligned
-    where: int
-
-    def split_args(self) -> dict:
-        return self._args() if self.where in (1, 2) else {}
-
-    def merge_args(self) -> dict:
-        return self._args() if self.where == 3 else {}
-
-    def _args(self) -> dict:
-        return dict(next_ptr=self.data, next_bytes=self.data.numel(), NEXT=self.where)
 
 
 @triton.jit
@@ -155,14 +115,10 @@ def capped(scores, softcap, SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _merge_kernel(o_ptr, m_ptr, l_ptr, n_ptr, sink_ptr, out_ptr, log_ptr, step_ptr, HQ, D, SPLITS,
-                  SP: tl.constexpr, BLOCK_D: tl.constexpr, SINKS: tl.constexpr, LOG: tl.constexpr,
-                  next_ptr=None, next_bytes=0, NEXT: tl.constexpr = 0):
-    """Query head i of sequence r: softmax-weighted sum of the splits' partial outputs. NEXT 3
-    (`Prefetch`): the program first asks L2 for its share of the next_bytes at next_ptr."""
+                  SP: tl.constexpr, BLOCK_D: tl.constexpr, SINKS: tl.constexpr, LOG: tl.constexpr):
+    """Query head i of sequence r: softmax-weighted sum of the splits' partial outputs."""
     i = tl.program_id(0)
     r = tl.program_id(1)
-    if NEXT == 3:
-        prefetch_share(next_ptr, next_bytes)
     o_ptr += r * SPLITS * HQ * D
     m_ptr += r * SPLITS * HQ
     l_ptr += r * SPLITS * HQ
@@ -209,7 +165,7 @@ class DecodeAttention:
 
     def __call__(self, q, k_cache, v_cache, block_table, pos, out, *, scale: float, window: int | None = None,
                  softcap: float | None = None, sinks: torch.Tensor | None = None, log: torch.Tensor | None = None,
-                 step: torch.Tensor | None = None, prefetch: Prefetch | None = None) -> None:
+                 step: torch.Tensor | None = None) -> None:
         """q [num_heads, head_dim] of the token at position pos[0] (its key already appended) ->
         out [num_heads * head_dim]; with `log`, log[step[0]] = positions attended (head 0).
 
@@ -224,17 +180,17 @@ class DecodeAttention:
             float(softcap or 1.0), int(window or 0), self.num_heads, self.num_kv_heads, self.head_dim, self.splits,
             table_stride, G=self.group, GP=max(16, next_power_of_2(self.group)), BS=k_cache.shape[2], BT=self.tile,
             BLOCK_D=next_power_of_2(self.head_dim), SOFTCAP=softcap is not None, WINDOW=window is not None,
-            IEEE=self.ieee(q.dtype), num_warps=4, **(prefetch.split_args() if prefetch else {}))
-        self.merge(out, sinks, log, step, prefetch)
+            IEEE=self.ieee(q.dtype), num_warps=4)
+        self.merge(out, sinks, log, step)
 
     def merge(self, out, sinks: torch.Tensor | None = None, log: torch.Tensor | None = None,
-              step: torch.Tensor | None = None, prefetch: Prefetch | None = None) -> None:
+              step: torch.Tensor | None = None) -> None:
         """The second launch: the splits' partial outputs (written by the split kernel) -> out."""
         _merge_kernel[(self.num_heads, self.rows)](
             self.o, self.m, self.l, self.n, sinks if sinks is not None else self.m, out,
             log if log is not None else self.n, step if step is not None else self.n, self.num_heads, self.head_dim,
             self.splits, SP=next_power_of_2(self.splits), BLOCK_D=next_power_of_2(self.head_dim),
-            SINKS=sinks is not None, LOG=log is not None, num_warps=4, **(prefetch.merge_args() if prefetch else {}))
+            SINKS=sinks is not None, LOG=log is not None, num_warps=4)
 
     @staticmethod
     def ieee(dtype: torch.dtype) -> bool:

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import DecodeAttention, Prefetch, capped, online_softmax, prefetch_share
+from .attention import DecodeAttention, capped, online_softmax
 from .common import next_power_of_2
 
 
@@ -62,17 +62,13 @@ def _append_decode_kernel(qkv_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, cos_ptr, si
                           o_ptr, m_ptr, l_ptr, n_ptr, scale, softcap, window, HQ, HKV, D, R, SPLITS, table_stride,
                           G: tl.constexpr, GQ: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr,
                           BLOCK_D: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, SOFTCAP: tl.constexpr,
-                          WINDOW: tl.constexpr, IEEE: tl.constexpr, next_ptr=None, next_bytes=0,
-                          NEXT: tl.constexpr = 0):
+                          WINDOW: tl.constexpr, IEEE: tl.constexpr):
     """Program (kv head h, split s, sequence r): attention.py's `_decode_kernel` over split s of
     sequence r's visible positions, its query heads made here from sequence r's raw qkv row; the
-    split holding the new position (pos[r]) also stores the new key and value and attends to them.
-    NEXT: as `_decode_kernel`'s (attention.Prefetch)."""
+    split holding the new position (pos[r]) also stores the new key and value and attends to them."""
     h = tl.program_id(0)
     s = tl.program_id(1)
     r = tl.program_id(2)
-    if NEXT == 1:
-        prefetch_share(next_ptr, next_bytes)
     table_ptr += r * table_stride
     qkv_ptr += r * (HQ + 2 * HKV) * D
     o_ptr += r * SPLITS * HQ * D
@@ -128,15 +124,13 @@ def _append_decode_kernel(qkv_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, cos_ptr, si
     tl.store(l_ptr + out, denom, mask=g < G)
     if h == 0:
         tl.store(n_ptr + s, tl.maximum(end - begin, 0))
-    if NEXT == 2:
-        prefetch_share(next_ptr, next_bytes)
 
 
 def append_attend(attention: DecodeAttention, qkv: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_table: torch.Tensor, pos: torch.Tensor, out: torch.Tensor, *, scale: float, rope=None,
                   q_norm=None, k_norm=None, window: int | None = None, softcap: float | None = None,
                   sinks: torch.Tensor | None = None, log: torch.Tensor | None = None,
-                  step: torch.Tensor | None = None, repeat: bool = False, prefetch: Prefetch | None = None) -> None:
+                  step: torch.Tensor | None = None, repeat: bool = False) -> None:
     """rope_append then `attention` (DecodeAttention.__call__) in two launches: qkv [(num_heads + 2
     num_kv_heads) * head_dim], the raw projections of the token at position pos[0]; its key (normed by
     k_norm, rotated) and value go into their cache slots, and its query's (normed by q_norm, rotated)
@@ -167,9 +161,8 @@ def append_attend(attention: DecodeAttention, qkv: torch.Tensor, k_cache: torch.
         block_table.stride(0) if block_table.dim() == 2 else 0, G=attention.group,
         GQ=next_power_of_2(attention.group) if repeat else gp, GP=gp, BS=k_cache.shape[2], BT=attention.tile,
         BLOCK_D=next_power_of_2(attention.head_dim), NORM=q_norm is not None, ROPE=rope is not None,
-        SOFTCAP=softcap is not None, WINDOW=window is not None, IEEE=attention.ieee(qkv.dtype), num_warps=4,
-        **(prefetch.split_args() if prefetch else {}))
-    attention.merge(out, sinks, log, step, prefetch)
+        SOFTCAP=softcap is not None, WINDOW=window is not None, IEEE=attention.ieee(qkv.dtype), num_warps=4)
+    attention.merge(out, sinks, log, step)
 
 
 VARIANTS = (False, True)  # append_attend's `repeat`
