@@ -62,8 +62,7 @@ from .tiles import (
 def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K: tl.constexpr, split_chunks, magic,
               WL: tl.constexpr, WH: tl.constexpr, MID: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr,
               C: tl.constexpr, BN: tl.constexpr, GLU: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-              ASM: tl.constexpr, PACKED: tl.constexpr, ZERO_BITS: tl.constexpr, AHEAD: tl.constexpr,
-              STAGES: tl.constexpr = 0):
+              ASM: tl.constexpr, PACKED: tl.constexpr, ZERO_BITS: tl.constexpr, AHEAD: tl.constexpr):
     """sum_k W[rows, k] * x[k] over the tile's rows (tiles.tile_rows) and this program's chunks
     (split `program_id(1)`), float32 [rows].
 
@@ -77,104 +76,76 @@ def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K: tl.constexp
     its first use, and theirs is the end of a step: loaded in the step before, their memory latency
     overlaps a whole step's math instead of following it. AHEAD 2: the low plane's words too, two
     steps ahead (one step ahead, ptxas would issue them at the end of the step before, just ahead of
-    their use). STAGES > 1 (AHEAD 0): the loop software-pipelined by Triton instead, each step's words
-    and scales copied to shared memory STAGES - 1 steps ahead (as rowwise8's fp8 `stages`)."""
+    their use)."""
     pid = tl.program_id(0)
     rows, row_mask = tile_rows(pid, n, BN, GLU)
     total: tl.constexpr = K // 32  # K a constexpr: the tile's row strides fold into the side loads (row_starts)
     starts = tile_starts(pid, n, total, BN, GLU, ASM)
     begin = tl.program_id(1) * split_chunks
     end = tl.minimum(begin + split_chunks, total)
+    ci = tl.arange(0, C)
     groups: tl.constexpr = K // G
     acc = tl.zeros([rows.shape[0], C], dtype=tl.float32)
-    if STAGES > 1:  # Triton's pipeliner: each step's words and scales copied STAGES - 1 steps ahead (cp.async)
-        for c0 in tl.range(begin, end, C, num_stages=STAGES):
+    if AHEAD >= 2:  # the low plane's words two steps ahead
+        words_1 = plane_load(low_ptr, starts, row_mask, begin, end, C, WL, EVEN_N, EVEN_K, ASM, True)
+        words_2 = plane_load(low_ptr, starts, row_mask, begin + C, end, C, WL, EVEN_N, EVEN_K, ASM, True)
+    if AHEAD:
+        scale_ahead, offset_ahead = _sides(scale_ptr, offset_ptr, pid, n, groups, begin, end, G, C, BN, GLU, EVEN_N,
+                                           ASYM, ASM)
+    for c0 in range(begin, end, C):
+        chunk = c0 + ci
+        cmask = chunk < end
+        if AHEAD:  # this step's, then the next step's (past the end: masked off)
+            scale, offset = scale_ahead, offset_ahead
+            scale_ahead, offset_ahead = _sides(scale_ptr, offset_ptr, pid, n, groups, c0 + C, end, G, C, BN, GLU,
+                                               EVEN_N, ASYM, ASM)
+        if AHEAD >= 2:
+            low = split_words(words_1, WL)
+            words_1 = words_2
+            words_2 = plane_load(low_ptr, starts, row_mask, c0 + 2 * C, end, C, WL, EVEN_N, EVEN_K, ASM, True)
+        else:
             low = plane_words(low_ptr, starts, row_mask, c0, end, C, WL, EVEN_N, EVEN_K, ASM)
-            dot, xsum = _chunks_dot(low, high_ptr, starts, row_mask, x_ptr, c0, end, magic, WL, WH, MID, ASYM, C,
-                                    EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS)
-            scale, offset = _sides(scale_ptr, offset_ptr, pid, n, groups, c0, end, G, C, BN, GLU, EVEN_N, ASYM, ASM,
-                                   EVEN_K)
-            acc = _scaled(acc, dot, xsum, scale, offset, ASYM)
-    else:
-        if AHEAD >= 2:  # the low plane's words two steps ahead
-            words_1 = plane_load(low_ptr, starts, row_mask, begin, end, C, WL, EVEN_N, EVEN_K, ASM, True)
-            words_2 = plane_load(low_ptr, starts, row_mask, begin + C, end, C, WL, EVEN_N, EVEN_K, ASM, True)
-        if AHEAD:
-            scale_ahead, offset_ahead = _sides(scale_ptr, offset_ptr, pid, n, groups, begin, end, G, C, BN, GLU, EVEN_N,
-                                               ASYM, ASM)
-        for c0 in range(begin, end, C):
-            if AHEAD:  # this step's, then the next step's (past the end: masked off)
-                scale, offset = scale_ahead, offset_ahead
-                scale_ahead, offset_ahead = _sides(scale_ptr, offset_ptr, pid, n, groups, c0 + C, end, G, C, BN, GLU,
-                                                   EVEN_N, ASYM, ASM)
-            if AHEAD >= 2:
-                low = split_words(words_1, WL)
-                words_1 = words_2
-                words_2 = plane_load(low_ptr, starts, row_mask, c0 + 2 * C, end, C, WL, EVEN_N, EVEN_K, ASM, True)
-            else:
-                low = plane_words(low_ptr, starts, row_mask, c0, end, C, WL, EVEN_N, EVEN_K, ASM)
-            dot, xsum = _chunks_dot(low, high_ptr, starts, row_mask, x_ptr, c0, end, magic, WL, WH, MID, ASYM, C,
-                                    EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS)
-            if not AHEAD:
-                scale, offset = _sides(scale_ptr, offset_ptr, pid, n, groups, c0, end, G, C, BN, GLU, EVEN_N, ASYM, ASM,
-                                       EVEN_K)
-            acc = _scaled(acc, dot, xsum, scale, offset, ASYM)
+        xsum = tl.zeros([C], dtype=tl.float32)
+        if PACKED:
+            pairs = tl.zeros([rows.shape[0], C], dtype=tl.int32)  # bf16 pairs (0, 0)
+            for o in tl.static_range(4):
+                pairs = word_dot(pairs, low[o], x_pairs(x_ptr, 32 * chunk + 8 * o, cmask, EVEN_K, ASM), magic,
+                                 ZERO_BITS, ASM)
+            dot = pair_sum(pairs)
+        else:
+            low_up = upper_halves(low, WL, ASM)
+            if WH > 0:
+                high = plane_words(high_ptr, starts, row_mask, c0, end, C, WH, EVEN_N, EVEN_K, ASM)
+                high_up = upper_halves(high, WH, ASM)
+            dot = tl.zeros([rows.shape[0], C], dtype=tl.float32)
+            for o in tl.static_range(4):
+                xs = x_octet(x_ptr, 32 * chunk + 8 * o, cmask, EVEN_K)
+                # Symmetric: u - MID through the low plane's add; the high plane's codes weigh 2^WL.
+                dot = octet_dot(dot, low, low_up, xs, o, WL, 0 if ASYM else MID, 1.0, False, magic)
+                if WH > 0:
+                    dot = octet_dot(dot, high, high_up, xs, o, WH, 0, 1 << WL, False, magic)
+                if ASYM:
+                    xsum += x_sum8(xs)
+        if not AHEAD:
+            scale = chunk_side(scale_ptr, pid, n, groups, c0, end, G // 32, C, BN, GLU, EVEN_N, EVEN_K, ASM)
+            if ASYM:
+                offset = chunk_side(offset_ptr, pid, n, groups, c0, end, G // 32, C, BN, GLU, EVEN_N, EVEN_K, ASM)
+        if ASYM:
+            acc += scale.to(tl.float32) * dot + offset.to(tl.float32) * xsum[None, :]
+        else:
+            acc += scale.to(tl.float32) * dot
     return tl.sum(acc, axis=1)
 
 
 @triton.jit
-def _scaled(acc, dot, xsum, scale, offset, ASYM: tl.constexpr):
-    """acc + a step's chunk dot products times their group scales (plus offsets times the activations' sums)."""
-    if ASYM:
-        acc += scale.to(tl.float32) * dot + offset.to(tl.float32) * xsum[None, :]
-    else:
-        acc += scale.to(tl.float32) * dot
-    return acc
-
-
-@triton.jit
-def _chunks_dot(low, high_ptr, starts, row_mask, x_ptr, c0, end, magic, WL: tl.constexpr, WH: tl.constexpr,
-                MID: tl.constexpr, ASYM: tl.constexpr, C: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                ASM: tl.constexpr, PACKED: tl.constexpr, ZERO_BITS: tl.constexpr):
-    """One step of `_rows_dot` before its scales: the C chunks at c0 of the tile's rows (the low plane's
-    words `low` loaded, the high plane's loaded here) times the activations, per chunk: (dot [rows, C],
-    the activations' sums [C], for asymmetric codes)."""
-    chunk = c0 + tl.arange(0, C)
-    cmask = chunk < end
-    xsum = tl.zeros([C], dtype=tl.float32)
-    if PACKED:
-        pairs = tl.zeros([low[0].shape[0], C], dtype=tl.int32)  # bf16 pairs (0, 0)
-        for o in tl.static_range(4):
-            pairs = word_dot(pairs, low[o], x_pairs(x_ptr, 32 * chunk + 8 * o, cmask, EVEN_K, ASM), magic,
-                             ZERO_BITS, ASM)
-        dot = pair_sum(pairs)
-    else:
-        low_up = upper_halves(low, WL, ASM)
-        if WH > 0:
-            high = plane_words(high_ptr, starts, row_mask, c0, end, C, WH, EVEN_N, EVEN_K, ASM)
-            high_up = upper_halves(high, WH, ASM)
-        dot = tl.zeros([low[0].shape[0], C], dtype=tl.float32)
-        for o in tl.static_range(4):
-            xs = x_octet(x_ptr, 32 * chunk + 8 * o, cmask, EVEN_K)
-            # Symmetric: u - MID through the low plane's add; the high plane's codes weigh 2^WL.
-            dot = octet_dot(dot, low, low_up, xs, o, WL, 0 if ASYM else MID, 1.0, False, magic)
-            if WH > 0:
-                dot = octet_dot(dot, high, high_up, xs, o, WH, 0, 1 << WL, False, magic)
-            if ASYM:
-                xsum += x_sum8(xs)
-    return dot, xsum
-
-
-@triton.jit
 def _sides(scale_ptr, offset_ptr, pid, n, groups, c0, end, G: tl.constexpr, C: tl.constexpr, BN: tl.constexpr,
-           GLU: tl.constexpr, EVEN_N: tl.constexpr, ASYM: tl.constexpr, ASM: tl.constexpr,
-           EVEN_K: tl.constexpr = False):
-    """(scales, offsets) of the step at c0 (tiles.chunk_side, masked unless EVEN_K: a step loaded ahead may
-    lie past `end`); the offsets are the scales again when symmetric (never used)."""
-    scale = chunk_side(scale_ptr, pid, n, groups, c0, end, G // 32, C, BN, GLU, EVEN_N, EVEN_K, ASM)
+           GLU: tl.constexpr, EVEN_N: tl.constexpr, ASYM: tl.constexpr, ASM: tl.constexpr):
+    """(scales, offsets) of the step at c0 (tiles.chunk_side, masked: the step may lie past `end`);
+    the offsets are the scales again when symmetric (never used)."""
+    scale = chunk_side(scale_ptr, pid, n, groups, c0, end, G // 32, C, BN, GLU, EVEN_N, False, ASM)
     offset = scale
     if ASYM:
-        offset = chunk_side(offset_ptr, pid, n, groups, c0, end, G // 32, C, BN, GLU, EVEN_N, EVEN_K, ASM)
+        offset = chunk_side(offset_ptr, pid, n, groups, c0, end, G // 32, C, BN, GLU, EVEN_N, False, ASM)
     return scale, offset
 
 
@@ -188,7 +159,7 @@ def _matvec_kernel(low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, level_ptr
                    res_ptr=None, finish_bias_ptr=None, post_ptr=None, norm_ptr=None, normed_ptr=None, post_eps=0.0,
                    eps=0.0, FINISH: tl.constexpr = False, FINISH_BIAS: tl.constexpr = False,
                    POST: tl.constexpr = False, NORM: tl.constexpr = False, H_BLOCK: tl.constexpr = 1,
-                   N_PARTS: tl.constexpr = 0, PREFETCH: tl.constexpr = False, STAGES: tl.constexpr = 0):
+                   N_PARTS: tl.constexpr = 0, PREFETCH: tl.constexpr = False):
     """Program (i, s): output rows i*BN.., chunks of split s. With ACT >= 0 the weight is [gate; up]
     and the tile holds both rows of each output (gate row r, up row n + r), one pass over x; LEVEL:
     the product times level_ptr[r] (an elastic FFN level's scale, instead of a launch of its own).
@@ -198,7 +169,7 @@ def _matvec_kernel(low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, level_ptr
     if PREFETCH:
         prefetch_norms(norm_ptr, post_ptr, n, NORM, POST)
     total = _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K, split_chunks, magic, WL, WH, MID, ASYM,
-                      G, C, BN, ACT >= 0, EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS, AHEAD, STAGES)
+                      G, C, BN, ACT >= 0, EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS, AHEAD)
     if LEVEL:
         store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL, level_ptr)
     else:
@@ -420,13 +391,11 @@ class GroupedIntLinear(TiledPrefill, KernelLinear):
             return base
         packed = [replace(c, packed=True) for c in base]
         # Loads ahead where a program takes more than one step; words two steps ahead hold three
-        # steps' words in registers: tiles of up to 8 weight rows. Where it takes 3 or more, the 1- and
-        # 2-warp tilings also pipelined through shared memory (the pipeline syncs the block every step).
+        # steps' words in registers: tiles of up to 8 weight rows.
         rows = 2 if mode == "glu" else 1
         steps = [c for c in packed if _steps(k, c) > 1]
         return (base + packed + [replace(c, ahead=1) for c in steps]
-                + [replace(c, ahead=2) for c in steps if c.block_n * rows <= 8]
-                + [replace(c, stages=3) for c in steps if _steps(k, c) >= 3 and c.num_warps <= 2])
+                + [replace(c, ahead=2) for c in steps if c.block_n * rows <= 8])
 
     # The configuration of `matvec_finish` (norm.choose_finish), None until chosen; over a prefix of the
     # columns (an elastic FFN level's down) each prefix's own, by its columns.
@@ -469,7 +438,6 @@ class GroupedIntLinear(TiledPrefill, KernelLinear):
             BN=config.block_n, EVEN_N=n % config.block_n == 0, EVEN_K=launch.even, ASM=launch.asm, ACT=act,
             HAS_BIAS=self.bias is not None, PARTIAL=partial, PACKED=config.packed,
             ZERO_BITS=zero_pair(self.mid) if config.packed else 0, AHEAD=config.ahead, LEVEL=scale is not None,
-            STAGES=config.stages,
             num_warps=config.num_warps, **(finish.launch_args(config.split, n) if finish is not None else {}))
         return config.split
 
