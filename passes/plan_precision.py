@@ -349,43 +349,59 @@ def _cap_expert_formats(model, items, members, chosen: dict[str, Encoding], cap:
     """`chosen` with at most `cap` encodings among each layer's routed experts per projection: where a plan
     has more, each of that slot's experts may take only the `cap` encodings that held the most of its
     bytes, and the plan is solved again (the rest of the model with it). Should those leave the budget
-    unreachable, the slot keeps its smallest encoding in place of the last of them."""
+    unreachable, the slot keeps its smallest encoding in place of the last of them. Solved again until no
+    slot has more, since a new solution may spread a slot that was within the cap (the restrictions only
+    grow, so at most one round a slot)."""
     slots = expert_slots(model)
-    held: dict[tuple[int, str], dict[Encoding, int]] = {}
     keys: dict[tuple[int, str], list[str]] = {}
-    for key, (names, encs) in members.items():
-        slot = slots.get(names[0])
-        if slot is None:
-            continue
-        enc = chosen[names[0]]
-        size = items[key][encs.index(enc)][0]
-        held.setdefault(slot, {})[enc] = held.get(slot, {}).get(enc, 0) + size
-        keys.setdefault(slot, []).append(key)
-    over = {slot: used for slot, used in held.items() if len(used) > cap}
-    if not over:
-        return chosen
-
-    def restricted(smallest_kept: bool):
-        new_items, new_members = dict(items), dict(members)
-        for slot, used in over.items():
-            keep = sorted(used, key=lambda e: -used[e])[:cap]
-            if smallest_kept:
-                smallest = min(used, key=lambda e: min(items[k][members[k][1].index(e)][0] for k in keys[slot]
-                                                       if e in members[k][1]))
+    for key, (names, _) in members.items():
+        if names[0] in slots:
+            keys.setdefault(slots[names[0]], []).append(key)
+    kept: dict[tuple[int, str], list[Encoding]] = {}
+    for _ in range(len(keys) + 1):
+        over = {slot: used for slot, used in ((slot, _held(items, members, ks, chosen)) for slot, ks in keys.items())
+                if len(used) > cap}
+        if not over:
+            return chosen
+        new = {slot: sorted(used, key=lambda e: -used[e])[:cap] for slot, used in over.items()}
+        try:
+            chosen = _solve_within(model, *_restricted(items, members, keys, {**kept, **new}), budget, total_budget,
+                                   fuse)
+        except BudgetError:
+            for slot, keep in new.items():
+                smallest = min(over[slot], key=lambda e: min(items[k][members[k][1].index(e)][0] for k in keys[slot]
+                                                             if e in members[k][1]))
                 if smallest not in keep:
                     keep[-1] = smallest
-            for key in keys[slot]:
-                names, encs = members[key]
-                allowed = [i for i, e in enumerate(encs) if e in keep]
-                if allowed:  # an expert that can take none of them (another shape) keeps its options
-                    new_items[key] = [items[key][i] for i in allowed]
-                    new_members[key] = (names, [encs[i] for i in allowed])
-        return new_items, new_members
+            chosen = _solve_within(model, *_restricted(items, members, keys, {**kept, **new}), budget, total_budget,
+                                   fuse)
+        kept.update(new)
+    raise BudgetError(f"--max-expert-formats {cap}: some layer's experts cannot be held to {cap} formats (experts of "
+                      "different shapes); raise it or drop it")
 
-    try:
-        return _solve_within(model, *restricted(False), budget, total_budget, fuse)
-    except BudgetError:
-        return _solve_within(model, *restricted(True), budget, total_budget, fuse)
+
+def _held(items, members, keys: list, chosen: dict[str, Encoding]) -> dict[Encoding, int]:
+    """{encoding: bytes} the items `keys` (one slot's experts) take in `chosen`."""
+    used: dict[Encoding, int] = {}
+    for key in keys:
+        names, encs = members[key]
+        enc = chosen[names[0]]
+        used[enc] = used.get(enc, 0) + items[key][encs.index(enc)][0]
+    return used
+
+
+def _restricted(items, members, keys: dict, kept: dict):
+    """(items, members) with each slot of `kept` ({slot: encodings}) offering its experts only those encodings
+    (an expert that can take none of them, another shape, keeps its options)."""
+    new_items, new_members = dict(items), dict(members)
+    for slot, keep in kept.items():
+        for key in keys[slot]:
+            names, encs = members[key]
+            allowed = [i for i, e in enumerate(encs) if e in keep]
+            if allowed:
+                new_items[key] = [items[key][i] for i in allowed]
+                new_members[key] = (names, [encs[i] for i in allowed])
+    return new_items, new_members
 
 
 def _items(model: Model, encodings, costs, tie: bool):
