@@ -36,7 +36,7 @@ from .common import (
     sm_count,
 )
 from .grouped_int_batch import _codes
-from .norm import finish_partials, prefetch_norms
+from .norm import finish_partials, holds_row, prefetch_norms
 from .pairs import PAIR_MAGIC, pair_sum, word_dot, x_pairs, zero_pair
 from .prefill import MatmulConfig, TiledPrefill, matmul_blocks, tile_candidates, token_bucket
 from .tiles import (
@@ -415,10 +415,9 @@ class GroupedIntLinear(TiledPrefill, KernelLinear):
     def finish_candidates(self, max_split: int, cols: int | None = None) -> list[MatvecConfig]:
         """Split-K configurations whose matvec can also finish the residual norm (`matvec_finish`, over
         the first `cols` columns when given): the partial-sum candidates of at most `max_split` splits
-        with threads enough to hold the row (the last program keeps the out_features-long row in
-        registers: at most 32 values a thread, so 4 warps at 4096, as rowwise8's)."""
+        whose last program holds the out_features-long row in registers (norm.holds_row)."""
         return [c for c in self.candidates("partial", None, cols)
-                if c.num_warps * 32 * 32 >= self.out_features and c.split <= max_split]
+                if holds_row(c.num_warps, self.out_features) and c.split <= max_split]
 
     def _matvec(self, x, out, config, act, partial, rows=None, cols=None, scale=None, finish=None):
         n, programs, config = prefix_rows(self, config, act, rows)

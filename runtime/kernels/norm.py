@@ -141,6 +141,12 @@ def prefetch_norms(norm_ptr, post_ptr, n, NORM: tl.constexpr, POST: tl.constexpr
             l2_prefetch(post_ptr, 4 * n)
 
 
+def holds_row(num_warps: int, n: int) -> bool:
+    """Whether a finishing launch's last program of `num_warps` warps holds an n-long row in registers
+    (`finish_partials`: at most 32 values a thread, so 4 warps at 4096)."""
+    return num_warps * 32 * 32 >= n
+
+
 @triton.jit
 def finish_partials(counter_ptr, res_ptr, parts_ptr, bias_ptr, post_ptr, norm_ptr, normed_ptr, n, n_parts, post_eps,
                     eps, HAS_BIAS: tl.constexpr, POST: tl.constexpr, NORM: tl.constexpr, BLOCK: tl.constexpr,

@@ -31,7 +31,7 @@ from .common import (
     prefix_rows,
     prefix_split,
 )
-from .norm import finish_partials, prefetch_norms
+from .norm import finish_partials, holds_row, prefetch_norms
 from .prefill import matmul_blocks, matmul_prefix
 from .tiles import (
     dot_tile,
@@ -281,11 +281,10 @@ class Rowwise8Linear(KernelLinear):
 
     def finish_candidates(self, max_split: int) -> list[MatvecConfig]:
         """Split-K configurations whose matvec can also finish the residual norm (`matvec_finish`): the
-        partial-sum candidates of at most `max_split` splits with threads enough to hold the row (the
-        last program keeps the out_features-long row in registers: at most 32 values a thread, so 4 warps
-        or more at 4096)."""
+        partial-sum candidates of at most `max_split` splits whose last program holds the out_features-long
+        row in registers (norm.holds_row)."""
         out = [c for c in self.candidates("partial")
-               if c.num_warps * 32 * 32 >= self.out_features and c.split <= max_split]
+               if holds_row(c.num_warps, self.out_features) and c.split <= max_split]
         # fp8: the plain tilings again pipelined through shared memory where a program takes 3 steps or more
         # (the partial candidates pipeline only 1- and 2-warp tilings, which cannot hold a 4096 row).
         staged = [replace(c, stages=3) for c in out if self.fp8 and not c.ahead and not c.stages
