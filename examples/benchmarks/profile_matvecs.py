@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import collections
 import csv
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -51,7 +50,7 @@ def chosen(formats: list[str], shapes: list[str], tune: bool):
     return [(fmt, name, mode, ops, choose(ops[0], m, peers=ops[1:])) for fmt, name, mode, m, ops in built]
 
 
-def launch(formats: list[str], shapes: list[str], tune: bool) -> None:
+def run_step(formats: list[str], shapes: list[str], tune: bool) -> None:
     """Step 1 (tune) or 2 (the profiled launches)."""
     import torch
     from bench_kernels import SHAPES, launch, out_buffer
@@ -102,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     formats, shapes = args.formats.split(","), args.shapes.split(",")
     if args.step:
-        launch(formats, shapes, tune=args.step == "tune")
+        run_step(formats, shapes, tune=args.step == "tune")
         return 0
     import torch
 
@@ -116,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     ncu = ["ncu", "--profile-from-start", "off", "--clock-control", "none", "--cache-control", "all", "--csv",
            "--page", "details", "--metrics", metrics] + [a for s in SECTIONS for a in ("--section", s)]
     with open(out, "w") as fh:
-        subprocess.run([*ncu, *me, "--step", "launch"], check=True, stdout=fh, env=os.environ)
+        subprocess.run([*ncu, *me, "--step", "launch"], check=True, stdout=fh)
     table(out, [f"{f} {s}" for f in formats for s in shapes])
     return 0
 
