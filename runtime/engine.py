@@ -50,6 +50,13 @@ from .paged_kv import PREFILL_CHUNK, PagedKVCache
 from .sampling import GenerationOptions
 
 
+@contextlib.contextmanager
+def _both(first, second):
+    """Two context managers as one."""
+    with first, second:
+        yield
+
+
 class DecodeEngine:
     """Prefill and graph-captured decode for `executor`'s model on its device (CUDA; also the CPU
     under Triton's interpreter, without graphs, which is how the test suite runs it).
@@ -64,10 +71,19 @@ class DecodeEngine:
     `fused_attention`: whether a layer's q/k norm, RoPE and KV append run inside its decode attention's
     split kernel (kernels/attention_append.py: two launches, not rope_append's three): None (default)
     times both ways in `warm_up` on a GPU and keeps the faster per kind of layer; True every layer;
-    False none."""
+    False none.
+
+    `dependent_launch`: which of the step's kernels launch as programmatic dependents (kernels/dependent.py:
+    such a kernel may start while the one before it finishes, loading what that one does not write): None
+    (default) the attention's (dependent.ATTENTION: the split kernel loads its first tile of cached keys
+    and values while the qkv matvec runs, the merge is placed before the split kernel ends) on a GPU of
+    compute capability 9 or later with graphs, else none; True every matvec, norm, RoPE and attention
+    launch; a frozenset of the step's section names those sections' launches; False none. On the H200 the
+    attention's alone gained llama-8b's fp8 and int4 steps 1.1% and 1.0% in fresh processes (BENCHMARKS,
+    Round 11); every launch measured no better in one process."""
 
     def __init__(self, executor, *, graphs: bool = True, finish_norm: bool | None = None,
-                 fused_attention: bool | None = None):
+                 fused_attention: bool | None = None, dependent_launch: bool | frozenset | None = None):
         check_supported(executor)
         from .kernels import attention, norm, rope, sampling  # noqa: F401  (imports triton)
 
@@ -126,6 +142,14 @@ class DecodeEngine:
         self._finishing_prefixes: set[tuple[int, int]] = set()
         self._level_biases: dict[tuple[int, int], tuple] = {}  # (id(down), shift's address): (shift, bias + shift)
         self.fused_attention = fused_attention
+        self.dependent_launch = dependent_launch
+        # What the step launches as dependents: False, True or a frozenset of section names.
+        if dependent_launch is None:
+            from .kernels.dependent import ATTENTION
+
+            hopper = self.use_graphs and torch.cuda.get_device_capability(self.device) >= (9, 0)
+            dependent_launch = ATTENTION if hopper else False
+        self._dependent = dependent_launch if isinstance(dependent_launch, frozenset) else bool(dependent_launch)
         # {layer index: append_attend's repeat} of the layers whose attention appends (warm_up times it).
         self._appending = appending_layers(executor, timed=False) if fused_attention else {}
         if finish_norm:
@@ -229,6 +253,20 @@ class DecodeEngine:
     def decode_one_token(self, cache: PagedKVCache, sampler) -> None:
         """Feed self.token at position self.pos; leave the next token in self.token (and in
         cache.out_tokens[step]), then advance pos and step. Reads nothing from the host."""
+        from .kernels.dependent import launching, section
+
+        if not self._dependent:
+            self._step(cache, sampler)
+            return
+        marked = self._mark  # each section also names the launches inside it (dependent.section)
+        self._mark = lambda name: _both(marked(name), section(name))
+        try:
+            with launching(self._dependent):
+                self._step(cache, sampler)
+        finally:
+            self._mark = marked
+
+    def _step(self, cache: PagedKVCache, sampler) -> None:
         from .kernels.attention_append import append_attend
         from .kernels.norm import Finish, add_rmsnorm
         from .kernels.rope import rope_append
@@ -323,8 +361,8 @@ class DecodeEngine:
         if not graph:
             self.decode_one_token(cache, sampler)
             return
-        # A captured step holds its launches' sizes and addresses: one per sampler and FFN level.
-        key = (sampler.key, self.ffn_key())
+        # A captured step holds its launches' sizes and addresses: one per sampler, FFN level and launch kind.
+        key = (sampler.key, self.ffn_key(), self._dependent)
         captured = cache.graphs.get(key)
         if captured is not None:
             captured.replay()

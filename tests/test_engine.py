@@ -133,6 +133,64 @@ def test_attention_that_appends_in_its_split_kernel(models, family):
         assert rel_err(fused.logits, plain.logits) < 1e-5
 
 
+@pytest.mark.parametrize("quant, fused, way", [(None, False, True), ("fp8_e4m3", True, True), ("int8", False, True),
+                                             ("int4", True, True), ("fp8_e4m3", True, "attention")])
+def test_dependent_launches_change_no_result(models, quant, fused, way):
+    """dependent_launch=True (the step's matvecs, norms, RoPE and attention launched as programmatic
+    dependents, kernels/dependent.py) against False: the executor's tokens, the positions attended at every
+    step, the finishing matvecs' counter back at zero, and under the interpreter (level 1: the kernels'
+    dependent code without the grid-dependency instructions) the very logits."""
+    model = models("llama", quant)
+    prompt = _prompt(seed=13)
+    options = dict(fused_attention=fused, finish_norm=True)
+    from thin.runtime.kernels.dependent import ATTENTION
+
+    way = ATTENTION if way == "attention" else way
+    dependent, plain = _engine(model, dependent_launch=way, **options), _engine(model, dependent_launch=False, **options)
+    assert dependent._dependent and not plain._dependent
+    want = _executor_tokens(model, prompt, 7)
+    cache = dependent.new_cache(64)
+    assert _engine_tokens(dependent, prompt, 7, cache=cache) == want
+    assert cache.attended[1:7].tolist() == [len(prompt) + i for i in range(1, 7)]
+    assert int(dependent.counter) == 0
+    assert _engine_tokens(plain, prompt, 7) == want
+    if not HAS_CUDA:
+        assert torch.equal(dependent.logits, plain.logits)
+
+
+def test_dependent_launch_levels():
+    """What a kernel launch takes: nothing outside `launching(True)`; inside it level 1 under the
+    interpreter (no grid-dependency instructions, no launch attribute) and 2 on a GPU (the attribute)."""
+    from thin.runtime.kernels import dependent, interpreting
+
+    assert dependent.level() == 0 and dependent.kernel_args() == {}
+    with dependent.launching(True):
+        want = {"PDL": 1} if interpreting() else {"PDL": 2, "launch_pdl": True}
+        assert dependent.kernel_args() == want and dependent.preloads(want)
+        with dependent.launching(False):
+            assert dependent.kernel_args() == {}
+    # Only the named sections' launches are dependents; the others release theirs at once (level 3).
+    with dependent.launching(dependent.ATTENTION):
+        with dependent.section("attention"):
+            assert dependent.kernel_args() == ({"PDL": 1} if interpreting() else {"PDL": 2, "launch_pdl": True})
+        with dependent.section("qkv"):
+            assert dependent.kernel_args() == ({"PDL": 1} if interpreting() else {"PDL": 3})
+            assert dependent.preloads(dependent.kernel_args()) == interpreting()
+    assert dependent.level() == 0
+
+
+def test_dependent_launch_default_is_the_attentions_on_hopper_with_graphs(models):
+    """dependent_launch=None: the attention's launches as dependents where the GPU has programmatic dependent
+    launch (compute capability 9+) and the step is graphed; none elsewhere (the CPU, eager steps)."""
+    from thin.runtime.kernels.dependent import ATTENTION
+
+    model = models("llama", "fp8_e4m3")
+    engine = _engine(model)
+    hopper = HAS_CUDA and torch.cuda.get_device_capability() >= (9, 0)
+    assert engine._dependent == (ATTENTION if hopper and engine.use_graphs else False)
+    assert _engine(model, dependent_launch=True)._dependent is True
+
+
 def test_conversation_cache_prefills_only_the_new_turn(models):
     model = models("qwen3")
     engine = _engine(model)

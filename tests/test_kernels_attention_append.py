@@ -127,6 +127,36 @@ def test_bfloat16_same_cache_as_the_three_launch_path(qk_norm, repeat):
     assert rel_err(out[0], old[0]) < 1e-2 and rel_err(out[0], reference(q, k, v, 0.125)) < 1.5e-2
 
 
+@pytest.mark.parametrize("length", [1, 5, 33, 96])
+@pytest.mark.parametrize("window", [None, 20])
+def test_dependent_code_gives_the_same_bits(length, window):
+    """Launched as a programmatic dependent (kernels/dependent.py; under the interpreter its code without the
+    grid-dependency instructions) the split kernel loads its first tile of cached keys and values before
+    it waits: the same outputs, cache and log to the bit as the plain launch, with splits of no position
+    (length 1, 5), of one tile and of two (96: 32 positions a split, 16-position tiles)."""
+    from thin.runtime.kernels import dependent
+    from thin.runtime.kernels.attention import DecodeAttention
+    from thin.runtime.kernels.attention_append import append_attend
+
+    heads, kv_heads, D = 8, 2, 32
+    cache, _, _ = _filled_cache(length, kv_heads, D, torch.float32, seed=length)
+    qkv, args, _ = _token(length - 1, heads, kv_heads, D, torch.float32, seed=9, rope="llama3", qk_norm=True)
+    pos = torch.tensor([length - 1], dtype=torch.int32, device=DEVICE)
+    step = torch.tensor([1], dtype=torch.int32, device=DEVICE)
+    results = []
+    for on in (False, True):
+        k_cache, v_cache = (c.clone() for c in cache.layer(0))
+        attention = DecodeAttention(heads, kv_heads, D, cache.max_seq_len, DEVICE, sms=4, tile=16)
+        out = torch.full((heads * D,), float("nan"), device=DEVICE)
+        log = torch.zeros(4, dtype=torch.int32, device=DEVICE)
+        with dependent.launching(on):
+            append_attend(attention, qkv, k_cache, v_cache, cache.block_table, pos, out, scale=0.3, window=window,
+                          log=log, step=step, **args)
+        results.append((out, k_cache, v_cache, log))
+    for plain, dependent_run in zip(*results, strict=True):
+        assert torch.equal(plain, dependent_run)
+
+
 def test_rows_each_at_its_own_position():
     """A batched step: sequence r at pos[r] through row r of the block table, from row r of qkv; a short
     sequence (one split) beside a long one."""

@@ -22,7 +22,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from . import dependent
 from .common import next_power_of_2
+from .dependent import release_next, wait_previous
 
 
 @triton.jit
@@ -34,9 +36,11 @@ def _tanh(x):
 def _decode_kernel(q_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, o_ptr, m_ptr, l_ptr, n_ptr, scale, softcap, window,
                    HQ, HKV, D, SPLITS, table_stride, G: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr,
                    BT: tl.constexpr, BLOCK_D: tl.constexpr, SOFTCAP: tl.constexpr, WINDOW: tl.constexpr,
-                   IEEE: tl.constexpr):
+                   IEEE: tl.constexpr, PDL: tl.constexpr = 0):
     """Program (kv head h, split s, sequence r): sequence r's query heads of group h over split s of
-    its visible positions (its own position and row of the block table)."""
+    its visible positions (its own position and row of the block table). PDL: dependent.py."""
+    wait_previous(PDL)
+    release_next(PDL)
     h = tl.program_id(0)
     s = tl.program_id(1)
     r = tl.program_id(2)
@@ -106,6 +110,59 @@ def online_softmax(q, k_ptr, v_ptr, table_ptr, begin, end, h, scale, softcap, HK
 
 
 @triton.jit
+def kv_tile(k_ptr, v_ptr, table_ptr, t0, end, h, HKV, D, BS: tl.constexpr, BT: tl.constexpr,
+            BLOCK_D: tl.constexpr):
+    """(keys, values [BT, BLOCK_D], valid [BT]) of cached positions t0 .. t0 + BT - 1 below `end`, kv head
+    h (each position's slot found through the block table); zeros past `end`."""
+    d = tl.arange(0, BLOCK_D)
+    t = t0 + tl.arange(0, BT)
+    valid = t < end
+    block = tl.load(table_ptr + t // BS, mask=valid, other=0)
+    slot = ((block * HKV + h) * BS + t % BS).to(tl.int64) * D
+    kv_mask = valid[:, None] & (d < D)[None, :]
+    k = tl.load(k_ptr + slot[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(v_ptr + slot[:, None] + d[None, :], mask=kv_mask, other=0.0)
+    return k, v, valid
+
+
+@triton.jit
+def softmax_tile(q, k, v, valid, m, denom, acc, scale, softcap, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
+    """online_softmax's step over one tile of keys and values (kv_tile): (max, denominator, values)."""
+    if IEEE:
+        scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
+    else:
+        scores = tl.dot(q, tl.trans(k))
+    scores = capped(scores * scale, softcap, SOFTCAP)
+    scores = tl.where(valid[None, :], scores, float("-inf"))
+    m_new = tl.maximum(m, tl.max(scores, axis=1))
+    alpha = tl.exp(m - m_new)
+    p = tl.exp(scores - m_new[:, None])
+    denom = denom * alpha + tl.sum(p, axis=1)
+    if IEEE:  # noqa: SIM108  (constexpr branches: only one is compiled)
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, denom, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def online_softmax_from(q, k, v, valid, k_ptr, v_ptr, table_ptr, begin, end, h, scale, softcap, HKV, D,
+                        GP: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr, BLOCK_D: tl.constexpr,
+                        SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
+    """online_softmax over positions begin .. end - 1 whose first tile (kv_tile at begin) the caller
+    loaded already (a programmatic dependent loads it before it waits for the kernel before)."""
+    m = tl.full([GP], float("-inf"), dtype=tl.float32)
+    denom = tl.zeros([GP], dtype=tl.float32)
+    acc = tl.zeros([GP, BLOCK_D], dtype=tl.float32)
+    if begin < end:  # a split with no positions keeps (-inf, 0, 0), as online_softmax's empty loop
+        m, denom, acc = softmax_tile(q, k, v, valid, m, denom, acc, scale, softcap, SOFTCAP, IEEE)
+    for t0 in range(begin + BT, end, BT):
+        k, v, valid = kv_tile(k_ptr, v_ptr, table_ptr, t0, end, h, HKV, D, BS, BT, BLOCK_D)
+        m, denom, acc = softmax_tile(q, k, v, valid, m, denom, acc, scale, softcap, SOFTCAP, IEEE)
+    return m, denom, acc
+
+
+@triton.jit
 def capped(scores, softcap, SOFTCAP: tl.constexpr):
     """Gemma-2's tanh softcap on attention logits, where the model has one."""
     if SOFTCAP:
@@ -115,8 +172,11 @@ def capped(scores, softcap, SOFTCAP: tl.constexpr):
 
 @triton.jit
 def _merge_kernel(o_ptr, m_ptr, l_ptr, n_ptr, sink_ptr, out_ptr, log_ptr, step_ptr, HQ, D, SPLITS,
-                  SP: tl.constexpr, BLOCK_D: tl.constexpr, SINKS: tl.constexpr, LOG: tl.constexpr):
-    """Query head i of sequence r: softmax-weighted sum of the splits' partial outputs."""
+                  SP: tl.constexpr, BLOCK_D: tl.constexpr, SINKS: tl.constexpr, LOG: tl.constexpr,
+                  PDL: tl.constexpr = 0):
+    """Query head i of sequence r: softmax-weighted sum of the splits' partial outputs. PDL: dependent.py."""
+    wait_previous(PDL)
+    release_next(PDL)
     i = tl.program_id(0)
     r = tl.program_id(1)
     o_ptr += r * SPLITS * HQ * D
@@ -180,7 +240,7 @@ class DecodeAttention:
             float(softcap or 1.0), int(window or 0), self.num_heads, self.num_kv_heads, self.head_dim, self.splits,
             table_stride, G=self.group, GP=max(16, next_power_of_2(self.group)), BS=k_cache.shape[2], BT=self.tile,
             BLOCK_D=next_power_of_2(self.head_dim), SOFTCAP=softcap is not None, WINDOW=window is not None,
-            IEEE=self.ieee(q.dtype), num_warps=4)
+            IEEE=self.ieee(q.dtype), num_warps=4, **dependent.kernel_args())
         self.merge(out, sinks, log, step)
 
     def merge(self, out, sinks: torch.Tensor | None = None, log: torch.Tensor | None = None,
@@ -190,7 +250,7 @@ class DecodeAttention:
             self.o, self.m, self.l, self.n, sinks if sinks is not None else self.m, out,
             log if log is not None else self.n, step if step is not None else self.n, self.num_heads, self.head_dim,
             self.splits, SP=next_power_of_2(self.splits), BLOCK_D=next_power_of_2(self.head_dim),
-            SINKS=sinks is not None, LOG=log is not None, num_warps=4)
+            SINKS=sinks is not None, LOG=log is not None, num_warps=4, **dependent.kernel_args())
 
     @staticmethod
     def ieee(dtype: torch.dtype) -> bool:

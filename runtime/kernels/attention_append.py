@@ -24,8 +24,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import DecodeAttention, capped, online_softmax
+from . import dependent
+from .attention import DecodeAttention, capped, kv_tile, online_softmax, online_softmax_from
 from .common import next_power_of_2
+from .dependent import release_next, wait_previous
 
 
 @triton.jit
@@ -62,10 +64,13 @@ def _append_decode_kernel(qkv_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, cos_ptr, si
                           o_ptr, m_ptr, l_ptr, n_ptr, scale, softcap, window, HQ, HKV, D, R, SPLITS, table_stride,
                           G: tl.constexpr, GQ: tl.constexpr, GP: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr,
                           BLOCK_D: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr, SOFTCAP: tl.constexpr,
-                          WINDOW: tl.constexpr, IEEE: tl.constexpr):
+                          WINDOW: tl.constexpr, IEEE: tl.constexpr, PDL: tl.constexpr = 0):
     """Program (kv head h, split s, sequence r): attention.py's `_decode_kernel` over split s of
     sequence r's visible positions, its query heads made here from sequence r's raw qkv row; the
-    split holding the new position (pos[r]) also stores the new key and value and attends to them."""
+    split holding the new position (pos[r]) also stores the new key and value and attends to them.
+    PDL: launched as a programmatic dependent (dependent.py): the position (written two kernels or more
+    before), the new slot's block and the first tile of cached keys and values are loaded before the wait
+    for the kernel before (the qkv matvec), so the cache's memory latency overlaps that kernel."""
     h = tl.program_id(0)
     s = tl.program_id(1)
     r = tl.program_id(2)
@@ -84,6 +89,14 @@ def _append_decode_kernel(qkv_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, cos_ptr, si
     begin = lo + s * chunk
     end = tl.minimum(begin + chunk, length)
     holds = (begin <= new) & (new < end)
+    if PDL == 1 or PDL == 2:
+        block = tl.load(table_ptr + new // BS)
+        k_first, v_first, valid_first = kv_tile(k_ptr, v_ptr, table_ptr, begin, tl.minimum(end, new), h, HKV, D, BS,
+                                                BT, BLOCK_D)
+        wait_previous(PDL)
+        release_next(PDL)
+    else:
+        release_next(PDL)  # level 3: a plain launch that lets the merge be placed at once
     g = tl.arange(0, GP)
     d = tl.arange(0, BLOCK_D)
     head = h * G + g
@@ -101,14 +114,20 @@ def _append_decode_kernel(qkv_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, cos_ptr, si
                    ROPE).to(k_ptr.dtype.element_ty)  # [1, BLOCK_D]
     v_new = tl.load(qkv_ptr + (HQ + HKV + h) * D + d[None, :], mask=(d < D)[None, :], other=0.0)
     v_new = v_new.to(v_ptr.dtype.element_ty)
-    block = tl.load(table_ptr + new // BS)
+    if PDL != 1 and PDL != 2:
+        block = tl.load(table_ptr + new // BS)
     slot = ((block * HKV + h) * BS + new % BS).to(tl.int64) * D
     place = tl.where(d < D, new, -1)[None, :]  # each feature's position; -1 past the head's features
     stored = (place >= begin) & (place < end)  # all (d < D) in the split that holds the new position, else none
     tl.store(k_ptr + slot + d[None, :], k_new, mask=stored)
     tl.store(v_ptr + slot + d[None, :], v_new, mask=stored)
-    m, denom, acc = online_softmax(q, k_ptr, v_ptr, table_ptr, begin, tl.minimum(end, new), h, scale, softcap, HKV, D,
-                                   GP, BS, BT, BLOCK_D, SOFTCAP, IEEE)
+    if PDL == 1 or PDL == 2:
+        m, denom, acc = online_softmax_from(q, k_first, v_first, valid_first, k_ptr, v_ptr, table_ptr, begin,
+                                            tl.minimum(end, new), h, scale, softcap, HKV, D, GP, BS, BT, BLOCK_D,
+                                            SOFTCAP, IEEE)
+    else:
+        m, denom, acc = online_softmax(q, k_ptr, v_ptr, table_ptr, begin, tl.minimum(end, new), h, scale, softcap,
+                                       HKV, D, GP, BS, BT, BLOCK_D, SOFTCAP, IEEE)
     if holds:  # the new position, last (as it comes last in the old path's last tile)
         score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * scale
         score = capped(score, softcap, SOFTCAP)
@@ -161,7 +180,8 @@ def append_attend(attention: DecodeAttention, qkv: torch.Tensor, k_cache: torch.
         block_table.stride(0) if block_table.dim() == 2 else 0, G=attention.group,
         GQ=next_power_of_2(attention.group) if repeat else gp, GP=gp, BS=k_cache.shape[2], BT=attention.tile,
         BLOCK_D=next_power_of_2(attention.head_dim), NORM=q_norm is not None, ROPE=rope is not None,
-        SOFTCAP=softcap is not None, WINDOW=window is not None, IEEE=attention.ieee(qkv.dtype), num_warps=4)
+        SOFTCAP=softcap is not None, WINDOW=window is not None, IEEE=attention.ieee(qkv.dtype), num_warps=4,
+        **dependent.kernel_args())
     attention.merge(out, sinks, log, step)
 
 

@@ -16,8 +16,9 @@ import triton
 import triton.language as tl
 
 from ..linear import load_weight
-from . import interpreting
+from . import dependent, interpreting
 from .common import KernelLinear, MatvecConfig, interpreter_block, next_power_of_2, prefix_rows, prefix_split
+from .dependent import release_next, wait_previous
 from .tiles import split_candidates, store_glu, store_rows
 
 
@@ -54,9 +55,12 @@ def _rows_dot(w_ptr, x_ptr, rows, row_mask, K, KS, split_index, BN: tl.constexpr
 @triton.jit
 def _matvec_kernel(w_ptr, bias_ptr, x_ptr, out_ptr, n, K, KS, BN: tl.constexpr, BK: tl.constexpr,
                    SPLIT: tl.constexpr, PREFETCH: tl.constexpr, EVEN_K: tl.constexpr, ACT: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, PDL: tl.constexpr = 0):
     """Program (i, s): output rows i*BN.., columns of split s (the first K of rows of KS: an elastic
-    prefix reads leading columns in place); ACT >= 0: [gate; up] rows r and n + r."""
+    prefix reads leading columns in place); ACT >= 0: [gate; up] rows r and n + r. PDL: launched as a
+    programmatic dependent (dependent.py), waiting at its top."""
+    wait_previous(PDL)
+    release_next(PDL)
     rows = tl.program_id(0) * BN + tl.arange(0, BN)
     row_mask = rows < n
     split_index = tl.program_id(1)
@@ -98,7 +102,7 @@ class DenseKernelLinear(KernelLinear):
         _matvec_kernel[(programs, config.split)](
             self.weight, self.bias if self.bias is not None else x, x, out, n, K, self.in_features, BN=config.block_n,
             BK=config.chunk, SPLIT=config.split, PREFETCH=prefetch, EVEN_K=even, ACT=act,
-            HAS_BIAS=self.bias is not None, PARTIAL=partial, num_warps=config.num_warps)
+            HAS_BIAS=self.bias is not None, PARTIAL=partial, num_warps=config.num_warps, **dependent.kernel_args())
         return config.split
 
     def _matmul(self, x, rows=None, cols=None, halves=1):

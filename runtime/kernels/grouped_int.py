@@ -24,7 +24,7 @@ import triton.language as tl
 
 from thin.ir.formats.grouped_int import PLANES
 
-from . import common, interpreting
+from . import common, dependent, interpreting
 from .common import (
     MAGIC_BITS,
     KernelLinear,
@@ -35,6 +35,7 @@ from .common import (
     prefix_rows,
     sm_count,
 )
+from .dependent import release_next, wait_previous
 from .grouped_int_batch import _codes
 from .norm import finish_partials, holds_row, prefetch_norms
 from .pairs import PAIR_MAGIC, pair_sum, word_dot, x_pairs, zero_pair
@@ -62,7 +63,8 @@ from .tiles import (
 def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K: tl.constexpr, split_chunks, magic,
               WL: tl.constexpr, WH: tl.constexpr, MID: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr,
               C: tl.constexpr, BN: tl.constexpr, GLU: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-              ASM: tl.constexpr, PACKED: tl.constexpr, ZERO_BITS: tl.constexpr, AHEAD: tl.constexpr):
+              ASM: tl.constexpr, PACKED: tl.constexpr, ZERO_BITS: tl.constexpr, AHEAD: tl.constexpr,
+              PDL: tl.constexpr):
     """sum_k W[rows, k] * x[k] over the tile's rows (tiles.tile_rows) and this program's chunks
     (split `program_id(1)`), float32 [rows].
 
@@ -76,7 +78,8 @@ def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K: tl.constexp
     its first use, and theirs is the end of a step: loaded in the step before, their memory latency
     overlaps a whole step's math instead of following it. AHEAD 2: the low plane's words too, two
     steps ahead (one step ahead, ptxas would issue them at the end of the step before, just ahead of
-    their use)."""
+    their use). PDL (dependent.py): the wait for the kernel before comes after the loads made ahead of
+    the loop (the launcher makes a dependent's AHEAD 2), before the first activations."""
     pid = tl.program_id(0)
     rows, row_mask = tile_rows(pid, n, BN, GLU)
     total: tl.constexpr = K // 32  # K a constexpr: the tile's row strides fold into the side loads (row_starts)
@@ -92,6 +95,8 @@ def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K: tl.constexp
     if AHEAD:
         scale_ahead, offset_ahead = _sides(scale_ptr, offset_ptr, pid, n, groups, begin, end, G, C, BN, GLU, EVEN_N,
                                            ASYM, ASM)
+    wait_previous(PDL)
+    release_next(PDL)
     for c0 in range(begin, end, C):
         chunk = c0 + ci
         cmask = chunk < end
@@ -159,17 +164,18 @@ def _matvec_kernel(low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, level_ptr
                    res_ptr=None, finish_bias_ptr=None, post_ptr=None, norm_ptr=None, normed_ptr=None, post_eps=0.0,
                    eps=0.0, FINISH: tl.constexpr = False, FINISH_BIAS: tl.constexpr = False,
                    POST: tl.constexpr = False, NORM: tl.constexpr = False, H_BLOCK: tl.constexpr = 1,
-                   N_PARTS: tl.constexpr = 0, PREFETCH: tl.constexpr = False):
+                   N_PARTS: tl.constexpr = 0, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = 0):
     """Program (i, s): output rows i*BN.., chunks of split s. With ACT >= 0 the weight is [gate; up]
     and the tile holds both rows of each output (gate row r, up row n + r), one pass over x; LEVEL:
     the product times level_ptr[r] (an elastic FFN level's scale, instead of a launch of its own).
     FINISH (with PARTIAL): the launch's last program also adds the partial sums into the residual and
     norms it (norm.Finish), so no residual-norm launch follows; PREFETCH: program (0, 0) first asks L2
-    for the norm weights that program reads (as rowwise8's matvec)."""
+    for the norm weights that program reads (as rowwise8's matvec). PDL: launched as a programmatic
+    dependent (dependent.py), waiting after its first weights' loads (`_rows_dot`)."""
     if PREFETCH:
         prefetch_norms(norm_ptr, post_ptr, n, NORM, POST)
     total = _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K, split_chunks, magic, WL, WH, MID, ASYM,
-                      G, C, BN, ACT >= 0, EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS, AHEAD)
+                      G, C, BN, ACT >= 0, EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS, AHEAD, PDL)
     if LEVEL:
         store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL, level_ptr)
     else:
@@ -429,6 +435,9 @@ class GroupedIntLinear(TiledPrefill, KernelLinear):
         if scale is not None and (act < 0 or scale.shape != out.shape or scale.dtype != out.dtype):
             raise ValueError(f"a gate/up scale must match the output ({tuple(out.shape)} {out.dtype}), got "
                              f"{tuple(scale.shape)} {scale.dtype} (act {act})")
+        pdl = dependent.kernel_args()
+        # A dependent loads its first two steps' words before it waits for the kernel before (_rows_dot).
+        ahead = max(config.ahead, 2) if dependent.preloads(pdl) else config.ahead
         _matvec_kernel[(programs, config.split)](
             self.low32, self.high32, self.scales, self.offsets, bias, x if scale is None else scale, x, out, n,
             self.in_features, launch.split_chunks,
@@ -436,8 +445,8 @@ class GroupedIntLinear(TiledPrefill, KernelLinear):
             WL=self.wl, WH=self.wh, MID=self.mid, ASYM=self.asym, G=self.group, C=launch.chunks,
             BN=config.block_n, EVEN_N=n % config.block_n == 0, EVEN_K=launch.even, ASM=launch.asm, ACT=act,
             HAS_BIAS=self.bias is not None, PARTIAL=partial, PACKED=config.packed,
-            ZERO_BITS=zero_pair(self.mid) if config.packed else 0, AHEAD=config.ahead, LEVEL=scale is not None,
-            num_warps=config.num_warps, **(finish.launch_args(config.split, n) if finish is not None else {}))
+            ZERO_BITS=zero_pair(self.mid) if config.packed else 0, AHEAD=ahead, LEVEL=scale is not None,
+            num_warps=config.num_warps, **(finish.launch_args(config.split, n) if finish is not None else {}), **pdl)
         return config.split
 
     def matmul_candidates(self, T: int, K: int) -> list[MatmulConfig]:

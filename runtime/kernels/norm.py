@@ -20,8 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
+from . import dependent, interpreting
 from .common import in_turn, next_power_of_2
+from .dependent import release_next, wait_previous
 
 
 @triton.jit
@@ -35,8 +36,10 @@ def _rms(x, mask, w, H, eps):
 @triton.jit
 def _add_rmsnorm_kernel(res_ptr, delta_ptr, bias_ptr, post_ptr, norm_ptr, out_ptr, H, n_parts, part_stride,
                         post_eps, eps, DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, POST: tl.constexpr,
-                        NORM: tl.constexpr, BLOCK: tl.constexpr, N_PARTS: tl.constexpr):
-    """Row r (program r): `residual_norm_row`."""
+                        NORM: tl.constexpr, BLOCK: tl.constexpr, N_PARTS: tl.constexpr, PDL: tl.constexpr = 0):
+    """Row r (program r): `residual_norm_row`. PDL: launched as a programmatic dependent (dependent.py)."""
+    wait_previous(PDL)
+    release_next(PDL)
     residual_norm_row(res_ptr, delta_ptr, bias_ptr, post_ptr, norm_ptr, out_ptr, tl.program_id(0), H, n_parts,
                       part_stride, post_eps, eps, DELTA, HAS_BIAS, POST, NORM, BLOCK, N_PARTS, False)
 
@@ -200,7 +203,7 @@ def add_rmsnorm(residual: torch.Tensor, out: torch.Tensor, *, partials: torch.Te
         partials.shape[0] if partials is not None else 0, rows * H, float(post_eps), float(eps), DELTA=delta,
         HAS_BIAS=bias is not None, POST=post is not None, NORM=norm is not None, BLOCK=block,
         N_PARTS=partials.shape[0] if partials is not None and partials.shape[0] <= MAX_UNROLLED else 0,
-        num_warps=min(16, max(1, block // 256)))
+        num_warps=min(16, max(1, block // 256)), **dependent.kernel_args())
 
 
 # Partial rows summed by an unrolled loop (one compiled kernel per count): the split-K factors and a

@@ -15,7 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from . import dependent
 from .common import next_power_of_2
+from .dependent import release_next, wait_previous
 from .tiles import split_sum
 
 
@@ -65,12 +67,14 @@ def _rope_append_kernel(qkv_ptr, q_ptr, k_cache_ptr, v_cache_ptr, table_ptr, pos
                         qn_ptr, kn_ptr, q_eps, k_eps, HQ, HKV, D, R, table_stride,
                         BS: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr, ROPE: tl.constexpr,
                         ROWS: tl.constexpr, bias_ptr=None, split_stride=0, SPLITS: tl.constexpr = 0,
-                        HAS_BIAS: tl.constexpr = False):
+                        HAS_BIAS: tl.constexpr = False, PDL: tl.constexpr = 0):
     """Program (t, h): token t of this call; h < HQ a query head (-> q), else key/value head h - HQ
     (-> the cache slot of position pos + t, through the block table). ROWS: token t is the next
     token of sequence t of a batch, at position pos[t], through row t of the block table. SPLITS > 0:
     qkv is float32 partial sums [SPLITS, T, width] (split_stride = T * width), summed here with the
-    bias (`_features`)."""
+    bias (`_features`). PDL: launched as a programmatic dependent (dependent.py), waiting at its top."""
+    wait_previous(PDL)
+    release_next(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     d = tl.arange(0, BLOCK_D)
@@ -132,4 +136,4 @@ def rope_append(qkv: torch.Tensor, q_out: torch.Tensor, k_cache: torch.Tensor, v
         num_kv_heads, head_dim, rotary_dim, block_table.stride(0) if rows else 0, BS=k_cache.shape[2],
         BLOCK_D=next_power_of_2(head_dim), NORM=q_norm is not None, ROPE=rope is not None, ROWS=rows,
         bias_ptr=bias if bias is not None else qkv, split_stride=T * width, SPLITS=splits, HAS_BIAS=bias is not None,
-        num_warps=1 if head_dim <= 128 else 2)
+        num_warps=1 if head_dim <= 128 else 2, **dependent.kernel_args())

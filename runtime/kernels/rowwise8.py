@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from . import common, interpreting
+from . import common, dependent, interpreting
 from .common import (
     MAGIC_BITS,
     KernelLinear,
@@ -31,6 +31,7 @@ from .common import (
     prefix_rows,
     prefix_split,
 )
+from .dependent import release_next, wait_previous
 from .norm import finish_partials, holds_row, prefetch_norms
 from .prefill import matmul_blocks, matmul_prefix
 from .tiles import (
@@ -52,23 +53,49 @@ from .tiles import (
 
 @triton.jit
 def _fp8_dot(v_ptr, x_ptr, rows, row_mask, K, split_cols, BK: tl.constexpr, EVEN_N: tl.constexpr,
-             EVEN_K: tl.constexpr, STAGES: tl.constexpr):
+             EVEN_K: tl.constexpr, STAGES: tl.constexpr, PDL: tl.constexpr):
     """sum_k W[rows, k] x[k] over this program's columns (split `program_id(1)`), float32 [rows].
     STAGES > 1: the loop software-pipelined by Triton over STAGES buffers in shared memory, each
-    step's loads issued STAGES - 1 steps ahead as asynchronous copies (cp.async)."""
+    step's loads issued STAGES - 1 steps ahead as asynchronous copies (cp.async). PDL 1 or 2 (a
+    programmatic dependent's code, dependent.py): the first step's weights are loaded before the wait
+    for the kernel before, each later step's one step ahead (unstaged; staged: the wait comes first)."""
     begin = tl.program_id(1) * split_cols
     end = tl.minimum(begin + split_cols, K)
     # 8 contiguous columns a lane (not 16): the activations' 16-byte loads are 8 columns a lane.
     ks = tl.max_contiguous(tl.arange(0, BK), 8)
     row_off = rows.to(tl.int64) * K
     acc = tl.zeros([rows.shape[0], BK], dtype=tl.float32)
-    if STAGES > 1:
-        for k0 in tl.range(begin, end, BK, num_stages=STAGES):
-            acc = _fp8_step(acc, v_ptr, x_ptr, row_off, row_mask, k0, end, ks, EVEN_N, EVEN_K)
-    else:
+    if (PDL == 1 or PDL == 2) and STAGES <= 1:
+        w_next = _fp8_weights(v_ptr, row_off, row_mask, begin, end, ks, EVEN_N)
+        wait_previous(PDL)
+        release_next(PDL)
         for k0 in range(begin, end, BK):
-            acc = _fp8_step(acc, v_ptr, x_ptr, row_off, row_mask, k0, end, ks, EVEN_N, EVEN_K)
+            w = w_next
+            w_next = _fp8_weights(v_ptr, row_off, row_mask, k0 + BK, end, ks, EVEN_N)
+            cols = k0 + ks
+            if EVEN_K:  # noqa: SIM108  (constexpr branches: only one is compiled)
+                x = tl.load(x_ptr + cols)
+            else:
+                x = tl.load(x_ptr + cols, mask=cols < end, other=0.0)
+            acc += w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * x.to(tl.float32)[None, :]
+    else:
+        wait_previous(PDL)
+        release_next(PDL)
+        if STAGES > 1:
+            for k0 in tl.range(begin, end, BK, num_stages=STAGES):
+                acc = _fp8_step(acc, v_ptr, x_ptr, row_off, row_mask, k0, end, ks, EVEN_N, EVEN_K)
+        else:
+            for k0 in range(begin, end, BK):
+                acc = _fp8_step(acc, v_ptr, x_ptr, row_off, row_mask, k0, end, ks, EVEN_N, EVEN_K)
     return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def _fp8_weights(v_ptr, row_off, row_mask, k0, end, ks, EVEN_N: tl.constexpr):
+    """The weight bytes of the step at column k0, which may lie past `end` (masked off: never used)."""
+    cols = k0 + ks
+    return masked_load(v_ptr, row_off[:, None] + cols[None, :], row_mask[:, None], (cols < end)[None, :], EVEN_N,
+                       False)
 
 
 @triton.jit
@@ -86,21 +113,28 @@ def _fp8_step(acc, v_ptr, x_ptr, row_off, row_mask, k0, end, ks, EVEN_N: tl.cons
 
 @triton.jit
 def _fp8_ahead_dot(w_ptr, x_ptr, starts, row_mask, K, split_chunks, C: tl.constexpr, EVEN_N: tl.constexpr,
-                   EVEN_K: tl.constexpr, ASM: tl.constexpr, AHEAD: tl.constexpr):
+                   EVEN_K: tl.constexpr, ASM: tl.constexpr, AHEAD: tl.constexpr, PDL: tl.constexpr):
     """_fp8_dot with each step's weights and activations loaded AHEAD (1 or 2) steps before it, so
     their memory latency overlaps the math of the steps between instead of following it.
 
     The same lane layout (a lane's 8 bytes of each row and the 16-byte load of their activations),
     but as chunks of 8 columns (tiles.py's scheme; `starts`: row_starts in chunks) whose bytes are
     two int32 words: the bytes are carried from step to step as they were loaded, two registers a
-    row (a byte tensor carried through the loop is held a byte a register and repacked every step)."""
+    row (a byte tensor carried through the loop is held a byte a register and repacked every step).
+    The first steps' weights are loaded before the wait for the kernel before (PDL, dependent.py), their
+    activations after it."""
     total = K // 8
     begin = tl.program_id(1) * split_chunks
     end = tl.minimum(begin + split_chunks, total)
     acc = tl.zeros([starts.shape[0], C], dtype=tl.float32)
-    w_1, x_1 = _fp8_words(w_ptr, x_ptr, starts, row_mask, begin, end, C, EVEN_N, EVEN_K, ASM)
+    w_1 = plane_load(w_ptr, starts, row_mask, begin, end, C, 2, EVEN_N, EVEN_K, ASM, True)
     if AHEAD >= 2:
-        w_2, x_2 = _fp8_words(w_ptr, x_ptr, starts, row_mask, begin + C, end, C, EVEN_N, EVEN_K, ASM)
+        w_2 = plane_load(w_ptr, starts, row_mask, begin + C, end, C, 2, EVEN_N, EVEN_K, ASM, True)
+    wait_previous(PDL)
+    release_next(PDL)
+    x_1 = _fp8_x(x_ptr, begin, end, C)
+    if AHEAD >= 2:
+        x_2 = _fp8_x(x_ptr, begin + C, end, C)
     for c0 in range(begin, end, C):
         w, x = w_1, x_1
         if AHEAD >= 2:
@@ -124,10 +158,15 @@ def _fp8_words(w_ptr, x_ptr, starts, row_mask, c0, end, C: tl.constexpr, EVEN_N:
                ASM: tl.constexpr):
     """(words [rows, 2 C], activations [C, 8] unconverted) of the step at chunk c0, which may lie
     past `end` (masked off: never used)."""
-    chunk = c0 + tl.arange(0, C)
     words = plane_load(w_ptr, starts, row_mask, c0, end, C, 2, EVEN_N, EVEN_K, ASM, True)
-    x = tl.load(x_ptr + (8 * chunk)[:, None] + tl.arange(0, 8)[None, :], mask=(chunk < end)[:, None], other=0.0)
-    return words, x
+    return words, _fp8_x(x_ptr, c0, end, C)
+
+
+@triton.jit
+def _fp8_x(x_ptr, c0, end, C: tl.constexpr):
+    """The activations [C, 8] (unconverted) of the step at chunk c0, which may lie past `end`."""
+    chunk = c0 + tl.arange(0, C)
+    return tl.load(x_ptr + (8 * chunk)[:, None] + tl.arange(0, 8)[None, :], mask=(chunk < end)[:, None], other=0.0)
 
 
 @triton.jit
@@ -186,22 +225,26 @@ def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, split, flip
                    post_ptr=None, norm_ptr=None, normed_ptr=None, post_eps=0.0, eps=0.0,
                    FINISH: tl.constexpr = False, FINISH_BIAS: tl.constexpr = False, POST: tl.constexpr = False,
                    NORM: tl.constexpr = False, H_BLOCK: tl.constexpr = 1, N_PARTS: tl.constexpr = 0,
-                   PREFETCH: tl.constexpr = False):
+                   PREFETCH: tl.constexpr = False, PDL: tl.constexpr = 0):
     """Program (i, s): output rows i*BN.., the columns of split s (`split` of them: columns for
     fp8, chunks for int8; STEP per loop step). ACT >= 0: the weight is [gate; up] and the tile
     holds both rows of each output (gate row r, up row n + r), one pass over x. FINISH (with
     PARTIAL): the launch's last program also adds the partial sums into the residual and norms it
     (norm.Finish), so no residual-norm launch follows; PREFETCH: program (0, 0) first asks L2 for the
-    norm weights that program reads (bulk prefetches, sm_90), so they are not a DRAM latency at the end."""
+    norm weights that program reads (bulk prefetches, sm_90), so they are not a DRAM latency at the end.
+    PDL: launched as a programmatic dependent (dependent.py): fp8 loads its first weights before it waits
+    for the kernel before."""
     if PREFETCH:
         prefetch_norms(norm_ptr, post_ptr, n, NORM, POST)
     rows, row_mask = tile_rows(tl.program_id(0), n, BN, ACT >= 0)
     if FP8 and AHEAD:  # v_ptr: int32 words; split and STEP in chunks of 8 columns
         starts = tile_starts(tl.program_id(0), n, K // 8, BN, ACT >= 0, ASM)
-        total = _fp8_ahead_dot(v_ptr, x_ptr, starts, row_mask, K, split, STEP, EVEN_N, EVEN_K, ASM, AHEAD)
+        total = _fp8_ahead_dot(v_ptr, x_ptr, starts, row_mask, K, split, STEP, EVEN_N, EVEN_K, ASM, AHEAD, PDL)
     elif FP8:
-        total = _fp8_dot(v_ptr, x_ptr, rows, row_mask, K, split, STEP, EVEN_N, EVEN_K, STAGES)
+        total = _fp8_dot(v_ptr, x_ptr, rows, row_mask, K, split, STEP, EVEN_N, EVEN_K, STAGES, PDL)
     else:
+        wait_previous(PDL)
+        release_next(PDL)
         starts = tile_starts(tl.program_id(0), n, K // 16, BN, ACT >= 0, ASM)
         total = _int8_dot(v_ptr, x_ptr, starts, row_mask, K, split, flip_lo, flip_hi, STEP, EVEN_N, EVEN_K, ASM)
     total *= tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
@@ -314,7 +357,8 @@ class Rowwise8Linear(KernelLinear):
             FP8=self.fp8, BN=config.block_n, STEP=step, EVEN_N=n % config.block_n == 0, EVEN_K=even, ASM=asm,
             ACT=act, HAS_BIAS=self.bias is not None, PARTIAL=partial, AHEAD=config.ahead if self.fp8 else 0,
             STAGES=config.stages if self.fp8 else 0, num_warps=config.num_warps,
-            **(finish.launch_args(config.split, n) if finish is not None else {}))
+            **(finish.launch_args(config.split, n) if finish is not None else {}),
+            **dependent.kernel_args())
         return config.split
 
     def _matmul(self, x, rows=None, cols=None, halves=1):
