@@ -78,34 +78,12 @@ def online_softmax(q, k_ptr, v_ptr, table_ptr, begin, end, h, scale, softcap, HK
     """The online softmax of query heads q [GP, BLOCK_D] (kv head h's) over cached positions begin ..
     end - 1, BT a step, each position's slot found through the block table: (max [GP], denominator
     [GP], probability-weighted values [GP, BLOCK_D]), float32. (attention_append.py's kernel too.)"""
-    d = tl.arange(0, BLOCK_D)
     m = tl.full([GP], float("-inf"), dtype=tl.float32)
     denom = tl.zeros([GP], dtype=tl.float32)
     acc = tl.zeros([GP, BLOCK_D], dtype=tl.float32)
     for t0 in range(begin, end, BT):
-        t = t0 + tl.arange(0, BT)
-        valid = t < end
-        block = tl.load(table_ptr + t // BS, mask=valid, other=0)
-        slot = ((block * HKV + h) * BS + t % BS).to(tl.int64) * D
-        kv_mask = valid[:, None] & (d < D)[None, :]
-        k = tl.load(k_ptr + slot[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:
-            scores = tl.dot(q.to(tl.float32), tl.trans(k.to(tl.float32)), input_precision="ieee")
-        else:
-            scores = tl.dot(q, tl.trans(k))
-        scores = capped(scores * scale, softcap, SOFTCAP)
-        scores = tl.where(valid[None, :], scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=1))
-        alpha = tl.exp(m - m_new)
-        p = tl.exp(scores - m_new[:, None])
-        denom = denom * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_ptr + slot[:, None] + d[None, :], mask=kv_mask, other=0.0)
-        if IEEE:  # noqa: SIM108  (constexpr branches: only one is compiled)
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m = m_new
+        k, v, valid = kv_tile(k_ptr, v_ptr, table_ptr, t0, end, h, HKV, D, BS, BT, BLOCK_D)
+        m, denom, acc = softmax_tile(q, k, v, valid, m, denom, acc, scale, softcap, SOFTCAP, IEEE)
     return m, denom, acc
 
 
