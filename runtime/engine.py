@@ -142,7 +142,6 @@ class DecodeEngine:
         self._finishing_prefixes: set[tuple[int, int]] = set()
         self._level_biases: dict[tuple[int, int], tuple] = {}  # (id(down), shift's address): (shift, bias + shift)
         self.fused_attention = fused_attention
-        self.dependent_launch = dependent_launch
         # What the step launches as dependents: False, True or a frozenset of section names.
         if dependent_launch is None:
             from .kernels.dependent import ATTENTION
@@ -253,25 +252,24 @@ class DecodeEngine:
     def decode_one_token(self, cache: PagedKVCache, sampler) -> None:
         """Feed self.token at position self.pos; leave the next token in self.token (and in
         cache.out_tokens[step]), then advance pos and step. Reads nothing from the host."""
-        from .kernels.dependent import launching, section
+        from .kernels.dependent import launching
 
-        if not self._dependent:
+        with launching(self._dependent):
             self._step(cache, sampler)
-            return
-        marked = self._mark  # each section also names the launches inside it (dependent.section)
-        self._mark = lambda name: _both(marked(name), section(name))
-        try:
-            with launching(self._dependent):
-                self._step(cache, sampler)
-        finally:
-            self._mark = marked
+
+    def _section(self, name: str):
+        """A named section of the step: for the profiler (`_mark`) and for which launches are dependents
+        (kernels/dependent.section)."""
+        from .kernels.dependent import section
+
+        return _both(self._mark(name), section(name))
 
     def _step(self, cache: PagedKVCache, sampler) -> None:
         from .kernels.attention_append import append_attend
         from .kernels.norm import Finish, add_rmsnorm
         from .kernels.rope import rope_append
 
-        mark = self._mark
+        mark = self._section
         layers = self.ex.layers
         with mark("embed + norm"):
             self.residual.copy_(self._embed(self.token)[0])
@@ -487,17 +485,17 @@ class DecodeEngine:
         if (id(op) in self._finishing) if cols is None else ((id(op), cols) in self._finishing_prefixes):
             bias = self._level_bias(op, shift)
             finish = Finish(self.counter, self.residual, self.normed, bias, norm_args(post), norm_args(norm))
-            with self._mark(name):
+            with self._section(name):
                 if cols is None:
                     op.matvec_finish(x, self.partials, finish)
                 else:
                     op.matvec_finish(x, self.partials, finish, cols=cols)
             return
-        with self._mark(name):
+        with self._section(name):
             parts, bias = self._partial_sums(op, x, cols)
         if shift is not None:  # an elastic FFN level: what its dropped channels add
             bias = shift if bias is None else self._level_bias(op, shift)
-        with self._mark("residual + norm"):
+        with self._section("residual + norm"):
             add_rmsnorm(self.residual, self.normed, partials=parts, bias=bias, post=norm_args(post),
                         norm=norm_args(norm))
 

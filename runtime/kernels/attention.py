@@ -77,14 +77,10 @@ def online_softmax(q, k_ptr, v_ptr, table_ptr, begin, end, h, scale, softcap, HK
                    IEEE: tl.constexpr):
     """The online softmax of query heads q [GP, BLOCK_D] (kv head h's) over cached positions begin ..
     end - 1, BT a step, each position's slot found through the block table: (max [GP], denominator
-    [GP], probability-weighted values [GP, BLOCK_D]), float32. (attention_append.py's kernel too.)"""
-    m = tl.full([GP], float("-inf"), dtype=tl.float32)
-    denom = tl.zeros([GP], dtype=tl.float32)
-    acc = tl.zeros([GP, BLOCK_D], dtype=tl.float32)
-    for t0 in range(begin, end, BT):
-        k, v, valid = kv_tile(k_ptr, v_ptr, table_ptr, t0, end, h, HKV, D, BS, BT, BLOCK_D)
-        m, denom, acc = softmax_tile(q, k, v, valid, m, denom, acc, scale, softcap, SOFTCAP, IEEE)
-    return m, denom, acc
+    [GP], probability-weighted values [GP, BLOCK_D]), float32."""
+    k, v, valid = kv_tile(k_ptr, v_ptr, table_ptr, begin, end, h, HKV, D, BS, BT, BLOCK_D)
+    return online_softmax_from(q, k, v, valid, k_ptr, v_ptr, table_ptr, begin, end, h, scale, softcap, HKV, D, GP,
+                               BS, BT, BLOCK_D, SOFTCAP, IEEE)
 
 
 @triton.jit
@@ -128,11 +124,11 @@ def online_softmax_from(q, k, v, valid, k_ptr, v_ptr, table_ptr, begin, end, h, 
                         GP: tl.constexpr, BS: tl.constexpr, BT: tl.constexpr, BLOCK_D: tl.constexpr,
                         SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
     """online_softmax over positions begin .. end - 1 whose first tile (kv_tile at begin) the caller
-    loaded already (a programmatic dependent loads it before it waits for the kernel before)."""
+    loaded already (attention_append.py's kernel loads it before it waits for the kernel before)."""
     m = tl.full([GP], float("-inf"), dtype=tl.float32)
     denom = tl.zeros([GP], dtype=tl.float32)
     acc = tl.zeros([GP, BLOCK_D], dtype=tl.float32)
-    if begin < end:  # a split with no positions keeps (-inf, 0, 0), as online_softmax's empty loop
+    if begin < end:  # a split with no positions keeps (-inf, 0, 0): an all-masked tile would make NaNs
         m, denom, acc = softmax_tile(q, k, v, valid, m, denom, acc, scale, softcap, SOFTCAP, IEEE)
     for t0 in range(begin + BT, end, BT):
         k, v, valid = kv_tile(k_ptr, v_ptr, table_ptr, t0, end, h, HKV, D, BS, BT, BLOCK_D)

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from . import dependent
-from .attention import DecodeAttention, capped, kv_tile, online_softmax, online_softmax_from
+from .attention import DecodeAttention, capped, kv_tile, online_softmax_from
 from .common import next_power_of_2
 from .dependent import release_next, wait_previous
 
@@ -89,14 +89,13 @@ def _append_decode_kernel(qkv_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, cos_ptr, si
     begin = lo + s * chunk
     end = tl.minimum(begin + chunk, length)
     holds = (begin <= new) & (new < end)
-    if PDL == 1 or PDL == 2:
-        block = tl.load(table_ptr + new // BS)
-        k_first, v_first, valid_first = kv_tile(k_ptr, v_ptr, table_ptr, begin, tl.minimum(end, new), h, HKV, D, BS,
-                                                BT, BLOCK_D)
-        wait_previous(PDL)
-        release_next(PDL)
-    else:
-        release_next(PDL)  # level 3: a plain launch that lets the merge be placed at once
+    # What no kernel of the step before this one writes, loaded before the wait for it (a no-op unless
+    # launched as a programmatic dependent): the new slot's block and the first tile of cached keys and values.
+    block = tl.load(table_ptr + new // BS)
+    k_first, v_first, valid_first = kv_tile(k_ptr, v_ptr, table_ptr, begin, tl.minimum(end, new), h, HKV, D, BS, BT,
+                                            BLOCK_D)
+    wait_previous(PDL)
+    release_next(PDL)
     g = tl.arange(0, GP)
     d = tl.arange(0, BLOCK_D)
     head = h * G + g
@@ -114,20 +113,14 @@ def _append_decode_kernel(qkv_ptr, k_ptr, v_ptr, table_ptr, pos_ptr, cos_ptr, si
                    ROPE).to(k_ptr.dtype.element_ty)  # [1, BLOCK_D]
     v_new = tl.load(qkv_ptr + (HQ + HKV + h) * D + d[None, :], mask=(d < D)[None, :], other=0.0)
     v_new = v_new.to(v_ptr.dtype.element_ty)
-    if PDL != 1 and PDL != 2:
-        block = tl.load(table_ptr + new // BS)
     slot = ((block * HKV + h) * BS + new % BS).to(tl.int64) * D
     place = tl.where(d < D, new, -1)[None, :]  # each feature's position; -1 past the head's features
     stored = (place >= begin) & (place < end)  # all (d < D) in the split that holds the new position, else none
     tl.store(k_ptr + slot + d[None, :], k_new, mask=stored)
     tl.store(v_ptr + slot + d[None, :], v_new, mask=stored)
-    if PDL == 1 or PDL == 2:
-        m, denom, acc = online_softmax_from(q, k_first, v_first, valid_first, k_ptr, v_ptr, table_ptr, begin,
-                                            tl.minimum(end, new), h, scale, softcap, HKV, D, GP, BS, BT, BLOCK_D,
-                                            SOFTCAP, IEEE)
-    else:
-        m, denom, acc = online_softmax(q, k_ptr, v_ptr, table_ptr, begin, tl.minimum(end, new), h, scale, softcap,
-                                       HKV, D, GP, BS, BT, BLOCK_D, SOFTCAP, IEEE)
+    m, denom, acc = online_softmax_from(q, k_first, v_first, valid_first, k_ptr, v_ptr, table_ptr, begin,
+                                        tl.minimum(end, new), h, scale, softcap, HKV, D, GP, BS, BT, BLOCK_D, SOFTCAP,
+                                        IEEE)
     if holds:  # the new position, last (as it comes last in the old path's last tile)
         score = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), axis=1) * scale
         score = capped(score, softcap, SOFTCAP)

@@ -66,44 +66,39 @@ def _fp8_dot(v_ptr, x_ptr, rows, row_mask, K, split_cols, BK: tl.constexpr, EVEN
     row_off = rows.to(tl.int64) * K
     acc = tl.zeros([rows.shape[0], BK], dtype=tl.float32)
     if (PDL == 1 or PDL == 2) and STAGES <= 1:
-        w_next = _fp8_weights(v_ptr, row_off, row_mask, begin, end, ks, EVEN_N)
+        w_next = _fp8_weights(v_ptr, row_off, row_mask, begin, end, ks, EVEN_N, False)
         wait_previous(PDL)
         release_next(PDL)
         for k0 in range(begin, end, BK):
             w = w_next
-            w_next = _fp8_weights(v_ptr, row_off, row_mask, k0 + BK, end, ks, EVEN_N)
-            cols = k0 + ks
-            if EVEN_K:  # noqa: SIM108  (constexpr branches: only one is compiled)
-                x = tl.load(x_ptr + cols)
-            else:
-                x = tl.load(x_ptr + cols, mask=cols < end, other=0.0)
-            acc += w.to(tl.float8e4nv, bitcast=True).to(tl.float32) * x.to(tl.float32)[None, :]
+            w_next = _fp8_weights(v_ptr, row_off, row_mask, k0 + BK, end, ks, EVEN_N, False)
+            acc = _fp8_step(acc, w, x_ptr, k0, end, ks, EVEN_K)
     else:
         wait_previous(PDL)
         release_next(PDL)
         if STAGES > 1:
             for k0 in tl.range(begin, end, BK, num_stages=STAGES):
-                acc = _fp8_step(acc, v_ptr, x_ptr, row_off, row_mask, k0, end, ks, EVEN_N, EVEN_K)
+                w = _fp8_weights(v_ptr, row_off, row_mask, k0, end, ks, EVEN_N, EVEN_K)
+                acc = _fp8_step(acc, w, x_ptr, k0, end, ks, EVEN_K)
         else:
             for k0 in range(begin, end, BK):
-                acc = _fp8_step(acc, v_ptr, x_ptr, row_off, row_mask, k0, end, ks, EVEN_N, EVEN_K)
+                w = _fp8_weights(v_ptr, row_off, row_mask, k0, end, ks, EVEN_N, EVEN_K)
+                acc = _fp8_step(acc, w, x_ptr, k0, end, ks, EVEN_K)
     return tl.sum(acc, axis=1)
 
 
 @triton.jit
-def _fp8_weights(v_ptr, row_off, row_mask, k0, end, ks, EVEN_N: tl.constexpr):
-    """The weight bytes of the step at column k0, which may lie past `end` (masked off: never used)."""
+def _fp8_weights(v_ptr, row_off, row_mask, k0, end, ks, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
+    """The weight bytes of the step at column k0 (EVEN_K False: the step may lie past `end`, masked off)."""
     cols = k0 + ks
     return masked_load(v_ptr, row_off[:, None] + cols[None, :], row_mask[:, None], (cols < end)[None, :], EVEN_N,
-                       False)
+                       EVEN_K)
 
 
 @triton.jit
-def _fp8_step(acc, v_ptr, x_ptr, row_off, row_mask, k0, end, ks, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr):
-    """acc + the products of the step at column k0."""
+def _fp8_step(acc, w, x_ptr, k0, end, ks, EVEN_K: tl.constexpr):
+    """acc + the products of the step at column k0 (its weight bytes w, `_fp8_weights`)."""
     cols = k0 + ks
-    w = masked_load(v_ptr, row_off[:, None] + cols[None, :], row_mask[:, None], (cols < end)[None, :], EVEN_N,
-                    EVEN_K)
     if EVEN_K:  # noqa: SIM108  (constexpr branches: only one is compiled)
         x = tl.load(x_ptr + cols)
     else:
