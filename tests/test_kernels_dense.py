@@ -113,7 +113,7 @@ def test_a_candidate_that_does_not_compile_is_skipped(monkeypatch):
     stored = {}
     monkeypatch.setattr(common, "interpreting", lambda: False)
     monkeypatch.setattr(common, "median_ms", lambda launch, **timing: launch() or launch.speed)
-    monkeypatch.setattr(common, "_cache_key", lambda op, mode: f"{op.configs}|{mode}")
+    monkeypatch.setattr(common, "_cache_key", lambda op, mode, *_: f"{op.configs}|{mode}")
     monkeypatch.setattr(common._TuneCache, "get", classmethod(lambda cls: type(
         "Cache", (), {"lookup": lambda self, key: None, "store": lambda self, key, c: stored.update({key: c})})()))
 
@@ -176,7 +176,7 @@ def test_precompile_launches_each_untuned_candidate_once(monkeypatch):
 
     monkeypatch.setattr(common, "interpreting", lambda: False)
     monkeypatch.setattr(common, "_launcher", launcher)
-    monkeypatch.setattr(common, "_cache_key", lambda op, mode: f"{op.shape}|{mode}")
+    monkeypatch.setattr(common, "_cache_key", lambda op, mode, *_: f"{op.shape}|{mode}")
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     cached = common.MatvecConfig(16, 4, 1, 4)
@@ -273,7 +273,7 @@ def test_weights_of_one_kind_are_timed_in_turn_and_take_one_choice(monkeypatch):
     timed, stored = [], {}
     speeds = {"slow": 2.0, "fast": 1.0}
     monkeypatch.setattr(common, "interpreting", lambda: False)
-    monkeypatch.setattr(common, "_cache_key", lambda op, mode: f"{op.out_features}|{mode}")
+    monkeypatch.setattr(common, "_cache_key", lambda op, mode, *_: f"{op.out_features}|{mode}")
     monkeypatch.setattr(common._TuneCache, "get", classmethod(lambda cls: type(
         "Cache", (), {"lookup": lambda self, key: None, "store": lambda self, key, c: stored.update({key: c})})()))
 
@@ -327,3 +327,22 @@ def test_a_launcher_over_several_weights_launches_each_in_turn():
         launch()
     assert [name for name, *_ in ran] == ["a", "b", "c", "a", "b"]
     assert {tuple(rest) for _, *rest in ran} == {(32, (2, 32), True, 32)}
+
+
+def test_cache_key_names_the_candidates(monkeypatch):
+    """A choice stored in the cache of launch configurations is keyed by the candidates it was timed among:
+    a thin with other candidates (a new kernel variant) times them again instead of reusing the old pick."""
+    from thin.runtime.kernels import common
+    from thin.runtime.kernels.common import MatvecConfig
+
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
+
+    class Op:
+        p, format, out_features, in_features, dtype, device = {"group_size": 128}, "int4", 64, 128, torch.bfloat16, None
+
+    old = [MatvecConfig(4, 256, 1, 2), MatvecConfig(8, 256, 1, 2)]
+    new = old + [MatvecConfig(4, 256, 1, 2, ahead=2)]
+    key = common._cache_key(Op(), "direct", old)
+    assert key == common._cache_key(Op(), "direct", list(old))
+    assert key != common._cache_key(Op(), "direct", new)
+    assert key != common._cache_key(Op(), "partial", old)

@@ -159,7 +159,7 @@ def test_precompile_takes_each_prefix_apart_from_the_whole_weight(monkeypatch):
     monkeypatch.setattr(common, "interpreting", lambda: False)
     monkeypatch.setattr(common, "_launcher", lambda op, config, mode, rows=None, cols=None:
                         lambda: launched.append((mode, rows, cols, config)))
-    monkeypatch.setattr(common, "_cache_key", lambda op, mode: mode)
+    monkeypatch.setattr(common, "_cache_key", lambda op, mode, *_: mode)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(common._TuneCache, "get", classmethod(lambda cls: type(

@@ -162,7 +162,7 @@ def bench_linear(fmt: str, name: str, sweep: bool, bandwidth: float, tune: bool 
         mode_name = "direct" if mode == "plain" else mode
         fastest = min(tuned, key=lambda r: r["us"])
         for in_turn in (False, True):  # timed past L2: the engine's choice over a model's weights in turn too
-            _TuneCache.get().store(_cache_key(ops[0], _tuned_mode(mode_name, None, None, in_turn)),
+            _TuneCache.get().store(_cache_key(ops[0], _tuned_mode(mode_name, None, None, in_turn), chosen),
                                    MatvecConfig(**fastest["config"]))
     row = {"format": fmt, "shape": name, "n": n, "k": k, "mode": mode, "bytes": nbytes, "best": best,
            "best_of_default_candidates": min(tuned, key=lambda r: r["us"]) if tuned else None, "all": results}

@@ -44,7 +44,7 @@ class MatvecConfig:
     whose fp32 partial sums someone adds up), `num_warps` per program; `packed`: products summed
     as bfloat16 pairs within a chunk (grouped int4 under bf16 activations, pairs.py); `ahead` (grouped
     int): 1, each loop step loads the next step's group scales; 2, also the weight words of the step
-    after next; (fp8_e4m3) 1 or 2: each loop step loads the weights and activations of the step 1 or
+    after next; (int8) 2: the weight words of the step after next; (fp8_e4m3) 1 or 2: each loop step loads the weights and activations of the step 1 or
     2 after it, into registers; `stages` (fp8_e4m3, > 1): the loop software-pipelined by Triton
     instead, over that many buffers in shared memory (asynchronous copies, stages - 1 steps ahead)."""
 
@@ -225,7 +225,7 @@ def choose(op: KernelLinear, mode: str, rows: int | None = None, cols: int | Non
     candidates = op.candidates(mode, rows, cols)
     if interpreting() or not op.tune or len(candidates) == 1 or op.device.type != "cuda" or _small(op):
         return candidates[0]
-    key = _cache_key(op, _tuned_mode(mode, rows, cols, bool(peers)))
+    key = _cache_key(op, _tuned_mode(mode, rows, cols, bool(peers)), candidates)
     cache = _TuneCache.get()
     hit = cache.lookup(key)
     if hit is not None and hit in candidates:
@@ -338,7 +338,7 @@ def precompile(uses, workers: int | None = None) -> int:
         if not op.tune or op.device.type != "cuda" or _small(op):
             continue
         candidates = op.candidates(mode, rows, cols)
-        key = _cache_key(op, _tuned_mode(mode, rows, cols, len(ops) > 1))  # as choose_together looks it up
+        key = _cache_key(op, _tuned_mode(mode, rows, cols, len(ops) > 1), candidates)  # as choose looks it up
         if len(candidates) == 1 or key in seen or cache.lookup(key) in candidates:
             continue
         seen.add(key)
@@ -430,13 +430,18 @@ def median_ms(launch, repeats: int = 7, inner: int = 5, device=None) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _cache_key(op: KernelLinear, mode: str) -> str:
+def _cache_key(op: KernelLinear, mode: str, candidates: Sequence = ()) -> str:
+    """The cache of choices' key: the weight's kind, the mode, the device, Triton's version and a digest of
+    the candidates timed, so that a choice made among other candidates (an older thin) is timed again."""
+    import hashlib
+
     import triton
 
     params = ",".join(f"{k}={v}" for k, v in sorted(op.p.items()))
     device = torch.cuda.get_device_name(op.device)
+    timed = hashlib.sha1(repr(list(candidates)).encode()).hexdigest()[:12]
     return (f"{type(op).__name__}|{op.format}|{params}|{op.out_features}x{op.in_features}|"
-            f"{str(op.dtype).removeprefix('torch.')}|{mode}|{device}|triton {triton.__version__}")
+            f"{str(op.dtype).removeprefix('torch.')}|{mode}|{device}|triton {triton.__version__}|of {timed}")
 
 
 class _TuneCache:

@@ -93,7 +93,7 @@ def choose_matmul(op: KernelLinear, T: int, N: int, K: int, candidates: list[Mat
     if interpreting() or not op.tune or len(candidates) == 1 or op.device.type != "cuda" or _small(op):
         return candidates[0]
     bucket = token_bucket(T)
-    key = _cache_key(op, f"matmul {bucket}x{N}x{K}")
+    key = _cache_key(op, f"matmul {bucket}x{N}x{K}", candidates)
     cache = _TuneCache.get()
     hit = cache.lookup(key, MatmulConfig)
     if hit is not None and hit in candidates:
