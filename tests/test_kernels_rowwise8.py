@@ -61,55 +61,6 @@ def test_fp8_loads_ahead_prefixes():
         assert rel_err(got, activate("silu", y[:16]) * y[64:80]) < 2 * tolerance(torch.float32), (ahead, stages)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("K", [256, 208])
-def test_int8_loads_ahead(K, dtype):
-    """int8 with each step's words loaded two steps ahead (MatvecConfig.ahead 2) against the plain loop,
-    over several 2-chunk (32-column) steps: K whole steps (256) or a ragged last one (208, 13 chunks),
-    each program's share whole or ragged (split 1, 2, 3), a partial tile of rows (8-row tiles over 44);
-    outputs, split-K partial sums, gate/up, and the first columns of an elastic prefix."""
-    from thin.runtime.kernels.common import MatvecConfig
-
-    op, dense, _ = make_op("int8", (44, K), dtype=dtype, seed=11)
-    x = torch.randn(K, generator=torch.Generator().manual_seed(12)).to(dtype).to(DEVICE)
-    want = x.float().cpu() @ dense.T
-    gate, up = want.to(dtype).chunk(2)
-    for ahead in (0, 2):
-        for split in (1, 2, 3):
-            op._configs["partial"] = MatvecConfig(8, 32, split, 1, ahead=ahead)
-            sums = op.matvec(x, partials=poisoned(8, 44, dtype=torch.float32)).sum(0)
-            assert rel_err(sums, want) < 2e-5, (split, ahead)
-        op._configs["direct"] = MatvecConfig(8, 32, 1, 1, ahead=ahead)
-        assert rel_err(op.matvec(x, out=poisoned(44, dtype=dtype)), want) < tolerance(dtype), ahead
-        op._configs["glu"] = MatvecConfig(4, 32, 1, 1, ahead=ahead)
-        got = op.matvec(x, out=poisoned(22, dtype=dtype), activation="silu")
-        assert rel_err(got, activate("silu", gate) * up) < 2 * tolerance(dtype), ahead
-        op._configs["partial"] = MatvecConfig(8, 32, 2, 1, ahead=ahead)
-        h = x[:128]
-        sums = op.matvec(h, partials=poisoned(8, 44, dtype=torch.float32), cols=128)
-        assert rel_err(sums.sum(0), h.float().cpu() @ dense[:, :128].T) < 2e-5, ahead
-
-
-def test_int8_ahead_candidates(monkeypatch):
-    """The int8 tuner gets each tiling of at most 8 weight rows again with its words two steps ahead,
-    where a program takes more than one step; the default stays the plain one."""
-    from thin.runtime.kernels import common, rowwise8
-
-    monkeypatch.setattr(common, "interpreting", lambda: False)
-    monkeypatch.setattr(common, "sm_count", lambda: 132)
-    for shape, mode in [((6144, 4096), "direct"), ((4096, 4096), "partial"), ((4096, 14336), "partial"),
-                        ((28672, 4096), "glu")]:
-        op, _, _ = make_op("int8", (64, shape[1]), seed=1)
-        op.out_features = shape[0]  # candidates depend on the shape only
-        configs = op.candidates(mode)
-        plain = [c for c in configs if not c.ahead]
-        rows = 2 if mode == "glu" else 1
-        assert configs[:len(plain)] == plain
-        assert configs[len(plain):] == [replace(c, ahead=2) for c in plain
-                                        if rowwise8.int8_steps(shape[1], c) > 1 and c.block_n * rows <= 8]
-        assert len(configs) > len(plain)
-
-
 def test_fp8_ahead_candidates_only_with_several_steps(monkeypatch):
     """The tuner gets each fp8 tiling again with loads two steps ahead where a program takes more
     than one step (a one-step program has nothing to load ahead), and the 1- and 2-warp tilings

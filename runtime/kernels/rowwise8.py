@@ -7,8 +7,8 @@ products. Launch candidates (picked by the tuner, never the default) load each s
 activations two steps before it, so their memory latency overlaps a step's math: into registers
 (MatvecConfig.ahead), or through shared memory by Triton's pipeliner (MatvecConfig.stages). int8
 goes through the bit-plane chunk scheme (tiles.py: 16-column chunks, four words a lane, codes read
-as u = v + 128 with the 128 folded into the add; a candidate loads each step's words two steps before
-it, as grouped_int's). Both apply the row's scale once, after the dot product. Prefill dequantizes [BN, BK] tiles to the compute dtype and multiplies with tl.dot.
+as u = v + 128 with the 128 folded into the add). Both apply the row's scale once, after the dot
+product. Prefill dequantizes [BN, BK] tiles to the compute dtype and multiplies with tl.dot.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from .common import (
     KernelLinear,
     MatvecConfig,
     chunk_candidates,
-    chunk_launch,
     chunk_prefix,
     interpreter_block,
     next_power_of_2,
@@ -195,27 +194,17 @@ def _e4m3_quad(word, ASM: tl.constexpr):
 
 @triton.jit
 def _int8_dot(v_ptr, x_ptr, starts, row_mask, K, split_chunks, flip_lo, flip_hi, C: tl.constexpr, EVEN_N: tl.constexpr,
-              EVEN_K: tl.constexpr, ASM: tl.constexpr, AHEAD: tl.constexpr):
-    """sum_k W[rows, k] x[k] over this program's 16-column chunks, float32 [rows]. AHEAD 2: each step's
-    words are loaded two steps before it (as grouped_int's: ptxas sinks a load next to its first use, so
-    one step ahead would be issued at the end of the step before)."""
+              EVEN_K: tl.constexpr, ASM: tl.constexpr):
+    """sum_k W[rows, k] x[k] over this program's 16-column chunks, float32 [rows]."""
     total = K // 16
     begin = tl.program_id(1) * split_chunks
     end = tl.minimum(begin + split_chunks, total)
     ci = tl.arange(0, C)
     acc = tl.zeros([starts.shape[0], C], dtype=tl.float32)
-    if AHEAD >= 2:
-        words_1 = plane_load(v_ptr, starts, row_mask, begin, end, C, 4, EVEN_N, EVEN_K, ASM, True)
-        words_2 = plane_load(v_ptr, starts, row_mask, begin + C, end, C, 4, EVEN_N, EVEN_K, ASM, True)
     for c0 in range(begin, end, C):
         chunk = c0 + ci
         cmask = chunk < end
-        if AHEAD >= 2:
-            words = split_words(words_1, 4)
-            words_1 = words_2
-            words_2 = plane_load(v_ptr, starts, row_mask, c0 + 2 * C, end, C, 4, EVEN_N, EVEN_K, ASM, True)
-        else:
-            words = plane_words(v_ptr, starts, row_mask, c0, end, C, 4, EVEN_N, EVEN_K, ASM)
+        words = plane_words(v_ptr, starts, row_mask, c0, end, C, 4, EVEN_N, EVEN_K, ASM)
         uppers = upper_halves(words, 4, ASM)
         for o in tl.static_range(2):
             xs = x_octet(x_ptr, 16 * chunk + 8 * o, cmask, EVEN_K)
@@ -252,8 +241,7 @@ def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, split, flip
         wait_previous(PDL)
         release_next(PDL)
         starts = tile_starts(tl.program_id(0), n, K // 16, BN, ACT >= 0, ASM)
-        total = _int8_dot(v_ptr, x_ptr, starts, row_mask, K, split, flip_lo, flip_hi, STEP, EVEN_N, EVEN_K, ASM,
-                          AHEAD)
+        total = _int8_dot(v_ptr, x_ptr, starts, row_mask, K, split, flip_lo, flip_hi, STEP, EVEN_N, EVEN_K, ASM)
     total *= tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
     store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL)
     if FINISH:
@@ -301,11 +289,7 @@ class Rowwise8Linear(KernelLinear):
     def candidates(self, mode: str, rows: int | None = None, cols: int | None = None) -> list[MatvecConfig]:
         n, K = self.matvec_shape(mode, rows, cols)
         if not self.fp8:  # the chunk scheme over 16-column chunks, four words a lane
-            base = chunk_candidates(n, K, 16, mode, 4)
-            # Again with the words two steps ahead where a program takes more than one step; three steps'
-            # words in registers: tiles of up to 8 weight rows (as grouped_int's).
-            rows = 2 if mode == "glu" else 1
-            return base + [replace(c, ahead=2) for c in base if int8_steps(K, c) > 1 and c.block_n * rows <= 8]
+            return chunk_candidates(n, K, 16, mode, 4)
         if interpreting():
             return [MatvecConfig(interpreter_block(n, 128), min(next_power_of_2(K), 512), 1, 4)]
         out = []
@@ -366,7 +350,7 @@ class Rowwise8Linear(KernelLinear):
             MAGIC_BITS | 0x80,
             MAGIC_BITS | 0x8000,
             FP8=self.fp8, BN=config.block_n, STEP=step, EVEN_N=n % config.block_n == 0, EVEN_K=even, ASM=asm,
-            ACT=act, HAS_BIAS=self.bias is not None, PARTIAL=partial, AHEAD=config.ahead,
+            ACT=act, HAS_BIAS=self.bias is not None, PARTIAL=partial, AHEAD=config.ahead if self.fp8 else 0,
             STAGES=config.stages if self.fp8 else 0, num_warps=config.num_warps,
             **(finish.launch_args(config.split, n) if finish is not None else {}),
             **dependent.kernel_args())
@@ -383,12 +367,6 @@ class Rowwise8Linear(KernelLinear):
             BM=bm, BN=bn, BK=bk, HAS_BIAS=self.bias is not None, IEEE=x.dtype == torch.float32 or interpreting(),
             num_warps=4)
         return out
-
-
-def int8_steps(K: int, config: MatvecConfig) -> int:
-    """Loop steps of one int8 program of `config` over K columns (16-column chunks)."""
-    launch = chunk_launch(K // 16, config, 16)
-    return -(-launch.split_chunks // launch.chunks)
 
 
 def fp8_steps(K: int, config: MatvecConfig) -> int:
