@@ -44,7 +44,7 @@ class MatvecConfig:
     whose fp32 partial sums someone adds up), `num_warps` per program; `packed`: products summed
     as bfloat16 pairs within a chunk (grouped int4 under bf16 activations, pairs.py); `ahead` (grouped
     int): 1, each loop step loads the next step's group scales; 2, also the weight words of the step
-    after next; (int8) 2: the weight words of the step after next; (fp8_e4m3) 1 or 2: each loop step loads the weights and activations of the step 1 or
+    after next; (fp8_e4m3) 1 or 2: each loop step loads the weights and activations of the step 1 or
     2 after it, into registers; `stages` (fp8_e4m3, > 1): the loop software-pipelined by Triton
     instead, over that many buffers in shared memory (asynchronous copies, stages - 1 steps ahead)."""
 
