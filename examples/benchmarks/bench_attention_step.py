@@ -18,18 +18,22 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import statistics
 import sys
 import time
 
 
-def arguments(doc: str) -> argparse.Namespace:
+def arguments(doc: str, add=None) -> argparse.Namespace:
+    """The A/B scripts' arguments (this one's and bench_pdl.py's); `add(parser)` adds a script's own."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("model", help="a compiled .thin artifact")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--runs", type=int, default=3, help="timed runs a measurement (its median)")
     ap.add_argument("--gen", type=int, default=128)
     ap.add_argument("--prompt-len", type=int, default=512)
+    if add is not None:
+        add(ap)
     return ap.parse_args()
 
 
@@ -40,7 +44,7 @@ def load_engine(args):
     from thin.runtime import load
 
     if not torch.cuda.is_available():
-        sys.exit("bench_attention_step measures the CUDA decode engine: no CUDA device here")
+        sys.exit(f"{os.path.basename(sys.argv[0])} measures the CUDA decode engine: no CUDA device here")
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     started = time.perf_counter()
     model = load(args.model, device="cuda", context=args.prompt_len + args.gen)
@@ -50,9 +54,10 @@ def load_engine(args):
     return model, model.engine, started
 
 
-def compare(args, model, engine, paths: dict, use, column: str, started: float) -> None:
+def compare(args, model, engine, paths: dict, use, column: str, started: float, strict: bool = False) -> None:
     """Measure each of `paths` ({name: what `use` switches the engine to}); the first is the baseline.
-    `column` names the paths' column in the tables. Leaves the engine on the last path."""
+    `column` names the paths' column in the tables. Leaves the engine on the last path. `strict`: exit
+    before timing where a path's greedy tokens differ from the baseline's (paths meant to compute the same)."""
     import torch
 
     from thin.runtime import bench
@@ -66,6 +71,8 @@ def compare(args, model, engine, paths: dict, use, column: str, started: float) 
     for name, path in paths.items():
         use(path)
         tokens[name] = list(engine_generate(engine, prompt, options))
+    if strict and any(t != tokens[base] for t in tokens.values()):
+        sys.exit(f"greedy tokens differ from {base}'s: {[n for n, t in tokens.items() if t != tokens[base]]}")
     rows = []
     for r in range(args.rounds):
         for name, path in paths.items():
