@@ -52,3 +52,28 @@ def test_script_refuses_without_a_gpu(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert bench.main([]) == 2
     assert "needs a CUDA GPU" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("grid", [None, 3])
+def test_pipelined_launches_match_the_plain_ones(grid):
+    chain = bench.Chain(2, **SHAPE, device=DEVICE, seed=2)
+    launched = _run(chain, lambda: chain.launches(4, 32, 1))
+    got = _run(chain, lambda: chain.launches(4, 32, 1, stages=3, grid=grid))
+    assert bench.rel_err(got, launched) < 1e-6  # the same sums; only the row blocks' order on the programs moves
+
+
+def test_pipelined_persistent_on_one_program_matches_the_launches():
+    chain = bench.Chain(2, **SHAPE, device=DEVICE, seed=3)
+    launched = _run(chain, lambda: chain.launches(4, 32, 1, stages=2, grid=1))
+    got = _run(chain, lambda: chain.persistent(1, 4, 32, 1, max_spin=4, stages=2))
+    assert torch.equal(got, launched)
+    assert int(chain.err) == 0 and int(chain.counter) == 8
+
+
+def test_tma_tiles_match_the_pointer_loads():
+    bench.use_scratch_allocator()
+    chain = bench.Chain(2, **SHAPE, device=DEVICE, seed=4)
+    launched = _run(chain, lambda: chain.launches(4, 32, 1, stages=2, grid=3))
+    assert torch.equal(_run(chain, lambda: chain.launches(4, 32, 1, stages=2, grid=3, tma=True)), launched)
+    assert torch.equal(_run(chain, lambda: chain.persistent(1, 4, 32, 1, max_spin=4, stages=2, tma=True)),
+                       _run(chain, lambda: chain.launches(4, 32, 1, stages=2, grid=1)))

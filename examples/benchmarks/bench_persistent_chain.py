@@ -2,7 +2,7 @@
 question bench_boundary asks on copies, asked on real phases (a prototype; the engine does not use it).
 
     python3 examples/benchmarks/bench_persistent_chain.py [--layers 8] [--ks 1,2] [--rows 4] [--chunk 512]
-                                                          [--warps 4] [--replays 15]
+                                                          [--warps 4] [--stages 0,4] [--replays 15]
 
 Weights: int8 with a float32 scale per row (the bytes of fp8_e4m3 or int8), random, `--layers` layers of
 llama-8b's shapes, each layer's its own, so that a step reads them from DRAM (8 layers: 1.7 GB). A layer's
@@ -18,6 +18,12 @@ round-robin, float32 sums, bf16 between phases):
    resident);
 3. persistent + prefetch: as 2, each program asking L2 for its first row block of the next phase
    (cp.async.bulk.prefetch.L2, one thread) between its arrival at the barrier and its wait.
+
+With --stages S > 0 each path runs the phase as `_phase_flat` instead: the same sums, a program's row
+blocks and their steps one flat loop that Triton software-pipelines over S steps, so its weight loads stay
+in flight across row blocks (the unpipelined phase waits on each step's loads in turn: with one or two
+programs an SM, too few bytes in flight, which is what held the persistent paths back in Round 10). The
+launches then also run with at most SMs x k programs a launch (k of --ks), each streaming several blocks.
 
 Prints microseconds a layer (CUDA-graph replays, median of --replays) and the weight bytes a second against
 a device-to-device copy, after checking each path's output against torch on a chain of two layers of their
@@ -73,9 +79,61 @@ def _phase(w_ptr, s_ptr, x_ptr, y_ptr, N, K, pid, grid, GLU: tl.constexpr, BN: t
 
 
 @triton.jit
-def _phase_kernel(w_ptr, s_ptr, x_ptr, y_ptr, N, K, GLU: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
-    """One phase as a launch of its own: a row block a program."""
-    _phase(w_ptr, s_ptr, x_ptr, y_ptr, N, K, tl.program_id(0), tl.num_programs(0), GLU, BN, BK)
+def _phase_flat(w_ptr, s_ptr, x_ptr, y_ptr, N, K, pid, grid, GLU: tl.constexpr, BN: tl.constexpr,
+                BK: tl.constexpr, STAGES: tl.constexpr, TMA: tl.constexpr):
+    """_phase's sums (N a multiple of BN), its row blocks' steps as one flat loop software-pipelined by
+    Triton over STAGES steps (cp.async copies of each step's weight tile into shared memory, STAGES - 1
+    in flight while one is summed; across row blocks too, so a program's loads never stop in a phase)."""
+    rows = tl.arange(0, BN)
+    cols = tl.arange(0, BK)
+    steps = K // BK
+    mine = tl.cdiv(tl.cdiv(N, BN) - pid, grid)  # row blocks pid, pid + grid, ...
+    acc = tl.zeros([BN], dtype=tl.float32)
+    acc_up = tl.zeros([BN], dtype=tl.float32)
+    if TMA:  # the tiles as bulk tensor copies (sm_90's TMA): one thread issues a step's tile
+        desc = tl.make_tensor_descriptor(w_ptr, shape=[2 * N if GLU else N, K], strides=[K, 1],
+                                         block_shape=[BN, BK])
+    for t in tl.range(0, mine * steps, num_stages=STAGES):
+        r0 = (pid + (t // steps) * grid) * BN
+        r = r0 + rows
+        k0 = (t % steps) * BK
+        x = tl.load(x_ptr + k0 + cols, cache_modifier=".cg").to(tl.float32)
+        if TMA:  # noqa: SIM108  (constexpr branches: only one is compiled)
+            w = desc.load([r0, k0])
+        else:
+            w = tl.load(w_ptr + r[:, None].to(tl.int64) * K + k0 + cols[None, :])
+        acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
+        if GLU:
+            if TMA:
+                u = desc.load([r0 + N, k0])
+            else:
+                u = tl.load(w_ptr + (r + N)[:, None].to(tl.int64) * K + k0 + cols[None, :])
+            acc_up += tl.sum(u.to(tl.float32) * x[None, :], axis=1)
+        if t % steps == steps - 1:
+            out = acc * tl.load(s_ptr + r)
+            if GLU:
+                up = acc_up * tl.load(s_ptr + N + r)
+                out = out / (1.0 + tl.exp(-out)) * up
+            tl.store(y_ptr + r, out.to(y_ptr.dtype.element_ty))
+            acc = tl.zeros([BN], dtype=tl.float32)
+            acc_up = tl.zeros([BN], dtype=tl.float32)
+
+
+@triton.jit
+def _any_phase(w_ptr, s_ptr, x_ptr, y_ptr, N, K, pid, grid, GLU: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+               STAGES: tl.constexpr, TMA: tl.constexpr):
+    """_phase (STAGES 0) or _phase_flat."""
+    if STAGES == 0:
+        _phase(w_ptr, s_ptr, x_ptr, y_ptr, N, K, pid, grid, GLU, BN, BK)
+    else:
+        _phase_flat(w_ptr, s_ptr, x_ptr, y_ptr, N, K, pid, grid, GLU, BN, BK, STAGES, TMA)
+
+
+@triton.jit
+def _phase_kernel(w_ptr, s_ptr, x_ptr, y_ptr, N, K, GLU: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+                  STAGES: tl.constexpr, TMA: tl.constexpr):
+    """One phase as a launch of its own: its row blocks dealt out over the programs."""
+    _any_phase(w_ptr, s_ptr, x_ptr, y_ptr, N, K, tl.program_id(0), tl.num_programs(0), GLU, BN, BK, STAGES, TMA)
 
 
 @triton.jit
@@ -93,20 +151,21 @@ def _between(counter_ptr, err_ptr, max_spin, w_next, K_next, pid, BN: tl.constex
 @triton.jit
 def _chain_kernel(wq_ptr, sq_ptr, wo_ptr, so_ptr, wg_ptr, sg_ptr, wd_ptr, sd_ptr, x_ptr, q_ptr, a_ptr, h_ptr,
                   counter_ptr, err_ptr, layers, H, NQ, F, max_spin, BN: tl.constexpr, BK: tl.constexpr,
-                  BARRIER: tl.constexpr, PREFETCH: tl.constexpr):
+                  BARRIER: tl.constexpr, PREFETCH: tl.constexpr, STAGES: tl.constexpr,
+                  TMA: tl.constexpr):
     """Every layer's four phases in one launch (x: the layer's input and the last one's output)."""
     pid = tl.program_id(0)
     grid = tl.num_programs(0)
     wq, wo, wg, wd = wq_ptr, wo_ptr, wg_ptr, wd_ptr  # this layer's weights (pointers moved a layer at a time)
     sq, so, sg, sd = sq_ptr, so_ptr, sg_ptr, sd_ptr
     for layer in range(0, layers):
-        _phase(wq, sq, x_ptr, q_ptr, NQ, H, pid, grid, False, BN, BK)
+        _any_phase(wq, sq, x_ptr, q_ptr, NQ, H, pid, grid, False, BN, BK, STAGES, TMA)
         _between(counter_ptr, err_ptr, max_spin, wo, H, pid, BN, BARRIER, PREFETCH)
-        _phase(wo, so, q_ptr, a_ptr, H, H, pid, grid, False, BN, BK)
+        _any_phase(wo, so, q_ptr, a_ptr, H, H, pid, grid, False, BN, BK, STAGES, TMA)
         _between(counter_ptr, err_ptr, max_spin, wg, H, pid, BN, BARRIER, PREFETCH)
-        _phase(wg, sg, a_ptr, h_ptr, F, H, pid, grid, True, BN, BK)
+        _any_phase(wg, sg, a_ptr, h_ptr, F, H, pid, grid, True, BN, BK, STAGES, TMA)
         _between(counter_ptr, err_ptr, max_spin, wd, F, pid, BN, BARRIER, PREFETCH)
-        _phase(wd, sd, h_ptr, x_ptr, H, F, pid, grid, False, BN, BK)
+        _any_phase(wd, sd, h_ptr, x_ptr, H, F, pid, grid, False, BN, BK, STAGES, TMA)
         wq, wo, wg, wd = wq + NQ * H, wo + H * H, wg + 2 * F * H, wd + H * F
         sq, so, sg, sd = sq + NQ, so + H, sg + 2 * F, sd + H
         # the next layer's qkv weight (after the last layer the first's: an address inside the weights)
@@ -146,22 +205,26 @@ class Chain:
         return sum(w.numel() + 4 * s.numel() for w, s in ((self.wq, self.sq), (self.wo, self.so),
                                                          (self.wg, self.sg), (self.wd, self.sd)))
 
-    def launches(self, bn: int, bk: int, warps: int) -> None:
-        """Path 1: four launches a layer."""
+    def launches(self, bn: int, bk: int, warps: int, stages: int = 0, grid: int | None = None,
+                 tma: bool = False) -> None:
+        """Path 1: four launches a layer, each of one program a row block or (`grid`) at most `grid`
+        programs dealing the row blocks out; `stages` > 0: the pipelined phase (_phase_flat)."""
         for layer in range(self.layers):
             for w, s, x, y, n, k, glu in ((self.wq, self.sq, self.x, self.q, self.NQ, self.H, False),
                                          (self.wo, self.so, self.q, self.a, self.H, self.H, False),
                                          (self.wg, self.sg, self.a, self.h, self.F, self.H, True),
                                          (self.wd, self.sd, self.h, self.x, self.H, self.F, False)):
-                _phase_kernel[(triton.cdiv(n, bn),)](w[layer], s[layer], x, y, n, k, GLU=glu, BN=bn, BK=bk,
-                                                     num_warps=warps)
+                programs = triton.cdiv(n, bn) if grid is None else min(grid, triton.cdiv(n, bn))
+                _phase_kernel[(programs,)](w[layer], s[layer], x, y, n, k, GLU=glu, BN=bn, BK=bk, STAGES=stages,
+                                           TMA=tma, num_warps=warps)
 
     def persistent(self, grid: int, bn: int, bk: int, warps: int, barrier: bool = True, prefetch: bool = False,
-                   max_spin: int = 1 << 20) -> None:
-        """Paths 2 and 3: one launch of `grid` programs."""
+                   max_spin: int = 1 << 20, stages: int = 0, tma: bool = False) -> None:
+        """Paths 2 and 3: one launch of `grid` programs (`stages`: as in launches)."""
         _chain_kernel[(grid,)](self.wq, self.sq, self.wo, self.so, self.wg, self.sg, self.wd, self.sd, self.x,
                                self.q, self.a, self.h, self.counter, self.err, self.layers, self.H, self.NQ, self.F,
-                               max_spin, BN=bn, BK=bk, BARRIER=barrier, PREFETCH=prefetch, num_warps=warps)
+                               max_spin, BN=bn, BK=bk, BARRIER=barrier, PREFETCH=prefetch, STAGES=stages,
+                               TMA=tma, num_warps=warps)
 
     def reference(self) -> torch.Tensor:
         """The last layer's output from x0, in torch (float32 sums, `dtype` between phases)."""
@@ -176,17 +239,23 @@ class Chain:
         return x
 
 
+def use_scratch_allocator() -> None:
+    """Give Triton the global scratch its in-kernel tensor descriptors (--tma) are written to."""
+    triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,
+                                                                 device="cuda" if torch.cuda.is_available() else "cpu"))
+
+
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
 
-def occupancy(chain: Chain, bn: int, bk: int, warps: int, prefetch: bool) -> int:
+def occupancy(chain: Chain, bn: int, bk: int, warps: int, prefetch: bool, stages: int = 0, tma: bool = False) -> int:
     """Programs of the persistent kernel an SM holds at once (from its compiled registers and shared
     memory)."""
     kernel = _chain_kernel.warmup(chain.wq, chain.sq, chain.wo, chain.so, chain.wg, chain.sg, chain.wd, chain.sd,
                                   chain.x, chain.q, chain.a, chain.h, chain.counter, chain.err, chain.layers, chain.H,
                                   chain.NQ, chain.F, 1, BN=bn, BK=bk, BARRIER=True, PREFETCH=prefetch,
-                                  num_warps=warps, grid=(1,))
+                                  STAGES=stages, TMA=tma, num_warps=warps, grid=(1,))
     kernel._init_handles()
     return blocks_per_sm(kernel.n_regs, warps, kernel.metadata.shared)
 
@@ -198,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, default=4, help="rows a row block (BN)")
     parser.add_argument("--chunk", type=int, default=512, help="columns a loop step (BK)")
     parser.add_argument("--warps", type=int, default=4, help="num_warps of every kernel")
+    parser.add_argument("--stages", default="0",
+                        help="0: each step's loads waited on in turn; S > 0: the flat loop pipelined over S steps")
+    parser.add_argument("--tma", action="store_true",
+                        help="the pipelined phases load their tiles as bulk tensor copies (--chunk <= 256)")
     parser.add_argument("--replays", type=int, default=15, help="timed replays (median)")
     parser.add_argument("--max-spin", type=int, default=1 << 20, help="polls before a barrier gives up")
     args = parser.parse_args(argv)
@@ -210,8 +283,13 @@ def main(argv: list[str] | None = None) -> int:
         print("--rows and --chunk must be powers of two (--chunk >= 16 and dividing 4096 and 14336), --layers >= 1",
               file=sys.stderr)
         return 2
+    if args.tma and bk > 256:
+        print("--tma needs --chunk <= 256 (a bulk tensor copy's box is at most 256 elements a side)", file=sys.stderr)
+        return 2
     dev = torch.device("cuda")
     from thin.runtime.bench import copy_bandwidth
+
+    use_scratch_allocator()
 
     chain = Chain(args.layers, H, NQ, F, dev)
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
@@ -243,16 +321,23 @@ def main(argv: list[str] | None = None) -> int:
         rate = layer_bytes / us * 1e6  # bytes a second
         rows.append((name, f"{us:.2f}", f"{rate / 1e9:.0f} ({100 * rate / bandwidth:.0f}%)", f"{err:.1e}"))
 
-    measure("launches (4 a layer)", lambda c: c.launches(bn, bk, warps))
-    for k in sorted({int(x) for x in args.ks.split(",")}):
-        for prefetch in (False, True):
-            name = f"persistent, {sms} x {k} programs{', L2 prefetch at each barrier' if prefetch else ''}"
-            fit = occupancy(chain, bn, bk, warps, prefetch)
-            if k > fit:
-                rows.append((name, f"k > {fit} (occupancy)", "", ""))
-                continue
-            measure(name, lambda c, k=k, p=prefetch: c.persistent(sms * k, bn, bk, warps, prefetch=p,
-                                                                  max_spin=args.max_spin))
+    ks = sorted({int(x) for x in args.ks.split(",")})
+    for stages in sorted({int(x) for x in args.stages.split(",")}):
+        tma = args.tma and stages > 0
+        tag = f", pipelined over {stages} steps{' (TMA)' if tma else ''}" if stages else ""
+        measure(f"launches (4 a layer){tag}", lambda c, st=stages, tm=tma: c.launches(bn, bk, warps, st, tma=tm))
+        for k in ks if stages else ():
+            measure(f"launches (4 a layer) of at most {sms} x {k} programs{tag}",
+                    lambda c, k=k, st=stages, tm=tma: c.launches(bn, bk, warps, st, grid=sms * k, tma=tm))
+        for k in ks:
+            for prefetch in (False, True):
+                name = f"persistent, {sms} x {k} programs{', L2 prefetch at each barrier' if prefetch else ''}{tag}"
+                fit = occupancy(chain, bn, bk, warps, prefetch, stages, tma)
+                if k > fit:
+                    rows.append((name, f"k > {fit} (occupancy)", "", ""))
+                    continue
+                measure(name, lambda c, k=k, p=prefetch, st=stages, tm=tma: c.persistent(
+                    sms * k, bn, bk, warps, prefetch=p, max_spin=args.max_spin, stages=st, tma=tm))
     print("\n| path | us a layer | weight GB/s (of copy) | rel err vs torch |\n| --- | ---: | ---: | ---: |")
     for row in rows:
         print("| " + " | ".join(row) + " |")
