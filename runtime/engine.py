@@ -31,7 +31,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .engine_fusions import choose_finishing, choose_finishing_downs, choose_norm_routers
+from .engine_fusions import choose_finishing, choose_finishing_downs, choose_norm_routers, deferring_producers
 from .engine_plans import (
     appending_layers,
     block_table,
@@ -83,7 +83,8 @@ class DecodeEngine:
     Round 11); every launch measured no better in one process."""
 
     def __init__(self, executor, *, graphs: bool = True, finish_norm: bool | None = None,
-                 fused_attention: bool | None = None, dependent_launch: bool | frozenset | None = None):
+                 fused_attention: bool | None = None, dependent_launch: bool | frozenset | None = None,
+                 defer_norm: bool = True):
         check_supported(executor)
         from .kernels import attention, norm, rope, sampling  # noqa: F401  (imports triton)
 
@@ -128,6 +129,10 @@ class DecodeEngine:
         self.attn = new(self.num_heads * self.head_dim)
         self.mlp = new(intermediate)
         self.partials = new(splits, self.hidden, dtype=torch.float32)
+        # o and down matvecs that leave the residual norm to the projection after them (norm.Deferred): each
+        # of their programs' sums of squares in `slots`, read by that projection; where both sides can.
+        self._deferring = deferring_producers(self) if defer_norm else set()
+        self.slots = new(self.hidden, dtype=torch.float32)
         self.logits = new(self.vocab)
         self._pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
         self._samplers: dict = {}
@@ -274,12 +279,13 @@ class DecodeEngine:
         with mark("embed + norm"):
             self.residual.copy_(self._embed(self.token)[0])
             add_rmsnorm(self.residual, self.normed, norm=norm_args(layers[0].attn_norm))
+        pending = None  # the norm.Deferred whose 1 / rms the next projection owes self.normed
         for index, layer in enumerate(layers):
             a = layer.attention
             k_cache, v_cache = cache.layer(index)
             table = block_table(cache, index)
             with mark("qkv"):
-                self._project(a.qkv, self.normed, self.qkv)
+                self._project(a.qkv, self.normed, self.qkv, rstd=pending)
                 self._whole_qk_norm(a, self.qkv[None])
             options = dict(scale=a.scale, window=a.sliding_window, softcap=a.logit_softcap,
                            sinks=getattr(a, "sinks", None), log=cache.attended if index == 0 else None, step=self.step)
@@ -294,8 +300,9 @@ class DecodeEngine:
                 with mark("attention"):
                     cache.attention(self.q, k_cache, v_cache, table, self.pos, self.attn, **options)
             moe = self.moe.get(index)
+            pending = None
             if moe is None or moe.norm_router is None:
-                self._add_norm(a.o, self.attn, "o", layer.attn_post_norm, layer.ffn_norm)
+                pending = self._add_norm(a.o, self.attn, "o", layer.attn_post_norm, layer.ffn_norm)
             else:  # the router adds o's partial sums into the residual and norms it (no add_rmsnorm launch)
                 with mark("o"):
                     parts, bias = self._partial_sums(a.o, self.attn)
@@ -316,11 +323,11 @@ class DecodeEngine:
                                 norm=norm_args(following))
             else:
                 with mark("gate/up + act"):
-                    width = self._mlp(layer.ffn, self.normed)
-                self._add_norm(layer.ffn.down, self.mlp[:width], "down", layer.ffn_post_norm, following,
-                               layer.ffn.width, layer.ffn.shift)
+                    width = self._mlp(layer.ffn, self.normed, rstd=pending)
+                pending = self._add_norm(layer.ffn.down, self.mlp[:width], "down", layer.ffn_post_norm, following,
+                                         layer.ffn.width, layer.ffn.shift)
         with mark("lm head"):
-            self._project([self.ex.lm_head], self.normed, self.logits)
+            self._project([self.ex.lm_head], self.normed, self.logits, rstd=pending)
         with mark("sample"):
             sampler(self.logits, self.token, cache.out_tokens, self.seen, self.pos, self.step, self.seed,
                     advance_pos=True)
@@ -410,7 +417,12 @@ class DecodeEngine:
                 fused = mlp.gated and len(mlp.up) == 1
                 uses += [(op, "glu" if fused else "direct") for op in mlp.up] + [(mlp.down, "partial")]
         uses.append((self.ex.lm_head, "direct"))
-        uses = self._kernel_uses(uses + level_uses(self.ex))
+        levels = level_uses(self.ex)
+        # The matvecs that defer the residual norm run one split ("direct"), timed as the others, in turn.
+        deferring = [(op, "direct") for op in self._linear_ops() if id(op) in self._deferring]
+        deferring += [(op, "direct", None, cols) for op, mode, _, cols in levels
+                      if mode == "partial" and id(op) in self._deferring]
+        uses = self._kernel_uses(uses + levels + deferring)
         precompile(uses)  # the candidates not chosen yet, compiled on several threads
         choose_together(uses)  # each kind of weight timed over all of its weights in turn (from memory, not L2)
         for op, mode, *prefix in uses:
@@ -444,12 +456,15 @@ class DecodeEngine:
             x = x * self.ex.embed_scale
         return x.contiguous()
 
-    def _project(self, ops: list[LinearOp], x: torch.Tensor, out: torch.Tensor) -> None:
-        """out = x @ [W1; W2; ...].T for one row x, each op writing its slice of `out`."""
+    def _project(self, ops: list[LinearOp], x: torch.Tensor, out: torch.Tensor, rstd=None) -> None:
+        """out = x @ [W1; W2; ...].T for one row x, each op writing its slice of `out`; `rstd` (a
+        norm.Deferred): x is a deferred norm's row, the kernels apply its 1 / rms."""
         start = 0
         for op in ops:
             view = out[start:start + op.out_features]
-            if hasattr(op, "matvec"):
+            if rstd is not None:
+                op.matvec(x, out=view, rstd=rstd)
+            elif hasattr(op, "matvec"):
                 op.matvec(x, out=view)
             else:
                 view.copy_(op(x[None])[0])
@@ -474,14 +489,21 @@ class DecodeEngine:
         return self.partials[:1], None
 
     def _add_norm(self, op: LinearOp, x: torch.Tensor, name: str, post, norm, cols: int | None = None,
-                  shift: torch.Tensor | None = None) -> None:
+                  shift: torch.Tensor | None = None):
         """residual += op(x) (over the first `cols` columns of W when given) + shift, normed by `post`;
         normed = norm(residual): split-K partial sums then add_rmsnorm, or in one launch where `op`'s matvec
-        finishes the norm itself (chosen in warm_up)."""
-        from .kernels.norm import Finish, add_rmsnorm
+        finishes the norm itself (chosen in warm_up), or, where `op` defers it (`_deferring`), normed =
+        residual * norm weight with the norm's 1 / rms left to the next projection: then the norm.Deferred
+        that projection takes is returned (else None)."""
+        from .kernels.norm import Deferred, Finish, add_rmsnorm
 
         if cols == op.in_features:
             cols = None
+        if id(op) in self._deferring and shift is None:
+            defer = Deferred(self.residual, self.normed, self.slots, norm_args(norm), op.deferred_programs(cols))
+            with self._section(name):
+                op.matvec_deferred(x, defer, cols=cols)
+            return defer
         if (id(op) in self._finishing) if cols is None else ((id(op), cols) in self._finishing_prefixes):
             bias = self._level_bias(op, shift)
             finish = Finish(self.counter, self.residual, self.normed, bias, norm_args(post), norm_args(norm))
@@ -490,7 +512,7 @@ class DecodeEngine:
                     op.matvec_finish(x, self.partials, finish)
                 else:
                     op.matvec_finish(x, self.partials, finish, cols=cols)
-            return
+            return None
         with self._section(name):
             parts, bias = self._partial_sums(op, x, cols)
         if shift is not None:  # an elastic FFN level: what its dropped channels add
@@ -498,6 +520,7 @@ class DecodeEngine:
         with self._section("residual + norm"):
             add_rmsnorm(self.residual, self.normed, partials=parts, bias=bias, post=norm_args(post),
                         norm=norm_args(norm))
+        return None
 
     def _level_bias(self, op: LinearOp, shift: torch.Tensor | None) -> torch.Tensor | None:
         """op's bias plus an elastic FFN level's `shift` (what its dropped channels add): added once per
@@ -509,15 +532,19 @@ class DecodeEngine:
             self._level_biases[key] = (shift, op.bias + shift)
         return self._level_biases[key][1]
 
-    def _mlp(self, mlp: MLPPlan, x: torch.Tensor) -> int:
+    def _mlp(self, mlp: MLPPlan, x: torch.Tensor, rstd=None) -> int:
         """act(gate(x)) * up(x) (or act(up(x))) into self.mlp; returns its width. At an elastic FFN level
-        (mlp.width) only the first `width` channels, read in place, times the level's scale."""
+        (mlp.width) only the first `width` channels, read in place, times the level's scale. `rstd`: x is a
+        deferred norm's row (norm.Deferred; only where the fused gate/up kernel takes it, `_deferring`)."""
         width = mlp.down.in_features if mlp.width is None else mlp.width
         out = self.mlp[:width]
         if mlp.gated and len(mlp.up) == 1 and hasattr(mlp.up[0], "matvec"):
             # The level's scale in the kernel's epilogue where it takes one, else a launch of its own.
-            mlp.up[0].matvec(x, out=out, activation=mlp.activation, rows=mlp.width, scale=mlp.scale)
+            extra = {} if rstd is None else {"rstd": rstd}
+            mlp.up[0].matvec(x, out=out, activation=mlp.activation, rows=mlp.width, scale=mlp.scale, **extra)
             return width
+        if rstd is not None:
+            raise ValueError("a deferred norm reaches only a fused gate/up matvec")
         if mlp.gated:
             halves = 2 if len(mlp.up) == 1 else 1
             gate_up = [level_rows(op, x[None], mlp.width, halves)[0] for op in mlp.up]

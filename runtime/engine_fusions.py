@@ -3,12 +3,49 @@ work (engine.py), so that no add_rmsnorm launch is needed: o's and down's matvec
 `Finish`, the formats' `matvec_finish`), and in mixture-of-experts layers the router, the norm before
 the experts (kernels/norm_router.py), and the experts' down launch, the norm after them
 (kernels/expert_finish.py); each timed once per kind of weight or layer on a GPU against the separate
-launches, and kept only where faster."""
+launches, and kept only where faster. Ahead of all of these, where both sides' kernels can, o and down
+leave the norm to the projection after them (`deferring_producers`, kernels/norm.py `Deferred`)."""
 
 from __future__ import annotations
 
+import torch
+
 from .engine_plans import level_uses
 from .ffn import MLPPlan
+
+
+def deferring_producers(engine) -> set[int]:
+    """ids of the o and down matvecs that leave the residual norm to the projection after them (norm.Deferred):
+    they add their rows into the residual and write residual * norm weight and their programs' sums of squares,
+    with no last program finishing the norm, and gate/up (after o), the next layer's qkv or the LM head (after
+    down) apply the norm's 1 / rms to their sums. Where both sides are deferrable kernels (norm.Deferred's
+    families), the layer is dense, o's and down's outputs have no post-norm (Gemma, OLMo-2: that norm needs
+    the whole row first) and a norm follows; bfloat16 or float32 models only (residual * weight, unnormed,
+    could leave float16's range)."""
+    if engine.dtype not in (torch.bfloat16, torch.float32):
+        return set()
+
+    def gives(op) -> bool:
+        return getattr(op, "deferrable", False) and op.out_features == engine.hidden
+
+    def takes(ops) -> bool:
+        return all(getattr(op, "deferrable", False) for op in ops)
+
+    layers, out = engine.ex.layers, set()
+    for index, layer in enumerate(layers):
+        mlp = layer.ffn
+        if index in engine.moe or not isinstance(mlp, MLPPlan):
+            continue
+        o = layer.attention.o
+        if (mlp.gated and len(mlp.up) == 1 and layer.attn_post_norm is None and layer.ffn_norm is not None
+                and gives(o) and takes(mlp.up)):
+            out.add(id(o))
+        last = index + 1 == len(layers)
+        consumers = [engine.ex.lm_head] if last else layers[index + 1].attention.qkv
+        following = engine.ex.final_norm if last else layers[index + 1].attn_norm
+        if layer.ffn_post_norm is None and following is not None and gives(mlp.down) and takes(consumers):
+            out.add(id(mlp.down))
+    return out
 
 
 def choose_finishing(engine, timed: bool) -> None:
@@ -25,9 +62,10 @@ def choose_finishing(engine, timed: bool) -> None:
     plain = {id(op) for op, _ in prefixes if not hasattr(op, "finish_prefixes")}
     posts = {id(layer.ffn.down): layer.ffn_post_norm for layer in engine.ex.layers if isinstance(layer.ffn, MLPPlan)}
     uses = []
-    for layer in engine.ex.layers:
-        uses.append((layer.attention.o, layer.attn_post_norm, layer.ffn_norm, None))
-        if isinstance(layer.ffn, MLPPlan) and id(layer.ffn.down) not in plain:
+    for layer in engine.ex.layers:  # the whole weights that defer their norm need no finishing
+        if id(layer.attention.o) not in engine._deferring:
+            uses.append((layer.attention.o, layer.attn_post_norm, layer.ffn_norm, None))
+        if isinstance(layer.ffn, MLPPlan) and id(layer.ffn.down) not in plain | engine._deferring:
             uses.append((layer.ffn.down, layer.ffn_post_norm, True, None))
     uses += [(op, posts[id(op)], True, cols) for op, cols in prefixes if id(op) not in plain]
     for op, post, norm, cols in uses:

@@ -99,19 +99,48 @@ def test_matvecs_that_finish_the_residual_norm(models, quant):
     the very logits of the separate launches."""
     model = models("llama", quant)
     prompt = _prompt(seed=9)
-    finishing = _engine(model, finish_norm=True)
+    finishing = _engine(model, finish_norm=True, defer_norm=False)
     layers = model.executor.layers
     assert finishing._finishing == {id(op) for layer in layers for op in (layer.attention.o, layer.ffn.down)}
     want = _executor_tokens(model, prompt, 6)
     cache = finishing.new_cache(64)
     assert _engine_tokens(finishing, prompt, 6, cache=cache) == want
     assert int(finishing.counter) == 0
-    eager = _engine(model, graphs=False, finish_norm=True)
+    eager = _engine(model, graphs=False, finish_norm=True, defer_norm=False)
     assert _engine_tokens(eager, prompt, 6) == want
-    plain = _engine(model, finish_norm=False)
+    plain = _engine(model, finish_norm=False, defer_norm=False)
     assert _engine_tokens(plain, prompt, 6) == want and not plain._finishing
     if not HAS_CUDA:
         assert torch.equal(finishing.logits, plain.logits)
+
+
+@pytest.mark.parametrize("quant", ["int8", "fp8_e4m3", "int4"])
+def test_residual_norms_left_to_the_next_projection(models, quant):
+    """defer_norm (the default): every o and down of a dense llama whose consumers' kernels take it leave the
+    norm to gate/up, the next qkv or the LM head (kernels/norm.py Deferred), with no finishing program: the
+    executor's tokens, graphed and eager alike, and logits within rounding of the norms run in full."""
+    model = models("llama", quant)
+    prompt = _prompt(seed=9)
+    engine = _engine(model)
+    ex = model.executor
+    producers = {id(op) for layer in ex.layers for op in (layer.attention.o, layer.ffn.down)}
+    if not ex.lm_head.deferrable:  # the LM head keeps a plain kernel: the last down finishes as before
+        producers.discard(id(ex.layers[-1].ffn.down))
+    assert engine._deferring == producers and len(producers) >= 3
+    assert not engine._finishing & producers
+    want = _executor_tokens(model, prompt, 6)
+    cache = engine.new_cache(64)
+    assert _engine_tokens(engine, prompt, 6, cache=cache) == want
+    eager = _engine(model, graphs=False)
+    assert _engine_tokens(eager, prompt, 6) == want
+    full = _engine(model, defer_norm=False)
+    assert _engine_tokens(full, prompt, 6) == want and not full._deferring
+    assert rel_err(engine.logits, full.logits) < 1e-2
+
+
+def test_residual_norms_of_sandwich_norm_families_are_not_deferred(models):
+    """Gemma-2's post-norms need o's and down's whole rows before the residual add: nothing defers."""
+    assert not _engine(models("gemma2", "int8"))._deferring
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen3", "gemma2", "phi3"])
@@ -142,7 +171,7 @@ def test_dependent_launches_change_no_result(models, quant, fused, way):
     dependent code without the grid-dependency instructions) the very logits."""
     model = models("llama", quant)
     prompt = _prompt(seed=13)
-    options = dict(fused_attention=fused, finish_norm=True)
+    options = dict(fused_attention=fused, finish_norm=True, defer_norm=way is True)
     from thin.runtime.kernels.dependent import ATTENTION
 
     way = ATTENTION if way == "attention" else way

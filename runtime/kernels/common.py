@@ -135,9 +135,24 @@ class KernelLinear(LinearOp):
         """Partial sums the matvec writes when asked for partials (split-K programs)."""
         return self.config("partial").split
 
+    # Families whose matvec kernels take a norm.Deferred (the residual norm left to the next projection).
+    deferrable = False
+
+    def matvec_deferred(self, x: torch.Tensor, defer, cols: int | None = None) -> None:
+        """residual += x @ W.T (+ bias), its norm left to the next projection (`defer`, a norm.Deferred):
+        the "direct" configuration (one split), its launch's programs as `deferred_programs` says."""
+        if not self.deferrable:
+            raise ValueError(f"{self.format} matvecs do not defer the residual norm")
+        x = x.reshape(self.in_features if cols is None else cols)
+        self._matvec(x, defer.out, self.config("direct", None, cols), -1, False, cols=cols, defer=defer)
+
+    def deferred_programs(self, cols: int | None = None) -> int:
+        """Programs (row blocks) of `matvec_deferred`'s launch: the slots its consumers sum."""
+        return -(-self.out_features // self.config("direct", None, cols).block_n)
+
     def matvec(self, x: torch.Tensor, *, out: torch.Tensor | None = None, partials: torch.Tensor | None = None,
                activation: str | None = None, rows: int | None = None, cols: int | None = None,
-               scale: torch.Tensor | None = None) -> torch.Tensor:
+               scale: torch.Tensor | None = None, rstd=None) -> torch.Tensor:
         """x [K] -> [N] (compute dtype, bias added), written into `out` when given.
 
         With `partials` ([>= split, N] float32), write the split-K partial sums there instead (no
@@ -147,27 +162,33 @@ class KernelLinear(LinearOp):
         of the weight in place (an elastic FFN level, see `prefix`) with its own configuration
         (`config`): the first `rows` outputs (of each half with `activation`), the first `cols`
         columns (x is [cols]). A prefix whose split-K exceeds the rows of `partials` runs with
-        fewer splits (a buffer sized before that prefix's configuration was chosen)."""
+        fewer splits (a buffer sized before that prefix's configuration was chosen). `rstd` (a norm.Deferred,
+        deferrable families): x is a row whose norm was deferred; the sums are multiplied by its 1 / rms."""
         x = x.reshape(self.in_features if cols is None else cols)
+        extra = {}
+        if rstd is not None:
+            if not self.deferrable:
+                raise ValueError(f"{self.format} matvecs do not take a deferred norm")
+            extra = {"rstd": rstd}
         if activation is not None:
             width = self.out_features // 2 if rows is None else rows
             out = out if out is not None else torch.empty(width, dtype=self.dtype, device=x.device)
             code, config = ACTIVATION_CODES[activation], self.config("glu", rows, cols)
             if scale is not None and self.glu_scale:
-                self._matvec(x, out, config, code, False, rows, cols, scale=scale)
+                self._matvec(x, out, config, code, False, rows, cols, scale=scale, **extra)
                 return out
-            self._matvec(x, out, config, code, False, rows, cols)
+            self._matvec(x, out, config, code, False, rows, cols, **extra)
             return out if scale is None else out.mul_(scale)
         if partials is not None:
             config = self.config("partial", rows, cols)
             if config.split > partials.shape[0]:
                 config = replace(config, split=partials.shape[0])
             view = partials[:config.split]
-            used = self._matvec(x, view, config, -1, True, rows, cols)
+            used = self._matvec(x, view, config, -1, True, rows, cols, **extra)
             return view if used is None else view[:used]
         out = out if out is not None else torch.empty(self.out_features if rows is None else rows, dtype=self.dtype,
                                                       device=x.device)
-        self._matvec(x, out, self.config("direct", rows, cols), -1, False, rows, cols)
+        self._matvec(x, out, self.config("direct", rows, cols), -1, False, rows, cols, **extra)
         return out
 
     def prefix(self, x, *, rows=None, cols=None, halves=1):
@@ -500,6 +521,19 @@ def prefix_rows(op: KernelLinear, config: MatvecConfig, act: int, rows: int | No
         block_n //= 2
     config = replace(config, block_n=block_n)
     return n, rows // block_n, config
+
+
+def deferred_args(defer, rstd, config: MatvecConfig, programs: int, n: int, act: int, partial: bool) -> dict:
+    """A deferring family's matvec kernel arguments for a norm.Deferred: `defer` where the launch is the
+    producer (one split, plain rows, whole), `rstd` where its x is the deferred row."""
+    args = {}
+    if defer is not None:
+        if act >= 0 or partial or config.split != 1:
+            raise ValueError(f"a matvec that defers the residual norm runs plain rows in one split, got {config}")
+        args.update(defer.producer_args(programs, n))
+    if rstd is not None:
+        args.update(rstd.consumer_args())
+    return args
 
 
 def prefix_split(config: MatvecConfig, units: int, step: int = 1) -> MatvecConfig:

@@ -32,12 +32,13 @@ from .common import (
     chunk_candidates,
     chunk_launch,
     chunk_prefix,
+    deferred_args,
     prefix_rows,
     sm_count,
 )
 from .dependent import release_next, wait_previous
 from .grouped_int_batch import _codes
-from .norm import finish_partials, holds_row, prefetch_norms
+from .norm import deferred_rows, deferred_scale, finish_partials, holds_row, prefetch_norms, store_deferred
 from .pairs import PAIR_MAGIC, pair_sum, word_dot, x_pairs, zero_pair
 from .prefill import MatmulConfig, TiledPrefill, matmul_blocks, tile_candidates, token_bucket
 from .tiles import (
@@ -164,19 +165,37 @@ def _matvec_kernel(low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, level_ptr
                    res_ptr=None, finish_bias_ptr=None, post_ptr=None, norm_ptr=None, normed_ptr=None, post_eps=0.0,
                    eps=0.0, FINISH: tl.constexpr = False, FINISH_BIAS: tl.constexpr = False,
                    POST: tl.constexpr = False, NORM: tl.constexpr = False, H_BLOCK: tl.constexpr = 1,
-                   N_PARTS: tl.constexpr = 0, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = 0):
+                   N_PARTS: tl.constexpr = 0, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = 0,
+                   slots_ptr=None, n_slots=0, H_rows=1, DEFER: tl.constexpr = False, SCALED: tl.constexpr = False,
+                   SLOTS: tl.constexpr = 1):
     """Program (i, s): output rows i*BN.., chunks of split s. With ACT >= 0 the weight is [gate; up]
     and the tile holds both rows of each output (gate row r, up row n + r), one pass over x; LEVEL:
     the product times level_ptr[r] (an elastic FFN level's scale, instead of a launch of its own).
     FINISH (with PARTIAL): the launch's last program also adds the partial sums into the residual and
     norms it (norm.Finish), so no residual-norm launch follows; PREFETCH: program (0, 0) first asks L2
-    for the norm weights that program reads (as rowwise8's matvec). PDL: launched as a programmatic
+    for the norm weights that program reads (as rowwise8's matvec). DEFER (one split, plain rows): the
+    rows go into the residual and the norm is left to the next projection (norm.Deferred); SCALED: x
+    is such a deferred row, the sums are multiplied by its 1 / rms. PDL: launched as a programmatic
     dependent (dependent.py), waiting after its first weights' loads (`_rows_dot`)."""
     if PREFETCH:
         prefetch_norms(norm_ptr, post_ptr, n, NORM, POST)
+    # What the deferred norm's two sides read of the kernel before: before the loop (their latency under
+    # its loads), but in a programmatic dependent after it, whose wait for that kernel is inside the loop.
+    if SCALED and PDL == 0:
+        rstd = deferred_scale(slots_ptr, n_slots, H_rows, eps, SLOTS)
+    if DEFER and PDL == 0:
+        res, w = deferred_rows(res_ptr, norm_ptr, n, BN)
     total = _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K, split_chunks, magic, WL, WH, MID, ASYM,
                       G, C, BN, ACT >= 0, EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS, AHEAD, PDL)
-    if LEVEL:
+    if SCALED and PDL != 0:
+        rstd = deferred_scale(slots_ptr, n_slots, H_rows, eps, SLOTS)
+    if DEFER and PDL != 0:
+        res, w = deferred_rows(res_ptr, norm_ptr, n, BN)
+    if SCALED:
+        total *= rstd
+    if DEFER:
+        store_deferred(total, n, BN, bias_ptr, HAS_BIAS, res_ptr, normed_ptr, slots_ptr, res, w)
+    elif LEVEL:
         store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL, level_ptr)
     else:
         store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL)
@@ -389,6 +408,7 @@ class GroupedIntLinear(TiledPrefill, KernelLinear):
         self.pairs = (self.wl, self.wh, self.asym, dtype) == (4, 0, False, torch.bfloat16)
 
     glu_scale = True  # an elastic FFN level's scale in the gate/up epilogue (_matvec's `scale`)
+    deferrable = True  # the residual norm left to the next projection (norm.Deferred)
 
     def candidates(self, mode, rows=None, cols=None):
         n, k = self.matvec_shape(mode, rows, cols)
@@ -425,7 +445,8 @@ class GroupedIntLinear(TiledPrefill, KernelLinear):
         return [c for c in self.candidates("partial", None, cols)
                 if holds_row(c.num_warps, self.out_features) and c.split <= max_split]
 
-    def _matvec(self, x, out, config, act, partial, rows=None, cols=None, scale=None, finish=None):
+    def _matvec(self, x, out, config, act, partial, rows=None, cols=None, scale=None, finish=None, defer=None,
+                rstd=None):
         n, programs, config = prefix_rows(self, config, act, rows)
         config, launch = chunk_prefix(config, self.in_features, cols)
         bias = self.bias if self.bias is not None else x
@@ -446,7 +467,8 @@ class GroupedIntLinear(TiledPrefill, KernelLinear):
             BN=config.block_n, EVEN_N=n % config.block_n == 0, EVEN_K=launch.even, ASM=launch.asm, ACT=act,
             HAS_BIAS=self.bias is not None, PARTIAL=partial, PACKED=config.packed,
             ZERO_BITS=zero_pair(self.mid) if config.packed else 0, AHEAD=ahead, LEVEL=scale is not None,
-            num_warps=config.num_warps, **(finish.launch_args(config.split, n) if finish is not None else {}), **pdl)
+            num_warps=config.num_warps, **(finish.launch_args(config.split, n) if finish is not None else {}),
+            **deferred_args(defer, rstd, config, programs, n, act, partial), **pdl)
         return config.split
 
     def matmul_candidates(self, T: int, K: int) -> list[MatmulConfig]:

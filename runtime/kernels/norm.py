@@ -180,6 +180,78 @@ def last_program(counter_ptr):
     return last
 
 
+@triton.jit
+def deferred_rows(res_ptr, norm_ptr, n, BN: tl.constexpr):
+    """(residual, norm weight) float32 [BN] of a deferring producer's rows (`store_deferred`): loaded by the
+    caller before its loop where nothing before it writes them, so their latency is not the program's last."""
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    mask = rows < n
+    res = tl.load(res_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+    return res, tl.load(norm_ptr + rows, mask=mask, other=0.0)
+
+
+@triton.jit
+def store_deferred(total, n, BN: tl.constexpr, bias_ptr, HAS_BIAS: tl.constexpr, res_ptr, out_ptr, slots_ptr, res,
+                   w):
+    """The epilogue of a producer matvec (one split, plain rows) whose residual norm is deferred (`Deferred`):
+    for its BN rows of the projection h = `total` (+ bias), residual += h and out = residual * norm weight
+    (`res`, `w`: the rows' residual and norm weight, `deferred_rows`), each rounded as add_rmsnorm rounds
+    them, and its rows' sum of squares of the new residual into slots[program]. The 1 / rms the norm still
+    owes is applied by the consumers (`deferred_scale`)."""
+    rows = tl.program_id(0) * BN + tl.arange(0, BN)
+    mask = rows < n
+    dtype = res_ptr.dtype.element_ty
+    if HAS_BIAS:
+        total += tl.load(bias_ptr + rows, mask=mask, other=0.0).to(tl.float32)
+    h = total.to(dtype).to(tl.float32)
+    res = (res + h).to(dtype).to(tl.float32)
+    tl.store(res_ptr + rows, res.to(dtype), mask=mask)
+    tl.store(out_ptr + rows, (res * w).to(dtype), mask=mask)
+    tl.store(slots_ptr + tl.program_id(0), tl.sum(tl.where(mask, res * res, 0.0), axis=0))
+
+
+@triton.jit
+def deferred_scale(slots_ptr, n_slots, H, eps, SLOTS: tl.constexpr):
+    """1 / rms of the row whose per-program sums of squares a deferring producer left in slots[:n_slots]
+    (`store_deferred`; SLOTS a power of two >= n_slots): what a consumer multiplies its sums by."""
+    i = tl.arange(0, SLOTS)
+    squares = tl.load(slots_ptr + i, mask=i < n_slots, other=0.0, cache_modifier=".cg")
+    return 1.0 / tl.sqrt(tl.sum(squares, axis=0) / H + eps)
+
+
+@dataclass(frozen=True)
+class Deferred:
+    """A residual norm left to the projection after it: the decode step's o (or down) adds its rows into the
+    residual and writes out = residual * norm weight and its programs' sums of squares (`store_deferred`), with
+    no last program and no launch for the norm; the next projection (gate/up, the next layer's qkv, the LM head)
+    reads `out` as its input and multiplies its sums by 1 / rms (`deferred_scale`). As norm(residual) =
+    (residual * w) / rms and a projection is linear, the consumer's outputs are the norm's but for where the
+    rounding to the compute dtype falls (residual * w rounded, then scaled in float32, where add_rmsnorm rounds
+    residual * w / rms). `slots`: float32 [>= programs] of the producer's launch; `programs`: how many it
+    writes (the producer's row blocks)."""
+
+    residual: torch.Tensor
+    out: torch.Tensor
+    slots: torch.Tensor
+    norm: tuple
+    programs: int
+
+    def producer_args(self, programs: int, H: int) -> dict:
+        """The producer matvec's arguments (its launch has `programs` row blocks over H rows)."""
+        if programs != self.programs or programs > self.slots.numel():
+            raise ValueError(f"a deferring matvec of {programs} programs, but {self.programs} were planned "
+                             f"(slots for {self.slots.numel()})")
+        if self.residual.numel() != H or self.out.numel() != H:
+            raise ValueError(f"a deferring matvec adds {H} rows into a residual of {self.residual.numel()}")
+        return dict(res_ptr=self.residual, norm_ptr=self.norm[0], normed_ptr=self.out, slots_ptr=self.slots,
+                    DEFER=True)
+
+    def consumer_args(self) -> dict:
+        """A consumer matvec's arguments."""
+        return dict(slots_ptr=self.slots, n_slots=self.programs, H_rows=self.residual.numel(),
+                    eps=float(self.norm[1]), SCALED=True, SLOTS=next_power_of_2(self.programs))
+
+
 def add_rmsnorm(residual: torch.Tensor, out: torch.Tensor, *, partials: torch.Tensor | None = None,
                 dense: torch.Tensor | None = None, bias: torch.Tensor | None = None, post=None, norm=None) -> None:
     """residual [rows, H] (or [H]) += h (from `partials` [n, rows, H] float32 summed over n, plus

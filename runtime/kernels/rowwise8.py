@@ -26,13 +26,14 @@ from .common import (
     MatvecConfig,
     chunk_candidates,
     chunk_prefix,
+    deferred_args,
     interpreter_block,
     next_power_of_2,
     prefix_rows,
     prefix_split,
 )
 from .dependent import release_next, wait_previous
-from .norm import finish_partials, holds_row, prefetch_norms
+from .norm import deferred_rows, deferred_scale, finish_partials, holds_row, prefetch_norms, store_deferred
 from .prefill import matmul_blocks, matmul_prefix
 from .tiles import (
     dot_tile,
@@ -220,17 +221,26 @@ def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, split, flip
                    post_ptr=None, norm_ptr=None, normed_ptr=None, post_eps=0.0, eps=0.0,
                    FINISH: tl.constexpr = False, FINISH_BIAS: tl.constexpr = False, POST: tl.constexpr = False,
                    NORM: tl.constexpr = False, H_BLOCK: tl.constexpr = 1, N_PARTS: tl.constexpr = 0,
-                   PREFETCH: tl.constexpr = False, PDL: tl.constexpr = 0):
+                   PREFETCH: tl.constexpr = False, PDL: tl.constexpr = 0, slots_ptr=None, n_slots=0, H_rows=1,
+                   DEFER: tl.constexpr = False, SCALED: tl.constexpr = False, SLOTS: tl.constexpr = 1):
     """Program (i, s): output rows i*BN.., the columns of split s (`split` of them: columns for
     fp8, chunks for int8; STEP per loop step). ACT >= 0: the weight is [gate; up] and the tile
     holds both rows of each output (gate row r, up row n + r), one pass over x. FINISH (with
     PARTIAL): the launch's last program also adds the partial sums into the residual and norms it
     (norm.Finish), so no residual-norm launch follows; PREFETCH: program (0, 0) first asks L2 for the
     norm weights that program reads (bulk prefetches, sm_90), so they are not a DRAM latency at the end.
+    DEFER (one split, plain rows): the rows go into the residual and the norm is left to the next
+    projection (norm.Deferred); SCALED: x is such a deferred row, the sums are multiplied by its 1 / rms.
     PDL: launched as a programmatic dependent (dependent.py): fp8 loads its first weights before it waits
     for the kernel before."""
     if PREFETCH:
         prefetch_norms(norm_ptr, post_ptr, n, NORM, POST)
+    # What the deferred norm's two sides read of the kernel before: before the loop (their latency under
+    # its loads), but in a programmatic dependent after it, whose wait for that kernel is inside the loop.
+    if SCALED and PDL == 0:
+        rstd = deferred_scale(slots_ptr, n_slots, H_rows, eps, SLOTS)
+    if DEFER and PDL == 0:
+        res, w = deferred_rows(res_ptr, norm_ptr, n, BN)
     rows, row_mask = tile_rows(tl.program_id(0), n, BN, ACT >= 0)
     if FP8 and AHEAD:  # v_ptr: int32 words; split and STEP in chunks of 8 columns
         starts = tile_starts(tl.program_id(0), n, K // 8, BN, ACT >= 0, ASM)
@@ -243,7 +253,16 @@ def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, split, flip
         starts = tile_starts(tl.program_id(0), n, K // 16, BN, ACT >= 0, ASM)
         total = _int8_dot(v_ptr, x_ptr, starts, row_mask, K, split, flip_lo, flip_hi, STEP, EVEN_N, EVEN_K, ASM)
     total *= tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
-    store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL)
+    if SCALED and PDL != 0:
+        rstd = deferred_scale(slots_ptr, n_slots, H_rows, eps, SLOTS)
+    if DEFER and PDL != 0:
+        res, w = deferred_rows(res_ptr, norm_ptr, n, BN)
+    if SCALED:
+        total *= rstd
+    if DEFER:
+        store_deferred(total, n, BN, bias_ptr, HAS_BIAS, res_ptr, normed_ptr, slots_ptr, res, w)
+    else:
+        store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL)
     if FINISH:
         finish_partials(counter_ptr, res_ptr, out_ptr, finish_bias_ptr, post_ptr, norm_ptr, normed_ptr, n,
                         tl.num_programs(1), post_eps, eps, FINISH_BIAS, POST, NORM, H_BLOCK, N_PARTS)
@@ -278,6 +297,8 @@ def _matmul_kernel(x_ptr, v_ptr, scale_ptr, bias_ptr, out_ptr, T, N, K, KS, n1, 
 
 class Rowwise8Linear(KernelLinear):
     """An int8 or fp8_e4m3 weight."""
+
+    deferrable = True  # the residual norm left to the next projection (norm.Deferred)
 
     def __init__(self, record, raw, bias, dtype, device):
         super().__init__(record, raw, bias, dtype, device)
@@ -329,7 +350,7 @@ class Rowwise8Linear(KernelLinear):
                   and not interpreting() and fp8_steps(self.in_features, c) >= 3]
         return out + [c for c in staged if c not in out]
 
-    def _matvec(self, x, out, config, act, partial, rows=None, cols=None, finish=None):
+    def _matvec(self, x, out, config, act, partial, rows=None, cols=None, finish=None, defer=None, rstd=None):
         n, programs, config = prefix_rows(self, config, act, rows)
         K = self.in_features if cols is None else cols  # the kernels keep in_features for the row strides
         if self.fp8:
@@ -353,7 +374,7 @@ class Rowwise8Linear(KernelLinear):
             ACT=act, HAS_BIAS=self.bias is not None, PARTIAL=partial, AHEAD=config.ahead if self.fp8 else 0,
             STAGES=config.stages if self.fp8 else 0, num_warps=config.num_warps,
             **(finish.launch_args(config.split, n) if finish is not None else {}),
-            **dependent.kernel_args())
+            **deferred_args(defer, rstd, config, programs, n, act, partial), **dependent.kernel_args())
         return config.split
 
     def _matmul(self, x, rows=None, cols=None, halves=1):
