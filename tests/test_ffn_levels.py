@@ -15,7 +15,7 @@ import types
 
 import pytest
 import torch
-from kernel_support import DEVICE  # before anything imports triton: its interpreter on a CPU
+from kernel_support import DEVICE, rel_err  # before anything imports triton: its interpreter on a CPU
 
 from thin.compiler.evaluate import make_evaluator
 from thin.compiler.hf import load_checkpoint
@@ -315,8 +315,8 @@ def test_a_levels_model_finishes_the_residual_norm_at_every_level(compiled):
         linear.register("int4", "cpu", linear.Implementation("triton", "thin.runtime.kernels.grouped_int:make"))
     try:
         model = load(out, device=DEVICE.type)
-        finishing = DecodeEngine(model.executor, finish_norm=True)
-        plain = DecodeEngine(model.executor, finish_norm=False)
+        finishing = DecodeEngine(model.executor, finish_norm=True, defer_norm=False)
+        plain = DecodeEngine(model.executor, finish_norm=False, defer_norm=False)
         layers = model.executor.layers
         assert finishing._finishing == {id(op) for layer in layers for op in (layer.attention.o, layer.ffn.down)}
         prefixes = {(id(layer.ffn.down), width) for level in model.executor.ffn_levels
@@ -332,6 +332,36 @@ def test_a_levels_model_finishes_the_residual_norm_at_every_level(compiled):
             assert tokens == list(engine_generate(plain, prompt, opts)), keep
             if DEVICE.type == "cpu":
                 assert torch.equal(finishing.logits, plain.logits), keep
+    finally:
+        if added:
+            linear.unregister("int4", "cpu", "triton")
+
+
+def test_a_levels_model_defers_the_residual_norm_at_every_level(compiled):
+    """defer_norm (the default) on a model with levels: o and down leave the norm to the next projection,
+    down also over a level's prefix of its columns where the level adds no shift (with one it norms as
+    before); tokens as the full norms give at the levels and at every channel, logits within rounding."""
+    from thin.runtime import linear, load
+    from thin.runtime.engine import DecodeEngine
+    from thin.runtime.engine import generate as engine_generate
+    from thin.runtime.sampling import GenerationOptions
+
+    _, out, _ = compiled
+    added = DEVICE.type == "cpu"
+    if added:
+        linear.register("int4", "cpu", linear.Implementation("triton", "thin.runtime.kernels.grouped_int:make"))
+    try:
+        model = load(out, device=DEVICE.type)
+        deferring = DecodeEngine(model.executor)
+        full = DecodeEngine(model.executor, defer_norm=False)
+        layers = model.executor.layers
+        assert {id(layer.attention.o) for layer in layers} <= deferring._deferring
+        prompt = model.encode(TEXT)[:12]
+        opts = GenerationOptions(max_new_tokens=4, stop_token_ids=())
+        for keep in (0.5, 1.0, 0.75):
+            model.set_ffn_keep(keep)
+            assert list(engine_generate(deferring, prompt, opts)) == list(engine_generate(full, prompt, opts)), keep
+            assert rel_err(deferring.logits, full.logits) < 1e-2, keep
     finally:
         if added:
             linear.unregister("int4", "cpu", "triton")
