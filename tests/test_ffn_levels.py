@@ -304,17 +304,11 @@ def test_a_levels_model_finishes_the_residual_norm_at_every_level(compiled):
     and down's matvecs finish the residual norm, down's at each level over its prefix with a configuration
     of its own; tokens and (under the interpreter) logits as the separate launches give, at the levels and
     at every channel."""
-    from thin.runtime import linear, load
     from thin.runtime.engine import DecodeEngine
     from thin.runtime.engine import generate as engine_generate
     from thin.runtime.sampling import GenerationOptions
 
-    _, out, _ = compiled
-    added = DEVICE.type == "cpu"
-    if added:
-        linear.register("int4", "cpu", linear.Implementation("triton", "thin.runtime.kernels.grouped_int:make"))
-    try:
-        model = load(out, device=DEVICE.type)
+    with _int4_kernels_model(compiled) as model:
         finishing = DecodeEngine(model.executor, finish_norm=True, defer_norm=False)
         plain = DecodeEngine(model.executor, finish_norm=False, defer_norm=False)
         layers = model.executor.layers
@@ -332,6 +326,19 @@ def test_a_levels_model_finishes_the_residual_norm_at_every_level(compiled):
             assert tokens == list(engine_generate(plain, prompt, opts)), keep
             if DEVICE.type == "cpu":
                 assert torch.equal(finishing.logits, plain.logits), keep
+
+
+@contextlib.contextmanager
+def _int4_kernels_model(compiled):
+    """The levels model loaded with its int4 linears on the Triton kernels (the interpreter's on a CPU)."""
+    from thin.runtime import linear, load
+
+    _, out, _ = compiled
+    added = DEVICE.type == "cpu"
+    if added:
+        linear.register("int4", "cpu", linear.Implementation("triton", "thin.runtime.kernels.grouped_int:make"))
+    try:
+        yield load(out, device=DEVICE.type)
     finally:
         if added:
             linear.unregister("int4", "cpu", "triton")
@@ -341,17 +348,11 @@ def test_a_levels_model_defers_the_residual_norm_at_every_level(compiled):
     """defer_norm (the default) on a model with levels: o and down leave the norm to the next projection,
     down also over a level's prefix of its columns where the level adds no shift (with one it norms as
     before); tokens as the full norms give at the levels and at every channel, logits within rounding."""
-    from thin.runtime import linear, load
     from thin.runtime.engine import DecodeEngine
     from thin.runtime.engine import generate as engine_generate
     from thin.runtime.sampling import GenerationOptions
 
-    _, out, _ = compiled
-    added = DEVICE.type == "cpu"
-    if added:
-        linear.register("int4", "cpu", linear.Implementation("triton", "thin.runtime.kernels.grouped_int:make"))
-    try:
-        model = load(out, device=DEVICE.type)
+    with _int4_kernels_model(compiled) as model:
         deferring = DecodeEngine(model.executor)
         full = DecodeEngine(model.executor, defer_norm=False)
         layers = model.executor.layers
@@ -362,9 +363,6 @@ def test_a_levels_model_defers_the_residual_norm_at_every_level(compiled):
             model.set_ffn_keep(keep)
             assert list(engine_generate(deferring, prompt, opts)) == list(engine_generate(full, prompt, opts)), keep
             assert rel_err(deferring.logits, full.logits) < 1e-2, keep
-    finally:
-        if added:
-            linear.unregister("int4", "cpu", "triton")
 
 
 def test_a_level_adds_a_biased_down_and_its_shift_once_not_in_every_step(compiled):

@@ -38,7 +38,7 @@ from .common import (
 )
 from .dependent import release_next, wait_previous
 from .grouped_int_batch import _codes
-from .norm import deferred_rows, deferred_scale, finish_partials, holds_row, prefetch_norms, store_deferred
+from .norm import deferred_epilogue, deferred_reads, finish_partials, holds_row, prefetch_norms
 from .pairs import PAIR_MAGIC, pair_sum, word_dot, x_pairs, zero_pair
 from .prefill import MatmulConfig, TiledPrefill, matmul_blocks, tile_candidates, token_bucket
 from .tiles import (
@@ -179,22 +179,16 @@ def _matvec_kernel(low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, level_ptr
     dependent (dependent.py), waiting after its first weights' loads (`_rows_dot`)."""
     if PREFETCH:
         prefetch_norms(norm_ptr, post_ptr, n, NORM, POST)
-    # What the deferred norm's two sides read of the kernel before: before the loop (their latency under
-    # its loads), but in a programmatic dependent after it, whose wait for that kernel is inside the loop.
-    if SCALED and PDL == 0:
-        rstd = deferred_scale(slots_ptr, n_slots, H_rows, eps, SLOTS)
-    if DEFER and PDL == 0:
-        res, w = deferred_rows(res_ptr, norm_ptr, n, BN)
+    if PDL == 0:  # the deferred norm's reads of the kernel before, under the loop's loads (norm.deferred_reads)
+        rstd, res, w = deferred_reads(slots_ptr, n_slots, H_rows, eps, res_ptr, norm_ptr, n, BN, SCALED, DEFER, SLOTS)
     total = _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K, split_chunks, magic, WL, WH, MID, ASYM,
                       G, C, BN, ACT >= 0, EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS, AHEAD, PDL)
-    if SCALED and PDL != 0:
-        rstd = deferred_scale(slots_ptr, n_slots, H_rows, eps, SLOTS)
-    if DEFER and PDL != 0:
-        res, w = deferred_rows(res_ptr, norm_ptr, n, BN)
-    if SCALED:
-        total *= rstd
-    if DEFER:
-        store_deferred(total, n, BN, bias_ptr, HAS_BIAS, res_ptr, normed_ptr, slots_ptr, res, w)
+    if PDL != 0:
+        rstd, res, w = deferred_reads(slots_ptr, n_slots, H_rows, eps, res_ptr, norm_ptr, n, BN, SCALED, DEFER, SLOTS)
+    total = deferred_epilogue(total, rstd, res, w, n, BN, bias_ptr, HAS_BIAS, res_ptr, normed_ptr, slots_ptr, SCALED,
+                              DEFER)
+    if DEFER:  # a producer's rows are stored by deferred_epilogue
+        pass
     elif LEVEL:
         store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL, level_ptr)
     else:

@@ -191,6 +191,36 @@ def deferred_rows(res_ptr, norm_ptr, n, BN: tl.constexpr):
 
 
 @triton.jit
+def deferred_reads(slots_ptr, n_slots, H_rows, eps, res_ptr, norm_ptr, n, BN: tl.constexpr, SCALED: tl.constexpr,
+                   DEFER: tl.constexpr, SLOTS: tl.constexpr):
+    """(1 / rms, residual rows, norm weight rows): what a deferred norm's consumer (SCALED: `deferred_scale`)
+    or producer (DEFER: `deferred_rows`) matvec reads of the kernel before it; 1.0 and zeros for the rest.
+    Called before the matvec's loop, so their latency passes under its loads; in a programmatic dependent,
+    whose wait for that kernel is inside the loop, after it."""
+    rstd = tl.full([], 1.0, tl.float32)
+    res = tl.zeros([BN], dtype=tl.float32)
+    w = res
+    if SCALED:
+        rstd = deferred_scale(slots_ptr, n_slots, H_rows, eps, SLOTS)
+    if DEFER:
+        res, w = deferred_rows(res_ptr, norm_ptr, n, BN)
+    return rstd, res, w
+
+
+@triton.jit
+def deferred_epilogue(total, rstd, res, w, n, BN: tl.constexpr, bias_ptr, HAS_BIAS: tl.constexpr, res_ptr, out_ptr,
+                      slots_ptr, SCALED: tl.constexpr, DEFER: tl.constexpr):
+    """A deferred norm's side of a matvec's epilogue (`deferred_reads` gave rstd, res, w): a consumer's
+    (SCALED) sums times 1 / rms, returned for its own stores; a producer's (DEFER) rows stored
+    (`store_deferred`), whose caller then stores nothing else."""
+    if SCALED:
+        total *= rstd
+    if DEFER:
+        store_deferred(total, n, BN, bias_ptr, HAS_BIAS, res_ptr, out_ptr, slots_ptr, res, w)
+    return total
+
+
+@triton.jit
 def store_deferred(total, n, BN: tl.constexpr, bias_ptr, HAS_BIAS: tl.constexpr, res_ptr, out_ptr, slots_ptr, res,
                    w):
     """The epilogue of a producer matvec (one split, plain rows) whose residual norm is deferred (`Deferred`):

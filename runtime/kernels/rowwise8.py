@@ -33,7 +33,7 @@ from .common import (
     prefix_split,
 )
 from .dependent import release_next, wait_previous
-from .norm import deferred_rows, deferred_scale, finish_partials, holds_row, prefetch_norms, store_deferred
+from .norm import deferred_epilogue, deferred_reads, finish_partials, holds_row, prefetch_norms
 from .prefill import matmul_blocks, matmul_prefix
 from .tiles import (
     dot_tile,
@@ -235,12 +235,8 @@ def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, split, flip
     for the kernel before."""
     if PREFETCH:
         prefetch_norms(norm_ptr, post_ptr, n, NORM, POST)
-    # What the deferred norm's two sides read of the kernel before: before the loop (their latency under
-    # its loads), but in a programmatic dependent after it, whose wait for that kernel is inside the loop.
-    if SCALED and PDL == 0:
-        rstd = deferred_scale(slots_ptr, n_slots, H_rows, eps, SLOTS)
-    if DEFER and PDL == 0:
-        res, w = deferred_rows(res_ptr, norm_ptr, n, BN)
+    if PDL == 0:  # the deferred norm's reads of the kernel before, under the loop's loads (norm.deferred_reads)
+        rstd, res, w = deferred_reads(slots_ptr, n_slots, H_rows, eps, res_ptr, norm_ptr, n, BN, SCALED, DEFER, SLOTS)
     rows, row_mask = tile_rows(tl.program_id(0), n, BN, ACT >= 0)
     if FP8 and AHEAD:  # v_ptr: int32 words; split and STEP in chunks of 8 columns
         starts = tile_starts(tl.program_id(0), n, K // 8, BN, ACT >= 0, ASM)
@@ -253,15 +249,11 @@ def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, split, flip
         starts = tile_starts(tl.program_id(0), n, K // 16, BN, ACT >= 0, ASM)
         total = _int8_dot(v_ptr, x_ptr, starts, row_mask, K, split, flip_lo, flip_hi, STEP, EVEN_N, EVEN_K, ASM)
     total *= tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
-    if SCALED and PDL != 0:
-        rstd = deferred_scale(slots_ptr, n_slots, H_rows, eps, SLOTS)
-    if DEFER and PDL != 0:
-        res, w = deferred_rows(res_ptr, norm_ptr, n, BN)
-    if SCALED:
-        total *= rstd
-    if DEFER:
-        store_deferred(total, n, BN, bias_ptr, HAS_BIAS, res_ptr, normed_ptr, slots_ptr, res, w)
-    else:
+    if PDL != 0:
+        rstd, res, w = deferred_reads(slots_ptr, n_slots, H_rows, eps, res_ptr, norm_ptr, n, BN, SCALED, DEFER, SLOTS)
+    total = deferred_epilogue(total, rstd, res, w, n, BN, bias_ptr, HAS_BIAS, res_ptr, normed_ptr, slots_ptr, SCALED,
+                              DEFER)
+    if not DEFER:  # a producer's rows are stored by deferred_epilogue
         store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL)
     if FINISH:
         finish_partials(counter_ptr, res_ptr, out_ptr, finish_bias_ptr, post_ptr, norm_ptr, normed_ptr, n,
