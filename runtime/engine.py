@@ -7,6 +7,8 @@ of any weight) through the fused kernels of runtime/kernels/ over a paged KV cac
     decode_one_token(cache, s)  one token: embed, per layer [qkv matvec, q/k norm + RoPE + KV
                                 append, split-KV attention, o matvec, residual + norm, gate/up
                                 matvec + activation, down matvec, residual + norm], LM head, pick
+                                (a residual norm in its matvec's last program, or deferred: its 1 / rms
+                                applied by the next matvec, kernels/norm.py Deferred)
     decode_n_tokens(...)        replays the captured step, streaming tokens as they land
 
 Everything a step needs from one token to the next lives on the device: the token, the position
