@@ -502,15 +502,13 @@ class DecodeEngine:
         finishes the norm itself (chosen in warm_up), or, where `op` defers it (`_deferring`), normed =
         residual * norm weight with the norm's 1 / rms left to the next projection: then the norm.Deferred
         that projection takes is returned (else None)."""
-        from .kernels.norm import Deferred, Finish, add_rmsnorm
+        from .kernels.norm import Finish, add_rmsnorm
 
         if cols == op.in_features:
             cols = None
         if id(op) in self._deferring and shift is None:
-            defer = Deferred(self.residual, self.normed, self.slots, norm_args(norm), op.deferred_programs(cols))
             with self._section(name):
-                op.matvec_deferred(x, defer, cols=cols)
-            return defer
+                return op.matvec_deferred(x, self.residual, self.normed, self.slots, norm_args(norm), cols=cols)
         if (id(op) in self._finishing) if cols is None else ((id(op), cols) in self._finishing_prefixes):
             bias = self._level_bias(op, shift)
             finish = Finish(self.counter, self.residual, self.normed, bias, norm_args(post), norm_args(norm))

@@ -21,13 +21,13 @@ def _op(fmt, params, packed, shape, dtype, bias, seed, mode="direct"):
     return op, b
 
 
-def _deferred(H, programs, dtype, gen):
-    from thin.runtime.kernels.norm import Deferred
-
+def _defer(op, x, H, dtype, gen, cols=None):
+    """op.matvec_deferred(x) into a random residual and norm weight: (the Deferred, the residual before)."""
     residual = torch.randn(H, generator=gen).to(dtype).to(DEVICE)
     weight = (1 + 0.3 * torch.randn(H, generator=gen)).to(DEVICE)
-    slots = poisoned(H, dtype=torch.float32)  # past `programs`: never read
-    return Deferred(residual, poisoned(H, dtype=dtype), slots, (weight, 1e-5), programs)
+    slots = poisoned(H, dtype=torch.float32)  # past the producer's programs: never read
+    before = residual.clone()
+    return op.matvec_deferred(x, residual, poisoned(H, dtype=dtype), slots, (weight, 1e-5), cols=cols), before
 
 
 @pytest.mark.parametrize(("fmt", "params", "packed"), FORMATS)
@@ -43,12 +43,11 @@ def test_producer_adds_into_the_residual_as_add_rmsnorm(fmt, params, packed, bia
     op, b = _op(fmt, params, packed, (96, 256), dtype, bias, seed=3)
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(256, generator=gen).to(dtype).to(DEVICE)
-    programs = op.deferred_programs()
+    defer, want_res = _defer(op, x, 96, dtype, gen)
+    programs = defer.programs
     assert programs == -(-96 // op.config("direct").block_n)
-    defer = _deferred(96, programs, dtype, gen)
-    want_res, want_normed = defer.residual.clone(), poisoned(96, dtype=dtype)
+    want_normed = poisoned(96, dtype=dtype)
     add_rmsnorm(want_res, want_normed, dense=op.matvec(x), norm=defer.norm)
-    op.matvec_deferred(x, defer)
     if dtype == torch.bfloat16:
         assert torch.equal(defer.residual, want_res)
     else:
@@ -73,10 +72,9 @@ def test_consumer_applies_the_deferred_norm(fmt, params, packed):
     producer, _ = _op(fmt, params, False, (H, 128), dtype, True, seed=5)
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(128, generator=gen).to(dtype).to(DEVICE)
-    defer = _deferred(H, producer.deferred_programs(), dtype, gen)
-    normed, residual = poisoned(H, dtype=dtype), defer.residual.clone()
+    defer, residual = _defer(producer, x, H, dtype, gen)
+    normed = poisoned(H, dtype=dtype)
     add_rmsnorm(residual, normed, dense=producer.matvec(x), norm=defer.norm)
-    producer.matvec_deferred(x, defer)
     for mode, shape in (("direct", (64, H)), ("glu", (128, H)), ("partial", (64, H))):
         op, _ = _op(fmt, params, packed, shape, dtype, mode != "partial", seed=7, mode=mode)
         if mode == "direct":
@@ -95,12 +93,12 @@ def test_the_producer_runs_plain_rows_in_one_split_and_only_deferrable_families(
 
     op, _ = _op("int8", {}, False, (96, 256), torch.float32, False, seed=8)
     gen = torch.Generator().manual_seed(9)
-    defer = _deferred(96, op.deferred_programs(), torch.float32, gen)
     x = torch.randn(256, generator=gen).to(DEVICE)
+    defer, _ = _defer(op, x, 96, torch.float32, gen)
     with pytest.raises(ValueError, match="one split"):
         op._matvec(x, defer.out, MatvecConfig(32, 64, 2, 4), -1, True, defer=defer)
     with pytest.raises(ValueError, match="programs"):
-        op.matvec_deferred(x, replace(defer, programs=defer.programs + 1))
+        op._matvec(x, defer.out, op.config("direct"), -1, False, defer=replace(defer, programs=defer.programs + 1))
     bf16, _, _ = make_op("bf16", (96, 256), dtype=torch.float32)
     assert not bf16.deferrable
     with pytest.raises(ValueError, match="do not"):

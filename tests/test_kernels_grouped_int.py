@@ -173,15 +173,15 @@ def test_partial_candidates_include_one_step_programs(monkeypatch):
     """Split-K candidates of a short reduction (llama's o projection, 4096 x 4096, on 132
     multiprocessors) include one loop step a program where those programs fit 8 a multiprocessor;
     a plain matvec never splits."""
-    from thin.runtime.kernels import common
+    from thin.runtime.kernels import chunks, common
 
     monkeypatch.setattr(common, "interpreting", lambda: False)
     monkeypatch.setattr(common, "sm_count", lambda: 132)
-    partial = common.chunk_candidates(4096, 4096, 32, "partial", 4)
+    partial = chunks.chunk_candidates(4096, 4096, 32, "partial", 4)
     steps = {(c.block_n, c.chunk, c.split): 4096 // c.chunk // c.split for c in partial}
     assert steps[(8, 2048, 2)] == 1 and steps[(16, 1024, 4)] == 1 and (8, 2048, 1) in steps
     assert all(-(-4096 // c.block_n) * c.split <= 8 * 132 for c in partial if 4096 // c.chunk // c.split == 1)
-    assert {c.split for c in common.chunk_candidates(6144, 4096, 32, "direct", 4)} == {1}
+    assert {c.split for c in chunks.chunk_candidates(6144, 4096, 32, "direct", 4)} == {1}
 
 
 # ---- the prefill matmul's pipelined tiling (MatmulConfig "tiled") ---------------------------------------

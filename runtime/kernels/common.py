@@ -138,17 +138,21 @@ class KernelLinear(LinearOp):
     # Families whose matvec kernels take a norm.Deferred (the residual norm left to the next projection).
     deferrable = False
 
-    def matvec_deferred(self, x: torch.Tensor, defer, cols: int | None = None) -> None:
-        """residual += x @ W.T (+ bias), its norm left to the next projection (`defer`, a norm.Deferred):
-        the "direct" configuration (one split), its launch's programs as `deferred_programs` says."""
+    def matvec_deferred(self, x: torch.Tensor, residual: torch.Tensor, out: torch.Tensor, slots: torch.Tensor,
+                        norm: tuple, cols: int | None = None):
+        """residual += x @ W.T (+ bias) over the first `cols` columns when given, its RMSNorm `norm` ((float32
+        weight, eps)) left to the next projection: out = residual * weight, each program's sum of squares
+        in `slots`. Runs the "direct" configuration (one split); returns the norm.Deferred the next
+        projection's matvec takes as `rstd`."""
+        from .norm import Deferred
+
         if not self.deferrable:
             raise ValueError(f"{self.format} matvecs do not defer the residual norm")
         x = x.reshape(self.in_features if cols is None else cols)
-        self._matvec(x, defer.out, self.config("direct", None, cols), -1, False, cols=cols, defer=defer)
-
-    def deferred_programs(self, cols: int | None = None) -> int:
-        """Programs (row blocks) of `matvec_deferred`'s launch: the slots its consumers sum."""
-        return -(-self.out_features // self.config("direct", None, cols).block_n)
+        config = self.config("direct", None, cols)
+        defer = Deferred(residual, out, slots, norm, prefix_rows(self, config, -1, None)[1])
+        self._matvec(x, out, config, -1, False, cols=cols, defer=defer)
+        return defer
 
     def matvec(self, x: torch.Tensor, *, out: torch.Tensor | None = None, partials: torch.Tensor | None = None,
                activation: str | None = None, rows: int | None = None, cols: int | None = None,
@@ -523,19 +527,6 @@ def prefix_rows(op: KernelLinear, config: MatvecConfig, act: int, rows: int | No
     return n, rows // block_n, config
 
 
-def deferred_args(defer, rstd, config: MatvecConfig, programs: int, n: int, act: int, partial: bool) -> dict:
-    """A deferring family's matvec kernel arguments for a norm.Deferred: `defer` where the launch is the
-    producer (one split, plain rows, whole), `rstd` where its x is the deferred row."""
-    args = {}
-    if defer is not None:
-        if act >= 0 or partial or config.split != 1:
-            raise ValueError(f"a matvec that defers the residual norm runs plain rows in one split, got {config}")
-        args.update(defer.producer_args(programs, n))
-    if rstd is not None:
-        args.update(rstd.consumer_args())
-    return args
-
-
 def prefix_split(config: MatvecConfig, units: int, step: int = 1) -> MatvecConfig:
     """`config` over a reduction of `units` (an elastic prefix of the columns): the largest split-K, at
     most the configuration's, that divides them, so no program reads past the prefix; one down to half
@@ -543,16 +534,6 @@ def prefix_split(config: MatvecConfig, units: int, step: int = 1) -> MatvecConfi
     splits = [s for s in range(config.split, 0, -1) if units % s == 0]
     split = next((s for s in splits if 2 * s >= config.split and (units // s) % step == 0), splits[0])
     return config if split == config.split else replace(config, split=split)
-
-
-def chunk_prefix(config: MatvecConfig, K: int, cols: int | None, columns: int = 32) -> tuple[MatvecConfig, ChunkLaunch]:
-    """(configuration, launch) of a chunk-scheme matvec over the first `cols` of its K columns (None:
-    all): the kernels keep K for the row strides and stop at the last program's end, so the split
-    must divide the prefix's chunks."""
-    units = (K if cols is None else cols) // columns
-    if cols is not None:
-        config = prefix_split(config, units, max(1, config.chunk // columns))
-    return config, chunk_launch(units, config, columns)
 
 
 def next_power_of_2(n: int) -> int:
@@ -570,63 +551,6 @@ INLINE_ASM = True
 
 MAGIC_BITS = 0x4B000000  # 2^23's float32 bits (tiles.MAGIC), passed as an argument: kept in a register, not
 # re-materialised next to every mask
-
-
-@dataclass(frozen=True)
-class ChunkLaunch:
-    """How a chunk-scheme matvec (tiles.py) runs one configuration: `chunks` per loop step (C),
-    each program's share of the row's chunks, whether no step needs a mask, whether the
-    GPU-only inline assembly is used (not under the interpreter)."""
-
-    chunks: int
-    split_chunks: int
-    even: bool
-    asm: bool
-
-
-def chunk_launch(total_chunks: int, config: MatvecConfig, columns: int = 32) -> ChunkLaunch:
-    """The launch of `config` (its `chunk`: columns per step) over rows of `total_chunks` chunks of
-    `columns` columns."""
-    chunks = max(1, config.chunk // columns)
-    per = -(-total_chunks // config.split)
-    even = total_chunks % config.split == 0 and per % chunks == 0
-    return ChunkLaunch(chunks, per, even, INLINE_ASM and not interpreting())
-
-
-# Rows per program of the chunk-scheme matvecs, by the words a lane loads per row and chunk (all
-# planes): a tile's words, activations and sums live in registers, ~4 words x 16 rows at most.
-CHUNK_ROWS = {1: (8, 16, 32), 2: (4, 8, 16), 3: (4, 8, 16), 4: (4, 8, 16), 5: (2, 4, 8), 6: (2, 4, 8)}
-
-
-def chunk_candidates(n: int, k: int, columns: int, mode: str, words: int) -> list[MatvecConfig]:
-    """Configurations of a chunk-scheme matvec (tiles.py) over `n` output rows and `k` columns in
-    chunks of `columns`, whose lanes load `words` 32-bit words per row and chunk: chunk = columns
-    per step (32 chunks a warp), warps 1, 2 or 4, split-K only for partial sums. GLU tiles hold
-    two weight rows per output row, so they take half the rows."""
-    from .tiles import split_candidates
-
-    total = k // columns
-    if interpreting():
-        return [MatvecConfig(interpreter_block(n, 128), columns * min(next_power_of_2(total), 64), 1, 4)]
-    out: list[MatvecConfig] = []
-    sms = sm_count() if mode == "partial" else 0
-    for warps in (1, 2, 4):
-        chunks = 32 * warps
-        if chunks > total and warps > 1:
-            continue
-        for rows in CHUNK_ROWS[min(words, 6)]:
-            block_n = rows // 2 if mode == "glu" else rows
-            units = -(-total // chunks)
-            splits = split_candidates(n, block_n, units, sms)[-2:] if mode == "partial" else [1]
-            # Partial sums of a short reduction: also one loop step a program (one memory latency
-            # a program, not several in a row) where those programs fit 8 a multiprocessor.
-            if mode == "partial" and units not in splits and -(-n // block_n) * units <= 8 * sms:
-                splits.append(units)
-            for split in splits:
-                config = MatvecConfig(block_n, columns * chunks, split, warps)
-                if config not in out:
-                    out.append(config)
-    return out
 
 
 def sm_count() -> int:

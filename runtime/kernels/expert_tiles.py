@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import torch
 
 from . import interpreting
-from .common import CHUNK_ROWS, next_power_of_2
+from .chunks import CHUNK_ROWS
+from .common import next_power_of_2
 from .expert_rows import GINT, MXFP4, TRELLIS, ExpertGroup
 
 

@@ -25,20 +25,17 @@ import triton.language as tl
 from thin.ir.formats.grouped_int import PLANES
 
 from . import common, dependent, interpreting
+from .chunks import chunk_candidates, chunk_launch, chunk_prefix
 from .common import (
     MAGIC_BITS,
     KernelLinear,
     MatvecConfig,
-    chunk_candidates,
-    chunk_launch,
-    chunk_prefix,
-    deferred_args,
     prefix_rows,
     sm_count,
 )
 from .dependent import release_next, wait_previous
 from .grouped_int_batch import _codes
-from .norm import deferred_epilogue, deferred_reads, finish_partials, holds_row, prefetch_norms
+from .norm import deferred_args, deferred_epilogue, deferred_reads, finish_partials, holds_row, prefetch_norms
 from .pairs import PAIR_MAGIC, pair_sum, word_dot, x_pairs, zero_pair
 from .prefill import MatmulConfig, TiledPrefill, matmul_blocks, tile_candidates, token_bucket
 from .tiles import (
@@ -187,11 +184,9 @@ def _matvec_kernel(low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, level_ptr
         rstd, res, w = deferred_reads(slots_ptr, n_slots, H_rows, eps, res_ptr, norm_ptr, n, BN, SCALED, DEFER, SLOTS)
     total = deferred_epilogue(total, rstd, res, w, n, BN, bias_ptr, HAS_BIAS, res_ptr, normed_ptr, slots_ptr, SCALED,
                               DEFER)
-    if DEFER:  # a producer's rows are stored by deferred_epilogue
-        pass
-    elif LEVEL:
+    if LEVEL:
         store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL, level_ptr)
-    else:
+    elif not DEFER:  # a producer's rows are stored by deferred_epilogue
         store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL)
     if FINISH:
         finish_partials(counter_ptr, res_ptr, out_ptr, finish_bias_ptr, post_ptr, norm_ptr, normed_ptr, n,

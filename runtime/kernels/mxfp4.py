@@ -17,7 +17,8 @@ import triton.language as tl
 from thin.ir.formats.mxfp4 import BLOCK
 
 from . import interpreting
-from .common import KernelLinear, MatvecConfig, chunk_candidates, chunk_prefix, prefix_rows
+from .chunks import chunk_candidates, chunk_prefix
+from .common import KernelLinear, MatvecConfig, prefix_rows
 from .prefill import MatmulConfig, TiledPrefill
 from .tiles import (
     chunk_side,

@@ -269,7 +269,7 @@ class Deferred:
     def producer_args(self, programs: int, H: int) -> dict:
         """The producer matvec's arguments (its launch has `programs` row blocks over H rows)."""
         if programs != self.programs or programs > self.slots.numel():
-            raise ValueError(f"a deferring matvec of {programs} programs, but {self.programs} were planned "
+            raise ValueError(f"a deferring matvec of {programs} programs, but {self.programs} were counted "
                              f"(slots for {self.slots.numel()})")
         if self.residual.numel() != H or self.out.numel() != H:
             raise ValueError(f"a deferring matvec adds {H} rows into a residual of {self.residual.numel()}")
@@ -280,6 +280,21 @@ class Deferred:
         """A consumer matvec's arguments."""
         return dict(slots_ptr=self.slots, n_slots=self.programs, H_rows=self.residual.numel(),
                     eps=float(self.norm[1]), SCALED=True, SLOTS=next_power_of_2(self.programs))
+
+
+def deferred_args(defer: Deferred | None, rstd: Deferred | None, config, programs: int, n: int, act: int,
+                  partial: bool) -> dict:
+    """A deferrable family's matvec kernel arguments: `defer` where the launch (of `programs` row blocks
+    over n rows, `config`) is the producer (one split, plain rows, whole), `rstd` where its x is the
+    deferred row."""
+    args = {}
+    if defer is not None:
+        if act >= 0 or partial or config.split != 1:
+            raise ValueError(f"a matvec that defers the residual norm runs plain rows in one split, got {config}")
+        args.update(defer.producer_args(programs, n))
+    if rstd is not None:
+        args.update(rstd.consumer_args())
+    return args
 
 
 def add_rmsnorm(residual: torch.Tensor, out: torch.Tensor, *, partials: torch.Tensor | None = None,

@@ -13,7 +13,8 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .common import MAGIC_BITS, KernelLinear, MatvecConfig, chunk_candidates, chunk_prefix, prefix_rows
+from .chunks import chunk_candidates, chunk_prefix
+from .common import MAGIC_BITS, KernelLinear, MatvecConfig, prefix_rows
 from .prefill import MatmulConfig, TiledPrefill
 from .q2 import _e4m3, group_e4m3
 from .tiles import (

@@ -14,7 +14,8 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .common import MAGIC_BITS, KernelLinear, MatvecConfig, chunk_candidates, chunk_prefix, prefix_rows
+from .chunks import chunk_candidates, chunk_prefix
+from .common import MAGIC_BITS, KernelLinear, MatvecConfig, prefix_rows
 from .prefill import matmul_blocks, matmul_prefix
 from .tiles import (
     chunk_side,

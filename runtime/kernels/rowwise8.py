@@ -20,20 +20,18 @@ import triton
 import triton.language as tl
 
 from . import common, dependent, interpreting
+from .chunks import chunk_candidates, chunk_prefix
 from .common import (
     MAGIC_BITS,
     KernelLinear,
     MatvecConfig,
-    chunk_candidates,
-    chunk_prefix,
-    deferred_args,
     interpreter_block,
     next_power_of_2,
     prefix_rows,
     prefix_split,
 )
 from .dependent import release_next, wait_previous
-from .norm import deferred_epilogue, deferred_reads, finish_partials, holds_row, prefetch_norms
+from .norm import deferred_args, deferred_epilogue, deferred_reads, finish_partials, holds_row, prefetch_norms
 from .prefill import matmul_blocks, matmul_prefix
 from .tiles import (
     dot_tile,
