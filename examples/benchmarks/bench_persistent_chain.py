@@ -71,11 +71,18 @@ def _phase(w_ptr, s_ptr, x_ptr, y_ptr, N, K, pid, grid, GLU: tl.constexpr, BN: t
                 u = tl.load(w_ptr + (r + N)[:, None].to(tl.int64) * K + k0 + cols[None, :], mask=ok[:, None],
                             other=0)
                 acc_up += tl.sum(u.to(tl.float32) * x[None, :], axis=1)
-        out = acc * tl.load(s_ptr + r, mask=ok, other=0.0)
-        if GLU:
-            up = acc_up * tl.load(s_ptr + N + r, mask=ok, other=0.0)
-            out = out / (1.0 + tl.exp(-out)) * up
-        tl.store(y_ptr + r, out.to(y_ptr.dtype.element_ty), mask=ok)
+        _store_rows(acc, acc_up, s_ptr, y_ptr, r, N, GLU)
+
+
+@triton.jit
+def _store_rows(acc, acc_up, s_ptr, y_ptr, r, N, GLU: tl.constexpr):
+    """A row block's epilogue: y[r] = acc * scale[r], or with GLU SiLU(that) * acc_up * scale[N + r]."""
+    ok = r < N
+    out = acc * tl.load(s_ptr + r, mask=ok, other=0.0)
+    if GLU:
+        up = acc_up * tl.load(s_ptr + N + r, mask=ok, other=0.0)
+        out = out / (1.0 + tl.exp(-out)) * up
+    tl.store(y_ptr + r, out.to(y_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -110,11 +117,7 @@ def _phase_flat(w_ptr, s_ptr, x_ptr, y_ptr, N, K, pid, grid, GLU: tl.constexpr, 
                 u = tl.load(w_ptr + (r + N)[:, None].to(tl.int64) * K + k0 + cols[None, :])
             acc_up += tl.sum(u.to(tl.float32) * x[None, :], axis=1)
         if t % steps == steps - 1:
-            out = acc * tl.load(s_ptr + r)
-            if GLU:
-                up = acc_up * tl.load(s_ptr + N + r)
-                out = out / (1.0 + tl.exp(-out)) * up
-            tl.store(y_ptr + r, out.to(y_ptr.dtype.element_ty))
+            _store_rows(acc, acc_up, s_ptr, y_ptr, r, N, GLU)
             acc = tl.zeros([BN], dtype=tl.float32)
             acc_up = tl.zeros([BN], dtype=tl.float32)
 
