@@ -220,3 +220,57 @@ class ConversationCache:
         self.tokens = []
         if self.cache is not None:
             self.cache.reset()
+
+
+def engine_generate(engine, prompt_ids: Sequence[int], options: GenerationOptions, *,
+                    max_position_embeddings: int | None = None, stats: GenerationStats | None = None,
+                    cache=None) -> Iterator[int]:
+    """`generate`'s contract on a DecodeEngine (engine.py): stream new token ids, stop after a stop token (not
+    yielded) or max_new_tokens; with `cache` holding a prefix of the prompt, prefill only the rest."""
+    stats = stats if stats is not None else GenerationStats()
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise ValueError("generate needs at least one prompt token")
+    check_context(len(prompt), options.max_new_tokens, max_position_embeddings)
+    cached = 0 if cache is None else cache.length
+    if cached >= len(prompt):
+        raise ValueError(f"the cache holds {cached} tokens; at least one of the {len(prompt)} prompt tokens "
+                         "must be left to prefill")
+    stats.prompt_tokens, stats.cached_tokens, stats.stop_reason = len(prompt) - cached, cached, ""
+    if options.max_new_tokens == 0:
+        stats.stop_reason = "length"
+        return
+    if cache is None:
+        cache = engine.new_cache(len(prompt) + options.max_new_tokens)
+    else:
+        cache.check_room(len(prompt) - cached + options.max_new_tokens)
+    cache.reserve(len(prompt) + options.max_new_tokens)
+    stop_ids = frozenset(options.stop_token_ids)
+    sampler = engine.sampler(options)
+    engine.start(cache, prompt, options)
+    begin = time.perf_counter()
+    engine.prefill(cache, torch.tensor(prompt[cached:], dtype=torch.long), sampler)
+    token = int(engine.token)  # the first token: one read-back after prefill
+    stats.prefill_seconds = time.perf_counter() - begin
+    stats.new_tokens = 1
+    if token in stop_ids:
+        stats.stop_reason = "eos"
+        return
+    yield token
+    length, fed = cache.length, 0
+    try:
+        begin = time.perf_counter()
+        for token in engine.decode_n_tokens(cache, options.max_new_tokens - 1, sampler, stop_ids):
+            fed += 1
+            stats.decode_seconds += time.perf_counter() - begin
+            stats.new_tokens += 1
+            if token in stop_ids:
+                stats.stop_reason = "eos"
+                return
+            yield token
+            begin = time.perf_counter()
+        stats.stop_reason = "length"
+    finally:
+        # The keys and values kept: the prompt and every generated token fed back (a step launched
+        # past a stop token wrote one more, beyond this length).
+        cache.length = length + fed

@@ -14,7 +14,7 @@ import torch
 
 from .chat_template import ChatTemplate
 from .errors import RunError
-from .generate import ConversationCache, GenerationStats, generate
+from .generate import ConversationCache, GenerationStats, engine_generate, generate
 from .inputs import check_prompt_text, token_list, token_tensor
 from .perplexity import PerplexityResult, evaluate_perplexity
 from .sampling import GenerationOptions
@@ -179,10 +179,7 @@ class ThinModel:
         # A generator function of its own so option errors above raise at the call, not on first next().
         cache = conversation.prepare(ids, opts.max_new_tokens) if conversation is not None else None
         generated: list[int] = []
-        if self.engine is not None:
-            from .engine import generate as run
-        else:
-            run = generate
+        run = generate if self.engine is None else engine_generate
         try:
             with torch.no_grad():
                 for token in run(self.engine or self.executor, ids, opts, stats=stats, cache=cache,

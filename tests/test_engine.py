@@ -71,7 +71,7 @@ def _executor_tokens(model, prompt, n):
 
 
 def _engine_tokens(engine, prompt, n, cache=None, **options):
-    from thin.runtime.engine import generate as engine_generate
+    from thin.runtime.generate import engine_generate
 
     opts = GenerationOptions(max_new_tokens=n, stop_token_ids=options.pop("stop_token_ids", ()), **options)
     return list(engine_generate(engine, prompt, opts, cache=cache))

@@ -50,7 +50,7 @@ def _tokens(model, prompt, n, engine=None):
     opts = GenerationOptions(max_new_tokens=n, stop_token_ids=())
     if engine is None:
         return list(generate(model.executor, prompt, opts))
-    from thin.runtime.engine import generate as engine_generate
+    from thin.runtime.generate import engine_generate
 
     return list(engine_generate(engine, prompt, opts))
 
@@ -169,7 +169,7 @@ def test_sliding_layers_keep_a_bounded_ring(models, family):
     """A cache whose sliding layers (window 8) keep rings of two 16-position blocks, prefilled in chunks
     of 8 tokens: 40 prompt and 10 new tokens wrap each ring, and the tokens are still the executor's."""
     from thin.runtime.engine import DecodeEngine
-    from thin.runtime.engine import generate as engine_generate
+    from thin.runtime.generate import engine_generate
 
     model = models(family)
     engine = DecodeEngine(model.executor)

@@ -245,8 +245,7 @@ def test_the_kernels_and_the_decode_engine_run_each_level_like_the_executor(comp
     """Every level through the Triton kernels (the interpreter on a CPU) and the decode engine: the
     prefill's last logits and the greedy tokens are the executor's at the same level, switching levels
     back and forth on one engine (the CUDA graph is captured again per level on a GPU)."""
-    from thin.runtime.engine import generate as engine_generate
-    from thin.runtime.generate import generate
+    from thin.runtime.generate import engine_generate, generate
     from thin.runtime.sampling import GenerationOptions
 
     _, out, _ = compiled
@@ -279,8 +278,7 @@ def test_the_kernels_and_the_decode_engine_run_each_level_like_the_executor(comp
 def test_fp8_levels_decode_on_the_engine_like_the_executor(tmp_path):
     """Levels over fp8_e4m3 weights (rowwise8's prefix matvecs; an fp8 down finishes the norm at no level):
     the decode engine's greedy tokens are the executor's at every level, switching levels on one engine."""
-    from thin.runtime.engine import generate as engine_generate
-    from thin.runtime.generate import generate
+    from thin.runtime.generate import engine_generate, generate
     from thin.runtime.sampling import GenerationOptions
 
     path = _checkpoint(tmp_path / "src")
@@ -305,7 +303,7 @@ def test_a_levels_model_finishes_the_residual_norm_at_every_level(compiled):
     of its own; tokens and (under the interpreter) logits as the separate launches give, at the levels and
     at every channel."""
     from thin.runtime.engine import DecodeEngine
-    from thin.runtime.engine import generate as engine_generate
+    from thin.runtime.generate import engine_generate
     from thin.runtime.sampling import GenerationOptions
 
     with _int4_kernels_model(compiled) as model:
@@ -349,7 +347,7 @@ def test_a_levels_model_defers_the_residual_norm_at_every_level(compiled):
     down also over a level's prefix of its columns where the level adds no shift (with one it norms as
     before); tokens as the full norms give at the levels and at every channel, logits within rounding."""
     from thin.runtime.engine import DecodeEngine
-    from thin.runtime.engine import generate as engine_generate
+    from thin.runtime.generate import engine_generate
     from thin.runtime.sampling import GenerationOptions
 
     with _int4_kernels_model(compiled) as model:
@@ -373,8 +371,7 @@ def test_a_level_adds_a_biased_down_and_its_shift_once_not_in_every_step(compile
 
     from thin.runtime import linear, load
     from thin.runtime.engine import DecodeEngine
-    from thin.runtime.engine import generate as engine_generate
-    from thin.runtime.generate import generate
+    from thin.runtime.generate import engine_generate, generate
     from thin.runtime.sampling import GenerationOptions
 
     class Adds(TorchDispatchMode):

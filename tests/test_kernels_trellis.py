@@ -256,8 +256,8 @@ def test_engine_on_trellis_experts_matches_the_executor(tmp_path):
     from thin.ir import Encoding, Tensor
     from thin.runtime import generate, load
     from thin.runtime.engine import DecodeEngine
-    from thin.runtime.engine import generate as engine_generate
     from thin.runtime.ffn import MoEPlan
+    from thin.runtime.generate import engine_generate
     from thin.runtime.linear import make_linear
     from thin.runtime.sampling import GenerationOptions
 

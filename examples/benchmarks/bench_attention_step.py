@@ -61,7 +61,7 @@ def compare(args, model, engine, paths: dict, use, column: str, started: float, 
     import torch
 
     from thin.runtime import bench
-    from thin.runtime.engine import generate as engine_generate
+    from thin.runtime.generate import engine_generate
     from thin.runtime.sampling import GenerationOptions
 
     base = next(iter(paths))
