@@ -106,6 +106,24 @@ def check_context(prompt_tokens: int, max_new_tokens: int, max_position_embeddin
             f"max_new_tokens")
 
 
+def _begin(prompt: list[int], options: GenerationOptions, max_position_embeddings: int | None, cache,
+           stats: GenerationStats) -> int | None:
+    """What both generation loops check and count first: the prompt's tokens `cache` already holds (at
+    least one left to prefill), or None when there is nothing to generate (max_new_tokens 0)."""
+    if not prompt:
+        raise ValueError("generate needs at least one prompt token")
+    check_context(len(prompt), options.max_new_tokens, max_position_embeddings)
+    cached = 0 if cache is None else cache.length
+    if cached >= len(prompt):
+        raise ValueError(f"the cache holds {cached} tokens; at least one of the {len(prompt)} prompt tokens "
+                         "must be left to prefill")
+    stats.prompt_tokens, stats.cached_tokens, stats.stop_reason = len(prompt) - cached, cached, ""
+    if options.max_new_tokens == 0:
+        stats.stop_reason = "length"
+        return None
+    return cached
+
+
 def generate(executor, prompt_ids: Sequence[int], options: GenerationOptions, *,
              max_position_embeddings: int | None = None, stats: GenerationStats | None = None,
              cache=None) -> Iterator[int]:
@@ -120,16 +138,8 @@ def generate(executor, prompt_ids: Sequence[int], options: GenerationOptions, *,
     stats = stats if stats is not None else GenerationStats()
     model = getattr(executor, "model", None)
     prompt = token_list(prompt_ids, getattr(model, "vocab_size", None))
-    if not prompt:
-        raise ValueError("generate needs at least one prompt token")
-    check_context(len(prompt), options.max_new_tokens, max_position_embeddings)
-    cached = 0 if cache is None else cache.length
-    if cached >= len(prompt):
-        raise ValueError(f"the cache holds {cached} tokens; at least one of the {len(prompt)} prompt tokens "
-                         "must be left to prefill")
-    stats.prompt_tokens, stats.cached_tokens, stats.stop_reason = len(prompt) - cached, cached, ""
-    if options.max_new_tokens == 0:
-        stats.stop_reason = "length"
+    cached = _begin(prompt, options, max_position_embeddings, cache, stats)
+    if cached is None:
         return
     device = _device(executor)
     stop_ids = frozenset(options.stop_token_ids)
@@ -229,16 +239,8 @@ def engine_generate(engine, prompt_ids: Sequence[int], options: GenerationOption
     yielded) or max_new_tokens; with `cache` holding a prefix of the prompt, prefill only the rest."""
     stats = stats if stats is not None else GenerationStats()
     prompt = [int(t) for t in prompt_ids]
-    if not prompt:
-        raise ValueError("generate needs at least one prompt token")
-    check_context(len(prompt), options.max_new_tokens, max_position_embeddings)
-    cached = 0 if cache is None else cache.length
-    if cached >= len(prompt):
-        raise ValueError(f"the cache holds {cached} tokens; at least one of the {len(prompt)} prompt tokens "
-                         "must be left to prefill")
-    stats.prompt_tokens, stats.cached_tokens, stats.stop_reason = len(prompt) - cached, cached, ""
-    if options.max_new_tokens == 0:
-        stats.stop_reason = "length"
+    cached = _begin(prompt, options, max_position_embeddings, cache, stats)
+    if cached is None:
         return
     if cache is None:
         cache = engine.new_cache(len(prompt) + options.max_new_tokens)
