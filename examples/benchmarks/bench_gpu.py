@@ -236,8 +236,8 @@ def print_table(name, results, baselines, args) -> None:
         label = f"as stored ({', '.join(stored)})" if fmt == "bf16" and set(stored) - {"bf16", "f16", "f32"} else fmt
         print(f"| thin | {label} | {r['bytes_per_token'] / 1e9:.2f}{experts} | {rate:.1f} ({r['decode_min']:.1f}-"
               f"{r['decode_max']:.1f}) | {r['roofline_tokens_per_second']:.0f} | {100 * r['roofline_fraction']:.1f}% | "
-              f"{rate / base if base else float('nan'):.2f}x | {rate / compiled if compiled else float('nan'):.2f}x | "
-              f"{r['prefill_tokens_per_second']:.0f} | {r['peak_vram_bytes'] / 2**30:.1f} GiB |")
+              f"{_times(rate, base)} | {_times(rate, compiled)} | {r['prefill_tokens_per_second']:.0f} | "
+              f"{r['peak_vram_bytes'] / 2**30:.1f} GiB |")
     bf16 = results.get("bf16", {})
     for mode, b in baselines.items():
         if "error" in b:
@@ -246,10 +246,14 @@ def print_table(name, results, baselines, args) -> None:
         rate = b["decode_tokens_per_second"]
         roof = bf16.get("roofline_tokens_per_second")
         print(f"| {b['system']} | bf16 | {bf16.get('bytes_per_token', 0) / 1e9:.2f} | {rate:.1f} "
-              f"({b['decode_min']:.1f}-{b['decode_max']:.1f}) | {roof or float('nan'):.0f} | "
-              f"{100 * rate / roof if roof else float('nan'):.1f}% | {rate / base if base else float('nan'):.2f}x | "
-              f"{rate / compiled if compiled else float('nan'):.2f}x | {b['prefill_tokens_per_second']:.0f} | "
-              f"{b['peak_vram_bytes'] / 2**30:.1f} GiB |")
+              f"({b['decode_min']:.1f}-{b['decode_max']:.1f}) | {f'{roof:.0f}' if roof else '-'} | "
+              f"{f'{100 * rate / roof:.1f}%' if roof else '-'} | {_times(rate, base)} | {_times(rate, compiled)} | "
+              f"{b['prefill_tokens_per_second']:.0f} | {b['peak_vram_bytes'] / 2**30:.1f} GiB |")
+
+
+def _times(rate: float, base: float | None) -> str:
+    """rate as a multiple of base, or "-" where that baseline was not run (or failed)."""
+    return f"{rate / base:.2f}x" if base else "-"
 
 
 def print_profile(fmt: str, r: dict) -> None:
