@@ -340,7 +340,7 @@ class BatchEngine:
         matmul then followed by activation.glu)."""
         from .kernels import grouped_int_batch
         from .kernels.activation import glu
-        from .kernels.common import compile_launches
+        from .kernels.tuning import compile_launches
 
         b = x.shape[0]
         if b > grouped_int_batch.MAX_ROWS or not grouped_int_batch.takes(op):
@@ -368,13 +368,13 @@ class BatchEngine:
 def _time_or_inf(launch) -> float:
     """Median microseconds of one call of `launch` (compile excluded), or infinity for a candidate
     that does not compile on this GPU: the step then runs another."""
-    from .kernels.common import median_ms_or_inf
+    from .kernels.tuning import median_ms_or_inf
 
     return 1000 * median_ms_or_inf(launch, repeats=5)
 
 
 def _time(launch) -> float:
     """Median microseconds of one call of `launch` on the current CUDA stream (compile excluded)."""
-    from .kernels.common import median_ms
+    from .kernels.tuning import median_ms
 
     return 1000 * median_ms(launch, repeats=5)

@@ -115,7 +115,7 @@ class DecodeEngine:
         summed += [(layer.ffn.down, "partial") for layer in executor.layers if isinstance(layer.ffn, MLPPlan)]
         summed = self._kernel_uses(summed + [use for use in level_uses(self.ex) if use[1] == "partial"])
         if self.device.type == "cuda":
-            from .kernels.common import choose_together, precompile
+            from .kernels.tuning import choose_together, precompile
 
             precompile(summed)  # their candidates, compiled on host threads before choosing
             choose_together(summed)  # each kind of weight timed over all of its weights in turn
@@ -410,7 +410,7 @@ class DecodeEngine:
     def warm_up(self) -> None:
         """Choose every matvec's launch configuration now (timed on this device, or read from the
         cache of choices) rather than in the first generate call: the modes the decode step uses."""
-        from .kernels.common import choose_together, precompile
+        from .kernels.tuning import choose_together, precompile
 
         for kernels in self.moe.values():
             kernels.warm_up()

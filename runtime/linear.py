@@ -38,7 +38,7 @@ class LinearOp:
     """y = x @ W.T (+ bias) for x [..., in_features]; W is stored in `format`."""
 
     implementation = "?"
-    # A kernel op (runtime/kernels/common.py) times its launch candidates on first use of each mode;
+    # A kernel op (runtime/kernels/tuning.py) times its launch candidates on first use of each mode;
     # False takes the untimed default instead: the same results, without compiling and timing every
     # candidate (the compiler's evaluation sessions, which decode a few tokens per format and shape).
     tune = True

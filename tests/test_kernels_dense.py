@@ -60,11 +60,11 @@ def test_real_shapes_on_gpu(shape):
 def test_untuned_op_takes_the_default_configuration(monkeypatch):
     """An op with tune=False (the compiler's evaluation sessions) runs its first candidate untimed,
     where a tuned op on the GPU would time them all."""
-    from thin.runtime.kernels import common
+    from thin.runtime.kernels import tuning
 
     timed = []
-    monkeypatch.setattr(common, "interpreting", lambda: False)
-    monkeypatch.setattr(common, "_time", lambda op, config, mode, rows=None, cols=None: timed.append(config) or 1.0)
+    monkeypatch.setattr(tuning, "interpreting", lambda: False)
+    monkeypatch.setattr(tuning, "_time", lambda op, config, mode, rows=None, cols=None: timed.append(config) or 1.0)
 
     class Op:
         device, in_features, out_features, tune = torch.device("cuda"), 4096, 4096, False
@@ -72,7 +72,7 @@ def test_untuned_op_takes_the_default_configuration(monkeypatch):
         def candidates(self, mode, rows=None, cols=None):
             return ["default", "other"]
 
-    assert common.choose(Op(), "direct") == "default" and timed == []
+    assert tuning.choose(Op(), "direct") == "default" and timed == []
 
 
 def test_a_candidate_that_does_not_compile_is_skipped(monkeypatch):
@@ -84,7 +84,7 @@ def test_a_candidate_that_does_not_compile_is_skipped(monkeypatch):
 
     from triton.runtime.errors import OutOfResources, PTXASError
 
-    from thin.runtime.kernels import common
+    from thin.runtime.kernels import tuning
 
     failures = {"ptxas": PTXASError("ptxas fatal: Unresolved extern function"),
                 "smem": OutOfResources(300000, 232448, "shared memory"),
@@ -98,23 +98,23 @@ def test_a_candidate_that_does_not_compile_is_skipped(monkeypatch):
                 raise failures[config]
         return launch
 
-    monkeypatch.setattr(common, "median_ms", lambda launch, **timing: launch() or 1.0)
+    monkeypatch.setattr(tuning, "median_ms", lambda launch, **timing: launch() or 1.0)
     with runtime_log() as records:
         for name in ("ptxas", "smem", "passes"):
-            assert common.median_ms_or_inf(launch_of(name), f"candidate {name}", repeats=5) == float("inf")
+            assert tuning.median_ms_or_inf(launch_of(name), f"candidate {name}", repeats=5) == float("inf")
     assert len(records) == 3 and "candidate passes" in records[-1].getMessage()
     assert "PassManager::run failed" in records[-1].getMessage()
     with pytest.raises(RuntimeError, match="illegal memory access"):
-        common.median_ms_or_inf(launch_of("cuda"))
+        tuning.median_ms_or_inf(launch_of("cuda"))
     failures["bug"] = ValueError("a launcher's own error")
     with pytest.raises(ValueError):
-        common.median_ms_or_inf(launch_of("bug"))
+        tuning.median_ms_or_inf(launch_of("bug"))
 
     stored = {}
-    monkeypatch.setattr(common, "interpreting", lambda: False)
-    monkeypatch.setattr(common, "median_ms", lambda launch, **timing: launch() or launch.speed)
-    monkeypatch.setattr(common, "_cache_key", lambda op, mode, *_: f"{op.configs}|{mode}")
-    monkeypatch.setattr(common._TuneCache, "get", classmethod(lambda cls: type(
+    monkeypatch.setattr(tuning, "interpreting", lambda: False)
+    monkeypatch.setattr(tuning, "median_ms", lambda launch, **timing: launch() or launch.speed)
+    monkeypatch.setattr(tuning, "_cache_key", lambda op, mode, *_: f"{op.configs}|{mode}")
+    monkeypatch.setattr(tuning._TuneCache, "get", classmethod(lambda cls: type(
         "Cache", (), {"lookup": lambda self, key: None, "store": lambda self, key, c: stored.update({key: c})})()))
 
     def launcher(op, config, mode, rows=None, cols=None):
@@ -122,7 +122,7 @@ def test_a_candidate_that_does_not_compile_is_skipped(monkeypatch):
         launch.speed = speeds.get(config, 1.0)
         return launch
 
-    monkeypatch.setattr(common, "_launcher", launcher)
+    monkeypatch.setattr(tuning, "_launcher", launcher)
 
     class Op:
         device, in_features, out_features, tune, format = torch.device("cuda"), 4096, 4096, True, "int4"
@@ -134,13 +134,13 @@ def test_a_candidate_that_does_not_compile_is_skipped(monkeypatch):
             return self.configs
 
     with runtime_log() as records:
-        assert common.choose(Op(["slow", "passes", "fast", "ptxas"]), "direct") == "fast"
+        assert tuning.choose(Op(["slow", "passes", "fast", "ptxas"]), "direct") == "fast"
     assert list(stored.values()) == ["fast"] and len(records) == 3
     assert "int4 direct passes" in records[0].getMessage()
     assert records[-1].getMessage() == \
         "int4 4096x4096 direct: fast 2000.0 us, the fastest of 4 candidates timed on the one weight"
     stored.clear()
-    assert common.choose(Op(["smem", "ptxas"]), "glu") == "smem" and stored == {}
+    assert tuning.choose(Op(["smem", "ptxas"]), "glu") == "smem" and stored == {}
 
 
 def test_evaluation_sessions_do_not_tune(tmp_path):
@@ -163,7 +163,8 @@ def test_precompile_launches_each_untuned_candidate_once(monkeypatch):
     once on the thread pool; cached, untuned and single-candidate uses skipped; a failing launch
     left to choose()."""
 
-    from thin.runtime.kernels import common
+    from thin.runtime.kernels import tuning
+    from thin.runtime.kernels.common import MatvecConfig
 
     launched = []
 
@@ -174,13 +175,13 @@ def test_precompile_launches_each_untuned_candidate_once(monkeypatch):
             launched.append((op.name, mode, config))
         return launch
 
-    monkeypatch.setattr(common, "interpreting", lambda: False)
-    monkeypatch.setattr(common, "_launcher", launcher)
-    monkeypatch.setattr(common, "_cache_key", lambda op, mode, *_: f"{op.shape}|{mode}")
+    monkeypatch.setattr(tuning, "interpreting", lambda: False)
+    monkeypatch.setattr(tuning, "_launcher", launcher)
+    monkeypatch.setattr(tuning, "_cache_key", lambda op, mode, *_: f"{op.shape}|{mode}")
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    cached = common.MatvecConfig(16, 4, 1, 4)
-    monkeypatch.setattr(common._TuneCache, "get", classmethod(lambda cls: type(
+    cached = MatvecConfig(16, 4, 1, 4)
+    monkeypatch.setattr(tuning._TuneCache, "get", classmethod(lambda cls: type(
         "Cache", (), {"lookup": lambda self, key: cached if key == "cached|direct" else None})()))
 
     rows = {"qkv": 6144, "gate_up": 28672, "cached": 1024, "untuned": 2048, "single": 512}
@@ -198,20 +199,20 @@ def test_precompile_launches_each_untuned_candidate_once(monkeypatch):
     uses = [(Op("q0", "qkv"), "direct"), (Op("q1", "qkv"), "direct"), (Op("g0", "gate_up"), "glu"),
             (Op("c", "cached", [cached, "x"]), "direct"), (Op("u", "untuned", tune=False), "direct"),
             (Op("s", "single", ["only"]), "direct")]
-    assert common.precompile(uses, workers=2) == 6
+    assert tuning.precompile(uses, workers=2) == 6
     assert sorted(launched) == [("g0", "glu", "a"), ("g0", "glu", "b"), ("q0", "direct", "a"), ("q0", "direct", "b")]
     # Two weights of one kind are chosen over both in turn: their cached choice has a key of its own.
-    cached_in_turn = common.MatvecConfig(16, 4, 1, 4)
-    monkeypatch.setattr(common._TuneCache, "get", classmethod(lambda cls: type(
+    cached_in_turn = MatvecConfig(16, 4, 1, 4)
+    monkeypatch.setattr(tuning._TuneCache, "get", classmethod(lambda cls: type(
         "Cache", (), {"lookup": lambda self, key: cached_in_turn if key == "qkv|direct in turn" else None})()))
     launched.clear()
     pair = [(Op("q0", "qkv", [cached_in_turn, "x"]), "direct"), (Op("q1", "qkv", [cached_in_turn, "x"]), "direct")]
-    assert common.precompile(pair, workers=1) == 0
-    assert common.precompile(pair[:1], workers=1) == 2 and [c for *_, c in launched] == [cached_in_turn, "x"]
+    assert tuning.precompile(pair, workers=1) == 0
+    assert tuning.precompile(pair[:1], workers=1) == 2 and [c for *_, c in launched] == [cached_in_turn, "x"]
 
 
 def test_compile_threads(monkeypatch):
-    from thin.runtime.kernels.common import compile_threads
+    from thin.runtime.kernels.tuning import compile_threads
 
     monkeypatch.setenv("THIN_COMPILE_THREADS", "3")
     assert compile_threads() == 3
@@ -227,7 +228,7 @@ def test_compile_launches_reports_progress(monkeypatch):
     """The first load's compile says what it does (thin-exec prints the "thin.runtime" log on stderr);
     every launch runs once, a failing one is skipped."""
 
-    from thin.runtime.kernels import common
+    from thin.runtime.kernels import tuning
 
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
@@ -238,9 +239,9 @@ def test_compile_launches_reports_progress(monkeypatch):
 
     jobs = [("cuda", lambda i=i: ran.append(i)) for i in range(3)] + [("cuda", fails)]
     with runtime_log() as records:
-        common.compile_launches(jobs, workers=1)
-        common.compile_launches([], workers=1)
-        common.compile_launches(jobs[:1], workers=1, report=False)  # the batch engine's, per bucket: silent
+        tuning.compile_launches(jobs, workers=1)
+        tuning.compile_launches([], workers=1)
+        tuning.compile_launches(jobs[:1], workers=1, report=False)  # the batch engine's, per bucket: silent
     assert ran == [0, 1, 2, 0]
     messages = [r.getMessage() for r in records]
     assert len(messages) == 2 and "compiling 4 kernel launch candidates" in messages[0] and "1 thread" in messages[0]
@@ -268,20 +269,20 @@ def test_weights_of_one_kind_are_timed_in_turn_and_take_one_choice(monkeypatch):
     timed launch on the next of them (so a weight under L2's size is read from memory as in the decode
     step, not from L2), every one of them takes the fastest, cached under the "in turn" key; a weight alone
     of its kind is timed alone under the plain key; a chosen one is left as it is."""
-    from thin.runtime.kernels import common
+    from thin.runtime.kernels import tuning
 
     timed, stored = [], {}
     speeds = {"slow": 2.0, "fast": 1.0}
-    monkeypatch.setattr(common, "interpreting", lambda: False)
-    monkeypatch.setattr(common, "_cache_key", lambda op, mode, *_: f"{op.out_features}|{mode}")
-    monkeypatch.setattr(common._TuneCache, "get", classmethod(lambda cls: type(
+    monkeypatch.setattr(tuning, "interpreting", lambda: False)
+    monkeypatch.setattr(tuning, "_cache_key", lambda op, mode, *_: f"{op.out_features}|{mode}")
+    monkeypatch.setattr(tuning._TuneCache, "get", classmethod(lambda cls: type(
         "Cache", (), {"lookup": lambda self, key: None, "store": lambda self, key, c: stored.update({key: c})})()))
 
     def time(op, config, mode, rows=None, cols=None, ops=()):
         timed.append((op.name, config, cols, [o.name for o in ops]))
         return speeds[config]
 
-    monkeypatch.setattr(common, "_time", time)
+    monkeypatch.setattr(tuning, "_time", time)
 
     class Op:
         device, in_features, tune, format = torch.device("cuda"), 14336, True, "int4"
@@ -296,7 +297,7 @@ def test_weights_of_one_kind_are_timed_in_turn_and_take_one_choice(monkeypatch):
     lone, chosen = Op("lone", 2048), Op("chosen", 2048)
     chosen._configs[("partial", None, 7168)] = "kept"
     uses = [(op, "partial", None, 7168) for op in downs + [lone, chosen]] + [(downs[0], "partial", None, 7168)]
-    common.choose_together(uses)
+    tuning.choose_together(uses)
     assert timed == [("down0", c, 7168, ["down0", "down1", "down2"]) for c in ("slow", "fast")] + \
         [("lone", c, 7168, []) for c in ("slow", "fast")]
     assert all(op._configs == {("partial", None, 7168): "fast"} for op in downs + [lone])
@@ -305,7 +306,8 @@ def test_weights_of_one_kind_are_timed_in_turn_and_take_one_choice(monkeypatch):
 
 
 def test_a_launcher_over_several_weights_launches_each_in_turn():
-    from thin.runtime.kernels import common
+    from thin.runtime.kernels import tuning
+    from thin.runtime.kernels.common import MatvecConfig
 
     ran = []
 
@@ -322,7 +324,7 @@ def test_a_launcher_over_several_weights_launches_each_in_turn():
             ran.append((self.name, x.shape[0], tuple(out.shape), partial, cols))
 
     ops = [Op("a"), Op("b"), Op("c")]
-    launch = common._launcher(ops[0], common.MatvecConfig(4, 32, 2, 1), "partial", None, 32, ops=ops)
+    launch = tuning._launcher(ops[0], MatvecConfig(4, 32, 2, 1), "partial", None, 32, ops=ops)
     for _ in range(5):
         launch()
     assert [name for name, *_ in ran] == ["a", "b", "c", "a", "b"]
@@ -332,7 +334,7 @@ def test_a_launcher_over_several_weights_launches_each_in_turn():
 def test_cache_key_names_the_candidates(monkeypatch):
     """A choice stored in the cache of launch configurations is keyed by the candidates it was timed among:
     a thin with other candidates (a new kernel variant) times them again instead of reusing the old pick."""
-    from thin.runtime.kernels import common
+    from thin.runtime.kernels import tuning
     from thin.runtime.kernels.common import MatvecConfig
 
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")
@@ -342,7 +344,7 @@ def test_cache_key_names_the_candidates(monkeypatch):
 
     old = [MatvecConfig(4, 256, 1, 2), MatvecConfig(8, 256, 1, 2)]
     new = old + [MatvecConfig(4, 256, 1, 2, ahead=2)]
-    key = common._cache_key(Op(), "direct", old)
-    assert key == common._cache_key(Op(), "direct", list(old))
-    assert key != common._cache_key(Op(), "direct", new)
-    assert key != common._cache_key(Op(), "partial", old)
+    key = tuning._cache_key(Op(), "direct", old)
+    assert key == tuning._cache_key(Op(), "direct", list(old))
+    assert key != tuning._cache_key(Op(), "direct", new)
+    assert key != tuning._cache_key(Op(), "partial", old)

@@ -219,7 +219,7 @@ def test_tiles_timed_inside_a_call_leave_the_calls_routing(monkeypatch):
     the call's again after (a GPU run of the trellis engine test took the timing's experts). Here the
     timing runs off a GPU too, its launches real, its times made up (each candidate faster than the last,
     so none is the default)."""
-    from thin.runtime.kernels import common, experts
+    from thin.runtime.kernels import experts, tuning
 
     ticks = iter(range(10**6, 0, -1))
 
@@ -228,7 +228,7 @@ def test_tiles_timed_inside_a_call_leave_the_calls_routing(monkeypatch):
         launch()
         return float(next(ticks))
 
-    monkeypatch.setattr(common, "median_ms", timing)  # median_ms_or_inf's: a tiling that fails to compile is skipped
+    monkeypatch.setattr(tuning, "median_ms", timing)  # median_ms_or_inf's: a tiling that fails to compile is skipped
     monkeypatch.setattr(experts, "_CHOSEN", {})
     monkeypatch.setattr(experts.MoEKernels, "timed", lambda self: True)
     plan = _plan([("q2", {"group_size": 16})] * 4, top_k=2, bias=True, clamp=True, router_bias=True, seed=23)

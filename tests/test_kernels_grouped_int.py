@@ -272,7 +272,7 @@ def test_prefill_candidates_start_with_the_plain_kernel():
 @pytest.mark.parametrize("T", [16, 100, 512])
 def test_tiled_prefill_real_shapes_on_gpu(fmt, asymmetric, group, T, monkeypatch):
     """Every prefill candidate at a real shape (whatever timing would pick) against the decode."""
-    from thin.runtime.kernels.common import compile_launches
+    from thin.runtime.kernels.tuning import compile_launches
 
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     op, dense, _ = make_op(fmt, (4096, 4096), {"group_size": group, "asymmetric": asymmetric},

@@ -102,11 +102,11 @@ def test_choose_finish_times_a_column_prefix(monkeypatch):
     """norm.choose_finish over an elastic prefix (cols): both the separate launches and every finishing
     candidate run over the prefix (each launch called, its result checked against the separate one's),
     and the faster is kept (the timing replaced by a count of the calls: separate slower here)."""
-    from thin.runtime.kernels import common
+    from thin.runtime.kernels import tuning
     from thin.runtime.kernels.norm import choose_finish
 
-    monkeypatch.setattr(common, "_small", lambda op: False)
-    monkeypatch.setattr(common, "compile_launches", lambda jobs, report=True: None)
+    monkeypatch.setattr(tuning, "_small", lambda op: False)
+    monkeypatch.setattr(tuning, "compile_launches", lambda jobs, report=True: None)
     ran = []
 
     def timed(launch, **timing):
@@ -117,6 +117,6 @@ def test_choose_finish_times_a_column_prefix(monkeypatch):
     ops = [make_op("int4", (96, 256), {"group_size": 32}, dtype=torch.bfloat16, seed=s)[0] for s in (1, 2)]
     for op in ops:  # the prefix's partial-sum configuration first: on a GPU choosing it times candidates too
         op.config("partial", None, 128)
-    monkeypatch.setattr(common, "median_ms", timed)
+    monkeypatch.setattr(tuning, "median_ms", timed)
     config = choose_finish(ops, 8, False, True, cols=128)
     assert config in ops[0].finish_candidates(8, 128) and len(ran) == 1 + len(ops[0].finish_candidates(8, 128))

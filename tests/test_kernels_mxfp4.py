@@ -52,7 +52,7 @@ def test_tiled_prefill_real_shape_on_gpu(T):
     """Every prefill candidate at a real shape against the decode, then the timed choice."""
     from functools import partial
 
-    from thin.runtime.kernels.common import compile_launches
+    from thin.runtime.kernels.tuning import compile_launches
 
     op, dense, _ = make_op("mxfp4", (4096, 4096), dtype=torch.bfloat16)
     x = torch.randn(T, 4096, generator=torch.Generator().manual_seed(9)).bfloat16().to(DEVICE)

@@ -101,18 +101,18 @@ def test_fastest_fused_keeps_the_separate_launches_unless_a_fused_one_beats_them
     """norm.fastest_fused, the choice behind the finishing matvec, the norming router and the finishing
     expert down: every fused candidate compiled first, one that does not compile skipped, None when the
     separate launches are as fast."""
-    from thin.runtime.kernels import common
+    from thin.runtime.kernels import tuning
     from thin.runtime.kernels.norm import fastest_fused
 
     compiled = []
-    monkeypatch.setattr(common, "compile_launches", lambda jobs, report=True: compiled.extend(jobs))
+    monkeypatch.setattr(tuning, "compile_launches", lambda jobs, report=True: compiled.extend(jobs))
 
     def timed(launch, **timing):
         if launch.ms is None:
             raise RuntimeError("PassManager::run failed")  # what a tiling Triton rejects raises
         return launch.ms
 
-    monkeypatch.setattr(common, "median_ms", timed)
+    monkeypatch.setattr(tuning, "median_ms", timed)
 
     def launch(ms):
         run = lambda: None  # noqa: E731

@@ -153,16 +153,16 @@ def test_precompile_takes_each_prefix_apart_from_the_whole_weight(monkeypatch):
     a prefix of the whole weight is the weight's own use, and a chosen prefix is skipped."""
     import contextlib
 
-    from thin.runtime.kernels import common
+    from thin.runtime.kernels import tuning
 
     launched = []
-    monkeypatch.setattr(common, "interpreting", lambda: False)
-    monkeypatch.setattr(common, "_launcher", lambda op, config, mode, rows=None, cols=None:
+    monkeypatch.setattr(tuning, "interpreting", lambda: False)
+    monkeypatch.setattr(tuning, "_launcher", lambda op, config, mode, rows=None, cols=None:
                         lambda: launched.append((mode, rows, cols, config)))
-    monkeypatch.setattr(common, "_cache_key", lambda op, mode, *_: mode)
+    monkeypatch.setattr(tuning, "_cache_key", lambda op, mode, *_: mode)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(common._TuneCache, "get", classmethod(lambda cls: type(
+    monkeypatch.setattr(tuning._TuneCache, "get", classmethod(lambda cls: type(
         "Cache", (), {"lookup": lambda self, key: None})()))
 
     class Op:
@@ -175,7 +175,7 @@ def test_precompile_takes_each_prefix_apart_from_the_whole_weight(monkeypatch):
     op = Op()
     uses = [(op, "glu"), (op, "glu", 2048, None), (op, "glu", 4096, None), (op, "partial", None, 1024),
             (op, "partial", None, 2048), (op, "partial", None, 2048)]
-    assert common.precompile(uses, workers=1) == 6
+    assert tuning.precompile(uses, workers=1) == 6
     assert sorted(launched, key=repr) == sorted(((mode, rows, cols, c) for mode, rows, cols in
                                                  (("glu", None, None), ("glu", 2048, None), ("partial", None, 2048))
                                                  for c in "ab"), key=repr)

@@ -60,9 +60,9 @@ def compile_one(src: str, dst: str, quant: str, levels: str | None, calib_tokens
     # The compile's certification runs the projections before fusion (q, k, v, gate, up apart): each takes
     # its default launch instead of timing every candidate configuration (minutes of kernel compiles
     # here; the same products up to summation order; the decode engine later tunes the fused shapes it runs).
-    from thin.runtime.kernels import common
+    from thin.runtime.kernels import tuning
 
-    common._small = lambda op: True
+    tuning._small = lambda op: True
     options = {"quant": quant, **({"group_size": 128} if quant == "int4" else {})}
     if levels:
         options.update(ffn_levels=levels, ffn_per_layer=per_layer, calib_tokens=calib_tokens, device="cuda")

@@ -11,7 +11,7 @@ the median of 7 replays. cuBLAS (F.linear on bf16) is timed the same way for ref
 non-linear kernels of a step (norm, RoPE + append, attention at 640 positions, greedy pick) too.
 Compilation of all candidates runs first, in parallel processes; timing then runs in one process.
 With --tune the best of the engine's own candidates for each weight is stored in the cache of
-launch configurations (runtime/kernels/common.py), so `thin-exec` on this device skips its timing.
+launch configurations (runtime/kernels/tuning.py), so `thin-exec` on this device skips its timing.
 """
 
 from __future__ import annotations
@@ -157,7 +157,8 @@ def bench_linear(fmt: str, name: str, sweep: bool, bandwidth: float, tune: bool 
     chosen = ops[0].candidates("direct" if mode == "plain" else mode)
     tuned = [r for r in good if r["config"] in [c.__dict__ for c in chosen]]
     if tune and tuned:
-        from thin.runtime.kernels.common import MatvecConfig, _cache_key, _TuneCache, _tuned_mode
+        from thin.runtime.kernels.common import MatvecConfig
+        from thin.runtime.kernels.tuning import _cache_key, _TuneCache, _tuned_mode
 
         mode_name = "direct" if mode == "plain" else mode
         fastest = min(tuned, key=lambda r: r["us"])

@@ -6,7 +6,7 @@
 For each projection shape (qkv, o, gate_up, down, lm_head) and prompt length T it times every
 prefill tiling the op's matmul_candidates offers (runtime/kernels/grouped_int.py, mxfp4.py, q1.py: the plain
 kernel, the pipelined "tiled" kernel and, for symmetric int4 under bf16, its "pairs" twin) with the
-tuner's own measurement (common.median_ms_or_inf; inf: did not compile on this GPU), next to cuBLAS
+tuner's own measurement (tuning.median_ms_or_inf; inf: did not compile on this GPU), next to cuBLAS
 on the same product in bf16 (torch.matmul against a dense bf16 weight of the same shape). Prints
 microseconds, TFLOP/s (2 T N K) and the fastest tiling; --all also lists every candidate.
 """
@@ -41,7 +41,7 @@ def label(config) -> str:
 
 
 def bench_shape(name: str, shape, tokens: list[int], fmt: str, params, show_all: bool) -> None:
-    from thin.runtime.kernels.common import compile_launches, median_ms_or_inf
+    from thin.runtime.kernels.tuning import compile_launches, median_ms_or_inf
 
     op = make_op(fmt, shape, params)
     n, k = shape

@@ -6,7 +6,7 @@ half):
     python examples/benchmarks/bench_prefix_tuning.py [--format int4] [--widths 10752,7168] [--copies 24]
 
 For every candidate configuration the engine's tuner would time (KernelLinear.candidates) it takes three
-times: "alone", common.median_ms launching one weight again and again (how the tuner timed before
+times: "alone", tuning.median_ms launching one weight again and again (how the tuner timed before
 choose_together: a weight under the 50 MB L2 is then read from L2); "in turn", the same over --copies
 weights of the shape, each launch on the next (the tuner now, `choose`'s peers); "graph", 20 launches over
 the copies captured in a CUDA graph, as the decode step runs them (bench_kernels.py's timing, the
@@ -27,7 +27,7 @@ from bench_kernels import build, time_graph  # noqa: E402
 
 
 def candidates_times(ops, mode: str, rows, cols) -> list[dict]:
-    from thin.runtime.kernels.common import _launcher, median_ms_or_inf, precompile
+    from thin.runtime.kernels.tuning import _launcher, median_ms_or_inf, precompile
 
     precompile([(ops[0], mode, rows, cols)])  # the candidates compiled on host threads first
     rows_out = []

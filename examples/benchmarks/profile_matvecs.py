@@ -36,7 +36,7 @@ def chosen(formats: list[str], shapes: list[str], tune: bool):
     """[(format, shape, mode, ops, config)]: each weight with copies of it (past L2), its tuned configuration."""
     from bench_kernels import SHAPES, build
 
-    from thin.runtime.kernels.common import choose, precompile
+    from thin.runtime.kernels.tuning import choose, precompile
 
     built = []
     for fmt in formats:

@@ -188,12 +188,12 @@ def choose_appending(num_heads: int, num_kv_heads: int, head_dim: int, dtype: to
     """For one kind of attention layer (its RoPE tables, q/k norms, window, softcap, sinks): the variant of
     `append_attend` (its `repeat`) that runs fastest over `lengths` positions on this device, among those
     faster than rope_append then the split-KV attention and its merge at every one of them; None if none
-    is. Timed as the decode step's CUDA graph runs them: back to back on the stream (common.median_ms),
+    is. Timed as the decode step's CUDA graph runs them: back to back on the stream (tuning.median_ms),
     each launch on the next of `layers` scratch caches in turn, so that at the longer lengths the keys
     and values come from DRAM. Logs the times on the "thin.runtime" log."""
     from ..paged_kv import PagedKVCache
-    from .common import median_ms
     from .rope import rope_append
+    from .tuning import median_ms
 
     if rope is not None:  # positions the tables hold
         lengths = tuple(min(n, rope[0].shape[0]) for n in lengths)

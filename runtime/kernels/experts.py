@@ -44,13 +44,14 @@ import triton
 import triton.language as tl
 
 from . import common, interpreting
-from .common import ACTIVATION_CODES, MAGIC_BITS, compile_launches, median_ms_or_inf, next_power_of_2
+from .common import ACTIVATION_CODES, MAGIC_BITS, next_power_of_2
 from .expert_rows import FORMAT_CODES, GINT, MXFP4, SUPPORTED, ExpertGroup, row_bias, rows_dot, weight_parts
 from .expert_tiles import ExpertConfig, RouterConfig, expert_candidates, router_candidates, routings
 from .expert_words import words_dot
 from .norm import finish_partials, prefetch_norms
 from .pairs import PAIR_MAGIC, zero_pair
 from .tiles import activate, glu_halves
+from .tuning import compile_launches, median_ms_or_inf
 
 _CHOSEN: dict = {}  # launch tiles chosen by timing, by shape and format (MoEKernels.config)
 
@@ -423,7 +424,7 @@ class MoEKernels:
 
     def _precompile(self) -> None:
         """Launch every candidate of each kernel whose tiles are not chosen yet once, on host threads
-        (common.compile_launches): what compiles them. `_prime` first, here, so the chosen experts and
+        (tuning.compile_launches): what compiles them. `_prime` first, here, so the chosen experts and
         their intermediates the down kernels read are in place."""
         pending = [(index, kind) for kind in ("gate_up", "down") for index, g in enumerate(self.groups(kind))
                    if self._shape(index, kind) not in _CHOSEN and len(self.candidates(g, kind)) > 1]

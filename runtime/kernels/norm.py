@@ -21,8 +21,9 @@ import triton
 import triton.language as tl
 
 from . import dependent, interpreting
-from .common import in_turn, next_power_of_2
+from .common import next_power_of_2
 from .dependent import release_next, wait_previous
+from .tuning import in_turn
 
 
 @triton.jit
@@ -369,7 +370,7 @@ def fastest_fused(device, separate, launches, what: str):
     also does the residual norm, compiled first on host threads), or None for config when none beats
     `separate` (the same work in launches of their own); a candidate that does not compile is skipped
     (`median_ms_or_inf`, named by `what` in the log)."""
-    from .common import compile_launches, median_ms, median_ms_or_inf
+    from .tuning import compile_launches, median_ms, median_ms_or_inf
 
     compile_launches([(device, launch) for _, launch in launches], report=False)
     best, best_ms = None, median_ms(separate)
@@ -389,8 +390,8 @@ def choose_finish(ops, max_split: int, post: bool, norm: bool, eps: float = 1e-5
     Timed on scratch rows (random x, norm weights of ones when `post` / `norm`) as the decode step's CUDA
     graph runs them: back to back, each launch on the next of `ops` in turn, so that (with enough of
     them) the weights come from DRAM, not L2. Weights the tuner does not time (too small,
-    common._small, or not to be tuned, LinearOp.tune) keep the separate launches."""
-    from .common import _small
+    tuning._small, or not to be tuned, LinearOp.tune) keep the separate launches."""
+    from .tuning import _small
 
     op = ops[0]
     if _small(op) or not op.tune:

@@ -23,9 +23,10 @@ import triton
 import triton.language as tl
 
 from . import interpreting
-from .common import in_turn, next_power_of_2
+from .common import next_power_of_2
 from .expert_tiles import RouterConfig
 from .norm import MAX_UNROLLED, Finish, add_rmsnorm, fastest_fused, last_program, residual_norm_values
+from .tuning import in_turn
 
 
 @triton.jit

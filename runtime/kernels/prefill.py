@@ -10,16 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from . import interpreting
-from .common import (
-    KernelLinear,
-    _cache_key,
-    _small,
-    _TuneCache,
-    compile_launches,
-    interpreter_block,
-    median_ms_or_inf,
-    next_power_of_2,
-)
+from .common import KernelLinear, interpreter_block, next_power_of_2
+from .tuning import _cache_key, _small, _TuneCache, compile_launches, median_ms_or_inf
 
 
 @dataclass(frozen=True)
