@@ -3,7 +3,8 @@
 Weight formats (each reads its format's packed bytes directly, never a dequantized copy):
     dense.py        bf16 / f16 / f32                 matvec (+ fused gate/up activation, split-K)
     rowwise8.py     int8, fp8_e4m3 (one scale a row)  matvec, prefill matmul
-    grouped_int.py  int3, int4, int5, int6            matvec, prefill matmul (bits are constexpr)
+    grouped_int.py  int3, int4, int5, int6            matvec (bits are constexpr); its prefill matmul
+                                                      in grouped_int_prefill.py
     mxfp4.py        mxfp4                             matvec, prefill matmul
     q2.py, q1.py    q2, q1                            matvec, prefill matmul
     trellis.py      trellis (2-/3-bit trellis codes)  matvec, prefill matmul, the expert kernels' rows
@@ -25,6 +26,8 @@ Everything else a decode step runs:
     grouped_int_batch.py  int4 weights times a few rows of activations (the batched decode step)
     sampling.py     greedy argmax and temperature / top-k / top-p / min-p draws on the device
     prefill.py      the prefill matmuls' tilings and their choice per prompt-length bucket (TiledPrefill)
+The linear families share common.py (KernelLinear, the LinearOp they serve; MatvecConfig) and tuning.py
+(which configuration each weight runs with, timed on the device and cached).
 
 Nothing here is imported by `thin.runtime` itself: `runtime/linear.py` registers the linear
 families by "module:factory" name and imports them on first use, and the engine imports the rest
