@@ -17,7 +17,7 @@ import triton.language as tl
 from . import common, interpreting
 from .common import MAGIC_BITS, sm_count
 from .grouped_int_batch import _codes
-from .prefill import MatmulConfig, TiledPrefill, matmul_blocks, tile_candidates, token_bucket
+from .prefill import MatmulConfig, TiledPrefill, matmul_blocks, plain_tile, store_plain, tile_candidates, token_bucket
 from .tiles import dot_tile, matmul_tile, plane_codes, split_sum
 
 
@@ -29,10 +29,7 @@ def _matmul_kernel(x_ptr, low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, ou
     """Prefill: out[T, N] = x[T, K] @ W.T, a [BN, BK] tile of W dequantized per step, then tl.dot.
     An elastic prefix (prefill.matmul_prefix): output row r is weight row (r // n1) * block + r % n1,
     the first K columns of rows of KS."""
-    tok = tl.program_id(0) * BM + tl.arange(0, BM)
-    out_rows = tl.program_id(1) * BN + tl.arange(0, BN)
-    tok_mask, row_mask = tok < T, out_rows < N
-    rows = (out_rows // n1) * block + out_rows % n1
+    tok, out_rows, tok_mask, row_mask, rows = plain_tile(T, N, n1, block, BM, BN)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
@@ -48,10 +45,7 @@ def _matmul_kernel(x_ptr, low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, ou
         else:
             w = (codes - MID).to(tl.float32) * scale
         acc += dot_tile(x, w.to(x.dtype), IEEE)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + tok[:, None] * N + out_rows[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=tok_mask[:, None] & row_mask[None, :])
+    store_plain(out_ptr, bias_ptr, acc, tok, out_rows, tok_mask, row_mask, rows, N, HAS_BIAS)
 
 
 @triton.jit

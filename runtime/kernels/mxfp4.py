@@ -19,7 +19,7 @@ from thin.ir.formats.mxfp4 import BLOCK
 from . import interpreting
 from .chunks import chunk_candidates, chunk_prefix
 from .common import KernelLinear, MatvecConfig, prefix_rows
-from .prefill import MatmulConfig, TiledPrefill
+from .prefill import MatmulConfig, TiledPrefill, plain_tile, store_plain
 from .tiles import (
     chunk_side,
     dot_tile,
@@ -105,10 +105,7 @@ def _matmul_kernel(x_ptr, v_ptr, e_ptr, bias_ptr, out_ptr, T, N, K, KS, n1, bloc
     """Prefill: out[T, N] = x[T, K] @ W.T with [BN, BK] tiles of W dequantized per step. An elastic
     prefix (prefill.matmul_prefix): output row r is weight row (r // n1) * block + r % n1, the first
     K columns of rows of KS."""
-    tok = tl.program_id(0) * BM + tl.arange(0, BM)
-    out_rows = tl.program_id(1) * BN + tl.arange(0, BN)
-    tok_mask, row_mask = tok < T, out_rows < N
-    rows = (out_rows // n1) * block + out_rows % n1
+    tok, out_rows, tok_mask, row_mask, rows = plain_tile(T, N, n1, block, BM, BN)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
@@ -117,10 +114,7 @@ def _matmul_kernel(x_ptr, v_ptr, e_ptr, bias_ptr, out_ptr, T, N, K, KS, n1, bloc
         e = tl.load(e_ptr + rows[:, None] * (KS // 32) + (cols // 32)[None, :], mask=row_mask[:, None], other=127)
         w = _code_values(codes) * _block_scale(e.to(tl.int32))
         acc += dot_tile(x, w.to(x.dtype), IEEE)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + tok[:, None] * N + out_rows[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=tok_mask[:, None] & row_mask[None, :])
+    store_plain(out_ptr, bias_ptr, acc, tok, out_rows, tok_mask, row_mask, rows, N, HAS_BIAS)
 
 
 @triton.jit

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 
 from . import interpreting
 from .common import KernelLinear, interpreter_block, next_power_of_2
@@ -29,6 +31,26 @@ class MatmulConfig:
     stages: int = 1
     kernel: str = "tiled"
     split: int = 1
+
+
+@triton.jit
+def plain_tile(T, N, n1, block, BM: tl.constexpr, BN: tl.constexpr):
+    """Program (i, j) of a family's plain prefill matmul (a grid of token tiles by row tiles): its tokens,
+    output rows, their masks, and the weight row of each output row (an elastic prefix, `matmul_prefix`:
+    output row r is weight row (r // n1) * block + r % n1)."""
+    tok = tl.program_id(0) * BM + tl.arange(0, BM)
+    out_rows = tl.program_id(1) * BN + tl.arange(0, BN)
+    return tok, out_rows, tok < T, out_rows < N, (out_rows // n1) * block + out_rows % n1
+
+
+@triton.jit
+def store_plain(out_ptr, bias_ptr, acc, tok, out_rows, tok_mask, row_mask, rows, N, HAS_BIAS: tl.constexpr):
+    """A plain prefill tile's float32 sums acc [BM, BN], plus the bias of each output's weight row where
+    HAS_BIAS, into out [T, N] in out's dtype (`plain_tile` gave the rest)."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + tok[:, None] * N + out_rows[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=tok_mask[:, None] & row_mask[None, :])
 
 
 def token_bucket(T: int) -> int:

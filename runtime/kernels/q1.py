@@ -15,7 +15,7 @@ import triton.language as tl
 from . import interpreting
 from .chunks import chunk_candidates, chunk_prefix
 from .common import MAGIC_BITS, KernelLinear, MatvecConfig, prefix_rows
-from .prefill import MatmulConfig, TiledPrefill
+from .prefill import MatmulConfig, TiledPrefill, plain_tile, store_plain
 from .q2 import _e4m3, group_e4m3
 from .tiles import (
     dot_tile,
@@ -77,10 +77,7 @@ def _matmul_kernel(x_ptr, b_ptr, s_ptr, rs_ptr, bias_ptr, out_ptr, T, N, K, KS, 
     """Prefill: out[T, N] = x[T, K] @ W.T with [BN, BK] tiles of W dequantized per step. An elastic
     prefix (prefill.matmul_prefix): output row r is weight row (r // n1) * block + r % n1, the first
     K columns of rows of KS."""
-    tok = tl.program_id(0) * BM + tl.arange(0, BM)
-    out_rows = tl.program_id(1) * BN + tl.arange(0, BN)
-    tok_mask, row_mask = tok < T, out_rows < N
-    rows = (out_rows // n1) * block + out_rows % n1
+    tok, out_rows, tok_mask, row_mask, rows = plain_tile(T, N, n1, block, BM, BN)
     row_scale = tl.load(rs_ptr + rows, mask=row_mask, other=0.0)[:, None]
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
@@ -90,10 +87,7 @@ def _matmul_kernel(x_ptr, b_ptr, s_ptr, rs_ptr, bias_ptr, out_ptr, T, N, K, KS, 
         step = row_scale * _e4m3(s_ptr, rows[:, None] * (KS // G) + (cols // G)[None, :], row_mask[:, None])
         w = tl.where(bits != 0, step, -step)
         acc += dot_tile(x, w.to(x.dtype), IEEE)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + tok[:, None] * N + out_rows[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=tok_mask[:, None] & row_mask[None, :])
+    store_plain(out_ptr, bias_ptr, acc, tok, out_rows, tok_mask, row_mask, rows, N, HAS_BIAS)
 
 
 @triton.jit

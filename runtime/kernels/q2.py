@@ -16,7 +16,7 @@ import triton.language as tl
 from . import interpreting
 from .chunks import chunk_candidates, chunk_prefix
 from .common import MAGIC_BITS, KernelLinear, MatvecConfig, prefix_rows
-from .prefill import matmul_blocks, matmul_prefix
+from .prefill import matmul_blocks, matmul_prefix, plain_tile, store_plain
 from .tiles import (
     chunk_side,
     dot_tile,
@@ -97,10 +97,7 @@ def _matmul_kernel(x_ptr, c_ptr, s_ptr, o_ptr, rs_ptr, ro_ptr, bias_ptr, out_ptr
     """Prefill: out[T, N] = x[T, K] @ W.T with [BN, BK] tiles of W dequantized per step. An elastic
     prefix (prefill.matmul_prefix): output row r is weight row (r // n1) * block + r % n1, the first
     K columns of rows of KS."""
-    tok = tl.program_id(0) * BM + tl.arange(0, BM)
-    out_rows = tl.program_id(1) * BN + tl.arange(0, BN)
-    tok_mask, row_mask = tok < T, out_rows < N
-    rows = (out_rows // n1) * block + out_rows % n1
+    tok, out_rows, tok_mask, row_mask, rows = plain_tile(T, N, n1, block, BM, BN)
     row_scale = tl.load(rs_ptr + rows, mask=row_mask, other=0.0)[:, None]
     row_offset = tl.load(ro_ptr + rows, mask=row_mask, other=0.0)[:, None]
     acc = tl.zeros([BM, BN], dtype=tl.float32)
@@ -113,10 +110,7 @@ def _matmul_kernel(x_ptr, c_ptr, s_ptr, o_ptr, rs_ptr, ro_ptr, bias_ptr, out_ptr
         zero = row_offset * _e4m3(o_ptr, side, row_mask[:, None])
         w = codes.to(tl.float32) * step + zero
         acc += dot_tile(x, w.to(x.dtype), IEEE)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + tok[:, None] * N + out_rows[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=tok_mask[:, None] & row_mask[None, :])
+    store_plain(out_ptr, bias_ptr, acc, tok, out_rows, tok_mask, row_mask, rows, N, HAS_BIAS)
 
 
 class Q2Linear(KernelLinear):

@@ -32,7 +32,7 @@ from .common import (
 )
 from .dependent import release_next, wait_previous
 from .norm import deferred_args, deferred_epilogue, deferred_reads, finish_partials, holds_row, prefetch_norms
-from .prefill import matmul_blocks, matmul_prefix
+from .prefill import matmul_blocks, matmul_prefix, plain_tile, store_plain
 from .tiles import (
     dot_tile,
     masked_load,
@@ -264,10 +264,7 @@ def _matmul_kernel(x_ptr, v_ptr, scale_ptr, bias_ptr, out_ptr, T, N, K, KS, n1, 
     """Prefill: out[T, N] = x[T, K] @ W.T with [BN, BK] tiles of W dequantized per step. An elastic
     prefix (prefill.matmul_prefix): output row r is weight row (r // n1) * block + r % n1, the first
     K columns of rows of KS."""
-    tok = tl.program_id(0) * BM + tl.arange(0, BM)
-    out_rows = tl.program_id(1) * BN + tl.arange(0, BN)
-    tok_mask, row_mask = tok < T, out_rows < N
-    rows = (out_rows // n1) * block + out_rows % n1
+    tok, out_rows, tok_mask, row_mask, rows = plain_tile(T, N, n1, block, BM, BN)
     scale = tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
@@ -279,10 +276,7 @@ def _matmul_kernel(x_ptr, v_ptr, scale_ptr, bias_ptr, out_ptr, T, N, K, KS, n1, 
         else:
             w = v.to(tl.int8, bitcast=True).to(tl.float32)
         acc += dot_tile(x, (w * scale[:, None]).to(x.dtype), IEEE)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + tok[:, None] * N + out_rows[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=tok_mask[:, None] & row_mask[None, :])
+    store_plain(out_ptr, bias_ptr, acc, tok, out_rows, tok_mask, row_mask, rows, N, HAS_BIAS)
 
 
 class Rowwise8Linear(KernelLinear):

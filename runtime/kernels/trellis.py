@@ -39,7 +39,7 @@ from thin.ir.formats.trellis import HASH_A, HASH_B, NORM, TILE
 
 from . import common, interpreting
 from .common import KernelLinear, MatvecConfig, interpreter_block, next_power_of_2, prefix_rows
-from .prefill import MatmulConfig, TiledPrefill, matmul_blocks, token_bucket
+from .prefill import MatmulConfig, TiledPrefill, matmul_blocks, plain_tile, store_plain, token_bucket
 from .tiles import dot_tile, store_tile, tile_rows, x_octet
 
 MUL, ADD = tl.constexpr(HASH_A), tl.constexpr(HASH_B)  # the codebook's hash: h = s * MUL + ADD mod 2^32
@@ -206,20 +206,14 @@ def _matmul_kernel(x_ptr, c_ptr, s_ptr, bias_ptr, out_ptr, T, N, K, KS, n1, bloc
     """Prefill: out[T, N] = x[T, K] @ W.T with [BN, BK] tiles of W decoded per step; an elastic prefix
     (prefill.matmul_prefix): output row r is weight row (r // n1) * block + r % n1, the first K columns
     of rows of KS."""
-    tok = tl.program_id(0) * BM + tl.arange(0, BM)
-    out_rows = tl.program_id(1) * BN + tl.arange(0, BN)
-    tok_mask, row_mask = tok < T, out_rows < N
-    rows = (out_rows // n1) * block + out_rows % n1
+    tok, out_rows, tok_mask, row_mask, rows = plain_tile(T, N, n1, block, BM, BN)
     acc = tl.zeros([BM, BN], dtype=tl.float32)
     for k0 in range(0, K, BK):
         cols = k0 + tl.arange(0, BK)
         x = tl.load(x_ptr + tok[:, None] * K + cols[None, :], mask=tok_mask[:, None], other=0.0)
         w = decode_tile(c_ptr, s_ptr, rows, row_mask, cols, KS, BITS, DP4A)
         acc += dot_tile(x, w.to(x.dtype), IEEE)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + rows, mask=row_mask, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + tok[:, None] * N + out_rows[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=tok_mask[:, None] & row_mask[None, :])
+    store_plain(out_ptr, bias_ptr, acc, tok, out_rows, tok_mask, row_mask, rows, N, HAS_BIAS)
 
 
 def block_candidates(n: int, k: int, mode: str) -> list[MatvecConfig]:
