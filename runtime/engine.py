@@ -8,7 +8,7 @@ of any weight) through the fused kernels of runtime/kernels/ over a paged KV cac
                                 append, split-KV attention, o matvec, residual + norm, gate/up
                                 matvec + activation, down matvec, residual + norm], LM head, pick
                                 (a residual norm in its matvec's last program, or deferred: its 1 / rms
-                                applied by the next matvec, kernels/norm.py Deferred)
+                                applied by the next matvec, kernels/deferred_norm.py Deferred)
     decode_n_tokens(...)        replays the captured step, streaming tokens as they land
 
 Everything a step needs from one token to the next lives on the device: the token, the position
@@ -83,7 +83,7 @@ class DecodeEngine:
     Round 11); every launch measured no better in one process.
 
     `defer_norm` (default True): o and down leave the residual norm to the projection after them wherever
-    both sides' kernels can (engine_fusions.deferring_producers, kernels/norm.py Deferred), ahead of
+    both sides' kernels can (engine_fusions.deferring_producers, kernels/deferred_norm.py Deferred), ahead of
     `finish_norm`'s ways, which then serve the rest; False: never. On the H200 it gained llama-8b's int4,
     fp8 and int8 steps 3.3-3.8%, 3.1% and 2.5% in fresh processes (BENCHMARKS, Round 13)."""
 
@@ -134,7 +134,7 @@ class DecodeEngine:
         self.attn = new(self.num_heads * self.head_dim)
         self.mlp = new(intermediate)
         self.partials = new(splits, self.hidden, dtype=torch.float32)
-        # o and down matvecs that leave the residual norm to the projection after them (norm.Deferred): each
+        # o and down matvecs that leave the residual norm to the projection after them (deferred_norm.Deferred): each
         # of their programs' sums of squares in `slots`, read by that projection; where both sides can.
         self._deferring = deferring_producers(self) if defer_norm else set()
         self.slots = new(self.hidden, dtype=torch.float32)
@@ -284,7 +284,7 @@ class DecodeEngine:
         with mark("embed + norm"):
             self.residual.copy_(self._embed(self.token)[0])
             add_rmsnorm(self.residual, self.normed, norm=norm_args(layers[0].attn_norm))
-        pending = None  # the norm.Deferred whose 1 / rms the next projection owes self.normed
+        pending = None  # the deferred_norm.Deferred whose 1 / rms the next projection owes self.normed
         for index, layer in enumerate(layers):
             a = layer.attention
             k_cache, v_cache = cache.layer(index)
@@ -463,7 +463,7 @@ class DecodeEngine:
 
     def _project(self, ops: list[LinearOp], x: torch.Tensor, out: torch.Tensor, rstd=None) -> None:
         """out = x @ [W1; W2; ...].T for one row x, each op writing its slice of `out`; `rstd` (a
-        norm.Deferred): x is a deferred norm's row, the kernels apply its 1 / rms."""
+        deferred_norm.Deferred): x is a deferred norm's row, the kernels apply its 1 / rms."""
         start = 0
         for op in ops:
             view = out[start:start + op.out_features]
@@ -498,7 +498,7 @@ class DecodeEngine:
         """residual += op(x) (over the first `cols` columns of W when given) + shift, normed by `post`;
         normed = norm(residual): split-K partial sums then add_rmsnorm, or in one launch where `op`'s matvec
         finishes the norm itself (chosen in warm_up), or, where `op` defers it (`_deferring`), normed =
-        residual * norm weight with the norm's 1 / rms left to the next projection: then the norm.Deferred
+        residual * norm weight with the norm's 1 / rms left to the next projection: then the deferred_norm.Deferred
         that projection takes is returned (else None)."""
         from .kernels.norm import Finish, add_rmsnorm
 
@@ -538,7 +538,7 @@ class DecodeEngine:
     def _mlp(self, mlp: MLPPlan, x: torch.Tensor, rstd=None) -> int:
         """act(gate(x)) * up(x) (or act(up(x))) into self.mlp; returns its width. At an elastic FFN level
         (mlp.width) only the first `width` channels, read in place, times the level's scale. `rstd`: x is a
-        deferred norm's row (norm.Deferred; only where the fused gate/up kernel takes it, `_deferring`)."""
+        deferred norm's row (deferred_norm.Deferred; only where the fused gate/up kernel takes it, `_deferring`)."""
         width = mlp.down.in_features if mlp.width is None else mlp.width
         out = self.mlp[:width]
         if mlp.gated and len(mlp.up) == 1 and hasattr(mlp.up[0], "matvec"):

@@ -4,7 +4,7 @@ work (engine.py), so that no add_rmsnorm launch is needed: o's and down's matvec
 the experts (kernels/norm_router.py), and the experts' down launch, the norm after them
 (kernels/expert_finish.py); each timed once per kind of weight or layer on a GPU against the separate
 launches, and kept only where faster. Ahead of all of these, where both sides' kernels can, o and down
-leave the norm to the projection after them (`deferring_producers`, kernels/norm.py `Deferred`)."""
+leave the norm to the projection after them (`deferring_producers`, kernels/deferred_norm.py `Deferred`)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ from .ffn import MLPPlan
 
 
 def deferring_producers(engine) -> set[int]:
-    """ids of the o and down matvecs that leave the residual norm to the projection after them (norm.Deferred):
+    """ids of the o and down matvecs that leave the residual norm to the projection after them (deferred_norm.Deferred):
     they add their rows into the residual and write residual * norm weight and their programs' sums of squares,
     with no last program finishing the norm, and gate/up (after o), the next layer's qkv or the LM head (after
-    down) apply the norm's 1 / rms to their sums. Where both sides are deferrable kernels (norm.Deferred's
+    down) apply the norm's 1 / rms to their sums. Where both sides are deferrable kernels (deferred_norm.Deferred's
     families), the layer is dense, o's and down's outputs have no post-norm (Gemma, OLMo-2: that norm needs
     the whole row first) and a norm follows; bfloat16 or float32 models only (residual * weight, unnormed,
     could leave float16's range)."""

@@ -117,7 +117,7 @@ def test_matvecs_that_finish_the_residual_norm(models, quant):
 @pytest.mark.parametrize("quant", ["int8", "fp8_e4m3", "int4"])
 def test_residual_norms_left_to_the_next_projection(models, quant):
     """defer_norm (the default): every o and down of a dense llama whose consumers' kernels take it leave the
-    norm to gate/up, the next qkv or the LM head (kernels/norm.py Deferred), with no finishing program: the
+    norm to gate/up, the next qkv or the LM head (kernels/deferred_norm.py Deferred), with no finishing program: the
     executor's tokens, graphed and eager alike, and logits within rounding of the norms run in full."""
     model = models("llama", quant)
     prompt = _prompt(seed=9)

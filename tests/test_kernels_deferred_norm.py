@@ -1,4 +1,4 @@
-"""The residual norm left to the next projection (norm.Deferred): the producer matvec (o, down) adds its rows
+"""The residual norm left to the next projection (deferred_norm.Deferred): the producer matvec (o, down) adds its rows
 into the residual and writes residual * norm weight and its programs' sums of squares; a consumer matvec
 (gate/up, qkv, the LM head) reading that row multiplies its sums by 1 / rms. Against add_rmsnorm and the
 consumer's plain matvec of the normed row, for int4 (both arithmetics), int8 and fp8_e4m3."""

@@ -10,6 +10,7 @@ Weight formats (each reads its format's packed bytes directly, never a dequantiz
     trellis.py      trellis (2-/3-bit trellis codes)  matvec, prefill matmul, the expert kernels' rows
 Everything else a decode step runs:
     norm.py         residual add (+ split-K partial sums) + RMSNorm, with the optional post-norm
+    deferred_norm.py  the residual norm left to the next projection (the matvecs' side of it)
     rope.py         q/k norm + RoPE (every kind, via the cos/sin tables) + paged KV append
     attention.py    split-KV decode attention over the paged cache (GQA, window, softcap, sinks),
                     prefill attention through scaled_dot_product_attention

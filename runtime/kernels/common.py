@@ -124,16 +124,16 @@ class KernelLinear(LinearOp):
         """Partial sums the matvec writes when asked for partials (split-K programs)."""
         return self.config("partial").split
 
-    # Families whose matvec kernels take a norm.Deferred (the residual norm left to the next projection).
+    # Families whose matvec kernels take a deferred_norm.Deferred (the residual norm left to the next projection).
     deferrable = False
 
     def matvec_deferred(self, x: torch.Tensor, residual: torch.Tensor, out: torch.Tensor, slots: torch.Tensor,
                         norm: tuple, cols: int | None = None):
         """residual += x @ W.T (+ bias) over the first `cols` columns when given, its RMSNorm `norm` ((float32
         weight, eps)) left to the next projection: out = residual * weight, each program's sum of squares
-        in `slots`. Runs the "direct" configuration (one split); returns the norm.Deferred the next
+        in `slots`. Runs the "direct" configuration (one split); returns the deferred_norm.Deferred the next
         projection's matvec takes as `rstd`."""
-        from .norm import Deferred
+        from .deferred_norm import Deferred
 
         if not self.deferrable:
             raise ValueError(f"{self.format} matvecs do not defer the residual norm")
@@ -155,7 +155,7 @@ class KernelLinear(LinearOp):
         of the weight in place (an elastic FFN level, see `prefix`) with its own configuration
         (`config`): the first `rows` outputs (of each half with `activation`), the first `cols`
         columns (x is [cols]). A prefix whose split-K exceeds the rows of `partials` runs with
-        fewer splits (a buffer sized before that prefix's configuration was chosen). `rstd` (a norm.Deferred,
+        fewer splits (a buffer sized before that prefix's configuration was chosen). `rstd` (a deferred_norm.Deferred,
         deferrable families): x is a row whose norm was deferred; the sums are multiplied by its 1 / rms."""
         x = x.reshape(self.in_features if cols is None else cols)
         extra = {}

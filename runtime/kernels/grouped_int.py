@@ -32,9 +32,10 @@ from .common import (
     MatvecConfig,
     prefix_rows,
 )
+from .deferred_norm import deferred_args, deferred_epilogue, deferred_reads
 from .dependent import release_next, wait_previous
 from .grouped_int_prefill import GroupedIntPrefill
-from .norm import deferred_args, deferred_epilogue, deferred_reads, finish_partials, holds_row, prefetch_norms
+from .norm import finish_partials, holds_row, prefetch_norms
 from .pairs import PAIR_MAGIC, pair_sum, word_dot, x_pairs, zero_pair
 from .tiles import (
     chunk_side,
@@ -165,12 +166,12 @@ def _matvec_kernel(low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, level_ptr
     FINISH (with PARTIAL): the launch's last program also adds the partial sums into the residual and
     norms it (norm.Finish), so no residual-norm launch follows; PREFETCH: program (0, 0) first asks L2
     for the norm weights that program reads (as rowwise8's matvec). DEFER (one split, plain rows): the
-    rows go into the residual and the norm is left to the next projection (norm.Deferred); SCALED: x
+    rows go into the residual and the norm is left to the next projection (deferred_norm.Deferred); SCALED: x
     is such a deferred row, the sums are multiplied by its 1 / rms. PDL: launched as a programmatic
     dependent (dependent.py), waiting after its first weights' loads (`_rows_dot`)."""
     if PREFETCH:
         prefetch_norms(norm_ptr, post_ptr, n, NORM, POST)
-    if PDL == 0:  # the deferred norm's reads of the kernel before, under the loop's loads (norm.deferred_reads)
+    if PDL == 0:  # the deferred norm's reads of the kernel before, under the loop's loads (deferred_reads)
         rstd, res, w = deferred_reads(slots_ptr, n_slots, H_rows, eps, res_ptr, norm_ptr, n, BN, SCALED, DEFER, SLOTS)
     total = _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K, split_chunks, magic, WL, WH, MID, ASYM,
                       G, C, BN, ACT >= 0, EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS, AHEAD, PDL)
@@ -207,7 +208,7 @@ class GroupedIntLinear(GroupedIntPrefill, KernelLinear):
         self.pairs = (self.wl, self.wh, self.asym, dtype) == (4, 0, False, torch.bfloat16)
 
     glu_scale = True  # an elastic FFN level's scale in the gate/up epilogue (_matvec's `scale`)
-    deferrable = True  # the residual norm left to the next projection (norm.Deferred)
+    deferrable = True  # the residual norm left to the next projection (deferred_norm.Deferred)
 
     def candidates(self, mode, rows=None, cols=None):
         n, k = self.matvec_shape(mode, rows, cols)

@@ -30,8 +30,9 @@ from .common import (
     prefix_rows,
     prefix_split,
 )
+from .deferred_norm import deferred_args, deferred_epilogue, deferred_reads
 from .dependent import release_next, wait_previous
-from .norm import deferred_args, deferred_epilogue, deferred_reads, finish_partials, holds_row, prefetch_norms
+from .norm import finish_partials, holds_row, prefetch_norms
 from .prefill import matmul_blocks, matmul_prefix, plain_tile, store_plain
 from .tiles import (
     dot_tile,
@@ -228,12 +229,12 @@ def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, split, flip
     (norm.Finish), so no residual-norm launch follows; PREFETCH: program (0, 0) first asks L2 for the
     norm weights that program reads (bulk prefetches, sm_90), so they are not a DRAM latency at the end.
     DEFER (one split, plain rows): the rows go into the residual and the norm is left to the next
-    projection (norm.Deferred); SCALED: x is such a deferred row, the sums are multiplied by its 1 / rms.
+    projection (deferred_norm.Deferred); SCALED: x is such a deferred row, the sums are multiplied by its 1 / rms.
     PDL: launched as a programmatic dependent (dependent.py): fp8 loads its first weights before it waits
     for the kernel before."""
     if PREFETCH:
         prefetch_norms(norm_ptr, post_ptr, n, NORM, POST)
-    if PDL == 0:  # the deferred norm's reads of the kernel before, under the loop's loads (norm.deferred_reads)
+    if PDL == 0:  # the deferred norm's reads of the kernel before, under the loop's loads (deferred_reads)
         rstd, res, w = deferred_reads(slots_ptr, n_slots, H_rows, eps, res_ptr, norm_ptr, n, BN, SCALED, DEFER, SLOTS)
     rows, row_mask = tile_rows(tl.program_id(0), n, BN, ACT >= 0)
     if FP8 and AHEAD:  # v_ptr: int32 words; split and STEP in chunks of 8 columns
@@ -282,7 +283,7 @@ def _matmul_kernel(x_ptr, v_ptr, scale_ptr, bias_ptr, out_ptr, T, N, K, KS, n1, 
 class Rowwise8Linear(KernelLinear):
     """An int8 or fp8_e4m3 weight."""
 
-    deferrable = True  # the residual norm left to the next projection (norm.Deferred)
+    deferrable = True  # the residual norm left to the next projection (deferred_norm.Deferred)
 
     def __init__(self, record, raw, bias, dtype, device):
         super().__init__(record, raw, bias, dtype, device)
