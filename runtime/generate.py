@@ -124,6 +124,31 @@ def _begin(prompt: list[int], options: GenerationOptions, max_position_embedding
     return cached
 
 
+def _room(runner, cache, prompt_tokens: int, cached: int, max_new_tokens: int):
+    """The cache a generation loop runs on: a fresh one of `runner` (executor or engine) for the prompt and
+    max_new_tokens, or the given one, checked to have room for the uncached prompt and the new tokens."""
+    if cache is None:
+        return runner.new_cache(prompt_tokens + max_new_tokens)
+    cache.check_room(prompt_tokens - cached + max_new_tokens)
+    return cache
+
+
+def _counted(stats: GenerationStats, token: int, started: float, stop_ids: frozenset[int], *,
+             first: bool = False) -> bool:
+    """Count a new token and the seconds since `started` (perf_counter) that made it: the prefill's for the
+    `first`, else a decode step's. True when it is a stop token (not yielded): generation ends there."""
+    elapsed = time.perf_counter() - started
+    if first:
+        stats.prefill_seconds, stats.new_tokens = elapsed, 1
+    else:
+        stats.decode_seconds += elapsed
+        stats.new_tokens += 1
+    if token in stop_ids:
+        stats.stop_reason = "eos"
+        return True
+    return False
+
+
 def generate(executor, prompt_ids: Sequence[int], options: GenerationOptions, *,
              max_position_embeddings: int | None = None, stats: GenerationStats | None = None,
              cache=None) -> Iterator[int]:
@@ -157,16 +182,10 @@ def generate(executor, prompt_ids: Sequence[int], options: GenerationOptions, *,
         length += 1
         return token
 
-    if cache is None:
-        cache = executor.new_cache(len(prompt) + options.max_new_tokens)
-    else:
-        cache.check_room(len(prompt) - cached + options.max_new_tokens)
+    cache = _room(executor, cache, len(prompt), cached, options.max_new_tokens)
     start = time.perf_counter()
     token = pick(prefill(executor, cache, history[cached:len(prompt)].clone()))  # pick() reads back: a sync
-    stats.prefill_seconds = time.perf_counter() - start
-    stats.new_tokens = 1
-    if token in stop_ids:
-        stats.stop_reason = "eos"
+    if _counted(stats, token, start, stop_ids, first=True):
         return
     yield token
     experts = getattr(executor, "expert_cache", None)
@@ -176,13 +195,10 @@ def generate(executor, prompt_ids: Sequence[int], options: GenerationOptions, *,
     # Time only the steps themselves, not what the consumer does between two tokens.
     start = time.perf_counter()
     for step_token in decode_n_tokens(executor, cache, token, options.max_new_tokens - 1, pick, stop_ids):
-        stats.decode_seconds += time.perf_counter() - start
-        stats.new_tokens += 1
         if counted is not None:
             transfers, nbytes = experts.counters()
             stats.expert_transfers, stats.expert_transfer_bytes = transfers - counted[0], nbytes - counted[1]
-        if step_token in stop_ids:
-            stats.stop_reason = "eos"
+        if _counted(stats, step_token, start, stop_ids):
             return
         yield step_token
         start = time.perf_counter()
@@ -242,10 +258,7 @@ def engine_generate(engine, prompt_ids: Sequence[int], options: GenerationOption
     cached = _begin(prompt, options, max_position_embeddings, cache, stats)
     if cached is None:
         return
-    if cache is None:
-        cache = engine.new_cache(len(prompt) + options.max_new_tokens)
-    else:
-        cache.check_room(len(prompt) - cached + options.max_new_tokens)
+    cache = _room(engine, cache, len(prompt), cached, options.max_new_tokens)
     cache.reserve(len(prompt) + options.max_new_tokens)
     stop_ids = frozenset(options.stop_token_ids)
     sampler = engine.sampler(options)
@@ -253,10 +266,7 @@ def engine_generate(engine, prompt_ids: Sequence[int], options: GenerationOption
     begin = time.perf_counter()
     engine.prefill(cache, torch.tensor(prompt[cached:], dtype=torch.long), sampler)
     token = int(engine.token)  # the first token: one read-back after prefill
-    stats.prefill_seconds = time.perf_counter() - begin
-    stats.new_tokens = 1
-    if token in stop_ids:
-        stats.stop_reason = "eos"
+    if _counted(stats, token, begin, stop_ids, first=True):
         return
     yield token
     length, fed = cache.length, 0
@@ -264,10 +274,7 @@ def engine_generate(engine, prompt_ids: Sequence[int], options: GenerationOption
         begin = time.perf_counter()
         for token in engine.decode_n_tokens(cache, options.max_new_tokens - 1, sampler, stop_ids):
             fed += 1
-            stats.decode_seconds += time.perf_counter() - begin
-            stats.new_tokens += 1
-            if token in stop_ids:
-                stats.stop_reason = "eos"
+            if _counted(stats, token, begin, stop_ids):
                 return
             yield token
             begin = time.perf_counter()
