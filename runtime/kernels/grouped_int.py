@@ -57,7 +57,7 @@ def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K: tl.constexp
               WL: tl.constexpr, WH: tl.constexpr, MID: tl.constexpr, ASYM: tl.constexpr, G: tl.constexpr,
               C: tl.constexpr, BN: tl.constexpr, GLU: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
               ASM: tl.constexpr, PACKED: tl.constexpr, ZERO_BITS: tl.constexpr, AHEAD: tl.constexpr,
-              PDL: tl.constexpr, flow_ptr, flow_target, FLOW: tl.constexpr, SEG: tl.constexpr, NSEG: tl.constexpr):
+              PDL: tl.constexpr):
     """sum_k W[rows, k] * x[k] over the tile's rows (tiles.tile_rows) and this program's chunks
     (split `program_id(1)`), float32 [rows].
 
@@ -88,18 +88,11 @@ def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K: tl.constexp
     if AHEAD:
         scale_ahead, offset_ahead = _sides(scale_ptr, offset_ptr, pid, n, groups, begin, end, G, C, BN, GLU, EVEN_N,
                                            ASYM, ASM)
-    if FLOW != 2:
-        wait_previous(PDL)
+    wait_previous(PDL)
     release_next(PDL)
-    ready = 0
-    if FLOW == 2:
-        ready = flow_ready(flow_ptr, flow_target, NSEG)
     for c0 in range(begin, end, C):
         chunk = c0 + ci
         cmask = chunk < end
-        if FLOW == 2:  # x's segment of this step written yet? (its producers counted it)
-            while ready <= (32 * c0) // SEG:
-                ready = flow_ready(flow_ptr, flow_target, NSEG)
         if AHEAD:  # this step's, then the next step's (past the end: masked off)
             scale, offset = scale_ahead, offset_ahead
             scale_ahead, offset_ahead = _sides(scale_ptr, offset_ptr, pid, n, groups, c0 + C, end, G, C, BN, GLU,
@@ -114,8 +107,8 @@ def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K: tl.constexp
         if PACKED:
             pairs = tl.zeros([rows.shape[0], C], dtype=tl.int32)  # bf16 pairs (0, 0)
             for o in tl.static_range(4):
-                pairs = word_dot(pairs, low[o], x_pairs(x_ptr, 32 * chunk + 8 * o, cmask, EVEN_K, ASM,
-                                                        ".cg" if FLOW == 2 else ""), magic, ZERO_BITS, ASM)
+                pairs = word_dot(pairs, low[o], x_pairs(x_ptr, 32 * chunk + 8 * o, cmask, EVEN_K, ASM), magic,
+                                 ZERO_BITS, ASM)
             dot = pair_sum(pairs)
         else:
             low_up = upper_halves(low, WL, ASM)
@@ -124,7 +117,7 @@ def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K: tl.constexp
                 high_up = upper_halves(high, WH, ASM)
             dot = tl.zeros([rows.shape[0], C], dtype=tl.float32)
             for o in tl.static_range(4):
-                xs = x_octet(x_ptr, 32 * chunk + 8 * o, cmask, EVEN_K, ".cg" if FLOW == 2 else "")
+                xs = x_octet(x_ptr, 32 * chunk + 8 * o, cmask, EVEN_K)
                 # Symmetric: u - MID through the low plane's add; the high plane's codes weigh 2^WL.
                 dot = octet_dot(dot, low, low_up, xs, o, WL, 0 if ASYM else MID, 1.0, False, magic)
                 if WH > 0:
@@ -140,17 +133,6 @@ def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K: tl.constexp
         else:
             acc += scale.to(tl.float32) * dot
     return tl.sum(acc, axis=1)
-
-
-@triton.jit
-def flow_ready(flow_ptr, target, NSEG: tl.constexpr):
-    """How many leading segments of x its producers have all written (their counters at `target`),
-    read with acquire semantics; a CTA barrier then orders every lane's later loads after it."""
-    s = tl.arange(0, NSEG)
-    counts = tl.atomic_add(flow_ptr + s, 0, sem="acquire")
-    ready = tl.min(tl.where(counts >= target, NSEG, s), axis=0)
-    tl.debug_barrier()
-    return ready
 
 
 @triton.jit
@@ -177,8 +159,7 @@ def _matvec_kernel(low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, level_ptr
                    POST: tl.constexpr = False, NORM: tl.constexpr = False, H_BLOCK: tl.constexpr = 1,
                    N_PARTS: tl.constexpr = 0, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = 0,
                    slots_ptr=None, n_slots=0, H_rows=1, DEFER: tl.constexpr = False, SCALED: tl.constexpr = False,
-                   SLOTS: tl.constexpr = 1, flow_ptr=None, flow_next_ptr=None, flow_target=0,
-                   FLOW: tl.constexpr = 0, SEG: tl.constexpr = 1, NSEG: tl.constexpr = 1):
+                   SLOTS: tl.constexpr = 1):
     """Program (i, s): output rows i*BN.., chunks of split s. With ACT >= 0 the weight is [gate; up]
     and the tile holds both rows of each output (gate row r, up row n + r), one pass over x; LEVEL:
     the product times level_ptr[r] (an elastic FFN level's scale, instead of a launch of its own).
@@ -193,8 +174,7 @@ def _matvec_kernel(low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, level_ptr
     if PDL == 0:  # the deferred norm's reads of the kernel before, under the loop's loads (deferred_reads)
         rstd, res, w = deferred_reads(slots_ptr, n_slots, H_rows, eps, res_ptr, norm_ptr, n, BN, SCALED, DEFER, SLOTS)
     total = _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K, split_chunks, magic, WL, WH, MID, ASYM,
-                      G, C, BN, ACT >= 0, EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS, AHEAD, PDL, flow_ptr, flow_target,
-                      FLOW, SEG, NSEG)
+                      G, C, BN, ACT >= 0, EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS, AHEAD, PDL)
     if PDL != 0:
         rstd, res, w = deferred_reads(slots_ptr, n_slots, H_rows, eps, res_ptr, norm_ptr, n, BN, SCALED, DEFER, SLOTS)
     total = deferred_epilogue(total, rstd, res, w, n, BN, bias_ptr, HAS_BIAS, res_ptr, normed_ptr, slots_ptr, SCALED,
@@ -203,24 +183,9 @@ def _matvec_kernel(low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, level_ptr
         store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL, level_ptr)
     elif not DEFER:  # a producer's rows are stored by deferred_epilogue
         store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL)
-    if FLOW == 1:  # a producer of the next matvec's x: count this tile's rows as written
-        flow_count(flow_ptr, flow_next_ptr, BN, SEG, NSEG)
     if FINISH:
         finish_partials(counter_ptr, res_ptr, out_ptr, finish_bias_ptr, post_ptr, norm_ptr, normed_ptr, n,
                         tl.num_programs(1), post_eps, eps, FINISH_BIAS, POST, NORM, H_BLOCK, N_PARTS)
-
-
-@triton.jit
-def flow_count(flow_ptr, flow_next_ptr, BN: tl.constexpr, SEG: tl.constexpr, NSEG: tl.constexpr):
-    """After a program's stores: add one to its segment's counter (release, after a CTA barrier, so
-    every lane's stores come before it); program 0 also zeroes the counters `flow_next_ptr` of the
-    next such pair of launches."""
-    pid = tl.program_id(0)
-    tl.debug_barrier()
-    tl.atomic_add(flow_ptr + (pid * BN) // SEG, 1, sem="release")
-    if pid == 0:
-        s = tl.arange(0, NSEG)
-        tl.store(flow_next_ptr + s, tl.zeros([NSEG], dtype=tl.int32))
 
 
 class GroupedIntLinear(GroupedIntPrefill, KernelLinear):
@@ -281,7 +246,7 @@ class GroupedIntLinear(GroupedIntPrefill, KernelLinear):
                 if holds_row(c.num_warps, self.out_features) and c.split <= max_split]
 
     def _matvec(self, x, out, config, act, partial, rows=None, cols=None, scale=None, finish=None, defer=None,
-                rstd=None, flow=None):
+                rstd=None):
         n, programs, config = prefix_rows(self, config, act, rows)
         config, launch = chunk_prefix(config, self.in_features, cols)
         bias = self.bias if self.bias is not None else x
@@ -303,7 +268,7 @@ class GroupedIntLinear(GroupedIntPrefill, KernelLinear):
             HAS_BIAS=self.bias is not None, PARTIAL=partial, PACKED=config.packed,
             ZERO_BITS=zero_pair(self.mid) if config.packed else 0, AHEAD=ahead, LEVEL=scale is not None,
             num_warps=config.num_warps, **(finish.launch_args(config.split, n) if finish is not None else {}),
-            **deferred_args(defer, rstd, config, programs, n, act, partial), **pdl, **(flow or {}))
+            **deferred_args(defer, rstd, config, programs, n, act, partial), **pdl)
         return config.split
 
 def _steps(K: int, config: MatvecConfig) -> int:

@@ -111,16 +111,16 @@ def _halves(a, b, HIGH: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def x_pairs(x_ptr, first, cmask, EVEN: tl.constexpr, ASM: tl.constexpr, CACHE: tl.constexpr = ""):
+def x_pairs(x_ptr, first, cmask, EVEN: tl.constexpr, ASM: tl.constexpr):
     """bf16 activations at columns first + 0..7 of each chunk (`first` [C], even) as the four pairs
     (x_k, x_{k+4}), k = 0..3, each int32 [C]: one 16-byte load per lane of the columns' four words
     ((x_0, x_1), (x_2, x_3), ...), regrouped in registers (byte permutes, shared by every row)."""
     words_ptr = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     offs = (first // 2)[:, None] + tl.arange(0, 4)[None, :]
     if EVEN:  # noqa: SIM108  (constexpr branches: only one is compiled)
-        t = tl.load(words_ptr + offs, cache_modifier=CACHE)
+        t = tl.load(words_ptr + offs)
     else:
-        t = tl.load(words_ptr + offs, mask=cmask[:, None], other=0, cache_modifier=CACHE)
+        t = tl.load(words_ptr + offs, mask=cmask[:, None], other=0)
     e, o = tl.split(tl.reshape(t, [first.shape[0], 2, 2]))
     w0, w2 = tl.split(e)
     w1, w3 = tl.split(o)

@@ -84,16 +84,16 @@ def glu_halves(total, BN: tl.constexpr):
 
 
 @triton.jit
-def x_octet(x_ptr, first, cmask, EVEN: tl.constexpr, CACHE: tl.constexpr = ""):
+def x_octet(x_ptr, first, cmask, EVEN: tl.constexpr):
     """x at columns first + 0..7 for each chunk (`first` [C]): a tuple of eight float32 [C].
 
     One 16-byte load per lane ([C, 8], 8 per lane when C >= the program's lanes), split in
     registers: the eight results keep the chunk-per-lane layout of the weight tiles."""
     offs = first[:, None] + tl.arange(0, 8)[None, :]
     if EVEN:  # noqa: SIM108  (constexpr branches: only one is compiled)
-        xs = tl.load(x_ptr + offs, cache_modifier=CACHE)
+        xs = tl.load(x_ptr + offs)
     else:
-        xs = tl.load(x_ptr + offs, mask=cmask[:, None], other=0.0, cache_modifier=CACHE)
+        xs = tl.load(x_ptr + offs, mask=cmask[:, None], other=0.0)
     return octet_split(xs)
 
 
