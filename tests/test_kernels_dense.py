@@ -113,8 +113,8 @@ def test_a_candidate_that_does_not_compile_is_skipped(monkeypatch):
     stored = {}
     monkeypatch.setattr(tuning, "interpreting", lambda: False)
     monkeypatch.setattr(tuning, "median_ms", lambda launch, **timing: launch() or launch.speed)
-    monkeypatch.setattr(tuning, "_cache_key", lambda op, mode, *_: f"{op.configs}|{mode}")
-    monkeypatch.setattr(tuning._TuneCache, "get", classmethod(lambda cls: type(
+    monkeypatch.setattr(tuning, "cache_key", lambda op, mode, *_: f"{op.configs}|{mode}")
+    monkeypatch.setattr(tuning.TuneCache, "get", classmethod(lambda cls: type(
         "Cache", (), {"lookup": lambda self, key: None, "store": lambda self, key, c: stored.update({key: c})})()))
 
     def launcher(op, config, mode, rows=None, cols=None):
@@ -177,11 +177,11 @@ def test_precompile_launches_each_untuned_candidate_once(monkeypatch):
 
     monkeypatch.setattr(tuning, "interpreting", lambda: False)
     monkeypatch.setattr(tuning, "_launcher", launcher)
-    monkeypatch.setattr(tuning, "_cache_key", lambda op, mode, *_: f"{op.shape}|{mode}")
+    monkeypatch.setattr(tuning, "cache_key", lambda op, mode, *_: f"{op.shape}|{mode}")
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
     cached = MatvecConfig(16, 4, 1, 4)
-    monkeypatch.setattr(tuning._TuneCache, "get", classmethod(lambda cls: type(
+    monkeypatch.setattr(tuning.TuneCache, "get", classmethod(lambda cls: type(
         "Cache", (), {"lookup": lambda self, key: cached if key == "cached|direct" else None})()))
 
     rows = {"qkv": 6144, "gate_up": 28672, "cached": 1024, "untuned": 2048, "single": 512}
@@ -203,7 +203,7 @@ def test_precompile_launches_each_untuned_candidate_once(monkeypatch):
     assert sorted(launched) == [("g0", "glu", "a"), ("g0", "glu", "b"), ("q0", "direct", "a"), ("q0", "direct", "b")]
     # Two weights of one kind are chosen over both in turn: their cached choice has a key of its own.
     cached_in_turn = MatvecConfig(16, 4, 1, 4)
-    monkeypatch.setattr(tuning._TuneCache, "get", classmethod(lambda cls: type(
+    monkeypatch.setattr(tuning.TuneCache, "get", classmethod(lambda cls: type(
         "Cache", (), {"lookup": lambda self, key: cached_in_turn if key == "qkv|direct in turn" else None})()))
     launched.clear()
     pair = [(Op("q0", "qkv", [cached_in_turn, "x"]), "direct"), (Op("q1", "qkv", [cached_in_turn, "x"]), "direct")]
@@ -274,8 +274,8 @@ def test_weights_of_one_kind_are_timed_in_turn_and_take_one_choice(monkeypatch):
     timed, stored = [], {}
     speeds = {"slow": 2.0, "fast": 1.0}
     monkeypatch.setattr(tuning, "interpreting", lambda: False)
-    monkeypatch.setattr(tuning, "_cache_key", lambda op, mode, *_: f"{op.out_features}|{mode}")
-    monkeypatch.setattr(tuning._TuneCache, "get", classmethod(lambda cls: type(
+    monkeypatch.setattr(tuning, "cache_key", lambda op, mode, *_: f"{op.out_features}|{mode}")
+    monkeypatch.setattr(tuning.TuneCache, "get", classmethod(lambda cls: type(
         "Cache", (), {"lookup": lambda self, key: None, "store": lambda self, key, c: stored.update({key: c})})()))
 
     def time(op, config, mode, rows=None, cols=None, ops=()):
@@ -344,7 +344,7 @@ def test_cache_key_names_the_candidates(monkeypatch):
 
     old = [MatvecConfig(4, 256, 1, 2), MatvecConfig(8, 256, 1, 2)]
     new = old + [MatvecConfig(4, 256, 1, 2, ahead=2)]
-    key = tuning._cache_key(Op(), "direct", old)
-    assert key == tuning._cache_key(Op(), "direct", list(old))
-    assert key != tuning._cache_key(Op(), "direct", new)
-    assert key != tuning._cache_key(Op(), "partial", old)
+    key = tuning.cache_key(Op(), "direct", old)
+    assert key == tuning.cache_key(Op(), "direct", list(old))
+    assert key != tuning.cache_key(Op(), "direct", new)
+    assert key != tuning.cache_key(Op(), "partial", old)

@@ -105,7 +105,7 @@ def test_choose_finish_times_a_column_prefix(monkeypatch):
     from thin.runtime.kernels import tuning
     from thin.runtime.kernels.norm import choose_finish
 
-    monkeypatch.setattr(tuning, "_small", lambda op: False)
+    monkeypatch.setattr(tuning, "small_weight", lambda op: False)
     monkeypatch.setattr(tuning, "compile_launches", lambda jobs, report=True: None)
     ran = []
 

@@ -159,10 +159,10 @@ def test_precompile_takes_each_prefix_apart_from_the_whole_weight(monkeypatch):
     monkeypatch.setattr(tuning, "interpreting", lambda: False)
     monkeypatch.setattr(tuning, "_launcher", lambda op, config, mode, rows=None, cols=None:
                         lambda: launched.append((mode, rows, cols, config)))
-    monkeypatch.setattr(tuning, "_cache_key", lambda op, mode, *_: mode)
+    monkeypatch.setattr(tuning, "cache_key", lambda op, mode, *_: mode)
     monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
-    monkeypatch.setattr(tuning._TuneCache, "get", classmethod(lambda cls: type(
+    monkeypatch.setattr(tuning.TuneCache, "get", classmethod(lambda cls: type(
         "Cache", (), {"lookup": lambda self, key: None})()))
 
     class Op:

@@ -62,7 +62,7 @@ def compile_one(src: str, dst: str, quant: str, levels: str | None, calib_tokens
     # here; the same products up to summation order; the decode engine later tunes the fused shapes it runs).
     from thin.runtime.kernels import tuning
 
-    tuning._small = lambda op: True
+    tuning.small_weight = lambda op: True
     options = {"quant": quant, **({"group_size": 128} if quant == "int4" else {})}
     if levels:
         options.update(ffn_levels=levels, ffn_per_layer=per_layer, calib_tokens=calib_tokens, device="cuda")

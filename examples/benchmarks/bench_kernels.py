@@ -158,12 +158,12 @@ def bench_linear(fmt: str, name: str, sweep: bool, bandwidth: float, tune: bool 
     tuned = [r for r in good if r["config"] in [c.__dict__ for c in chosen]]
     if tune and tuned:
         from thin.runtime.kernels.common import MatvecConfig
-        from thin.runtime.kernels.tuning import _cache_key, _TuneCache, _tuned_mode
+        from thin.runtime.kernels.tuning import TuneCache, _tuned_mode, cache_key
 
         mode_name = "direct" if mode == "plain" else mode
         fastest = min(tuned, key=lambda r: r["us"])
         for in_turn in (False, True):  # timed past L2: the engine's choice over a model's weights in turn too
-            _TuneCache.get().store(_cache_key(ops[0], _tuned_mode(mode_name, None, None, in_turn), chosen),
+            TuneCache.get().store(cache_key(ops[0], _tuned_mode(mode_name, None, None, in_turn), chosen),
                                    MatvecConfig(**fastest["config"]))
     row = {"format": fmt, "shape": name, "n": n, "k": k, "mode": mode, "bytes": nbytes, "best": best,
            "best_of_default_candidates": min(tuned, key=lambda r: r["us"]) if tuned else None, "all": results}

@@ -1,5 +1,5 @@
 """What the linear kernel families share: the LinearOp they serve and the launch configuration
-each weight runs with, chosen once per (family, shape) and cached on disk.
+each weight runs with (MatvecConfig; tuning.py chooses it once per kind of weight and caches it on disk).
 
 A family (one file per format family) subclasses `KernelLinear` and supplies three launchers:
 `_matvec` (one row of activations: the decode path), `_matmul` (many rows: prefill) and the

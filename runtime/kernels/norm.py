@@ -269,11 +269,11 @@ def choose_finish(ops, max_split: int, post: bool, norm: bool, eps: float = 1e-5
     Timed on scratch rows (random x, norm weights of ones when `post` / `norm`) as the decode step's CUDA
     graph runs them: back to back, each launch on the next of `ops` in turn, so that (with enough of
     them) the weights come from DRAM, not L2. Weights the tuner does not time (too small,
-    tuning._small, or not to be tuned, LinearOp.tune) keep the separate launches."""
-    from .tuning import _small
+    tuning.small_weight, or not to be tuned, LinearOp.tune) keep the separate launches."""
+    from .tuning import small_weight
 
     op = ops[0]
-    if _small(op) or not op.tune:
+    if small_weight(op) or not op.tune:
         return None
     H, device = op.out_features, op.device
     x = torch.randn(op.in_features if cols is None else cols, device=device).to(op.dtype)

@@ -11,9 +11,9 @@ import torch
 import triton
 import triton.language as tl
 
-from . import interpreting
+from . import interpreting, tuning
 from .common import KernelLinear, interpreter_block, next_power_of_2
-from .tuning import _cache_key, _small, _TuneCache, compile_launches, median_ms_or_inf
+from .tuning import compile_launches, median_ms_or_inf
 
 
 @dataclass(frozen=True)
@@ -104,11 +104,11 @@ def choose_matmul(op: KernelLinear, T: int, N: int, K: int, candidates: list[Mat
     `token_bucket(T)`, else the fastest candidate timed on the real weight with `run(config, x)`
     over random x of the bucket's rows (then cached), after compiling them all on host threads
     (`compile_launches`). A candidate that does not compile is skipped."""
-    if interpreting() or not op.tune or len(candidates) == 1 or op.device.type != "cuda" or _small(op):
+    if tuning.untuned(op, candidates):
         return candidates[0]
     bucket = token_bucket(T)
-    key = _cache_key(op, f"matmul {bucket}x{N}x{K}", candidates)
-    cache = _TuneCache.get()
+    key = tuning.cache_key(op, f"matmul {bucket}x{N}x{K}", candidates)
+    cache = tuning.TuneCache.get()
     hit = cache.lookup(key, MatmulConfig)
     if hit is not None and hit in candidates:
         return hit

@@ -1,6 +1,6 @@
 """The launch tuner: which of its candidate configurations (KernelLinear.candidates) each weight's matvec
 runs with, chosen once per kind of weight by timing the candidates on the device, in turn over the weights
-the decode step reads one after another, and kept in a cache of choices on disk (`_TuneCache`); with the
+the decode step reads one after another, and kept in a cache of choices on disk (`TuneCache`); with the
 host threads that compile the candidates first (`precompile`) and the GPU timer every tuner of the runtime
 uses (`median_ms`: the prefill tilings, the finishing norms, the attention, the batch schemes).
 """
@@ -50,10 +50,10 @@ def choose(op: KernelLinear, mode: str, rows: int | None = None, cols: int | Non
     stays in the 50 MB L2 when it is smaller (llama-8b's o, qkv and down, and every elastic FFN
     prefix of down), and its timing then favours the tiles that are fastest out of L2."""
     candidates = op.candidates(mode, rows, cols)
-    if interpreting() or not op.tune or len(candidates) == 1 or op.device.type != "cuda" or _small(op):
+    if untuned(op, candidates):
         return candidates[0]
-    key = _cache_key(op, _tuned_mode(mode, rows, cols, bool(peers)), candidates)
-    cache = _TuneCache.get()
+    key = cache_key(op, _tuned_mode(mode, rows, cols, bool(peers)), candidates)
+    cache = TuneCache.get()
     hit = cache.lookup(key)
     if hit is not None and hit in candidates:
         return hit
@@ -96,9 +96,16 @@ def choose_together(uses) -> None:
             op._configs[config_key(mode, rows, cols)] = config
 
 
-def _small(op: KernelLinear) -> bool:
+def small_weight(op: KernelLinear) -> bool:
     """Weights under 4 MiB take microseconds whatever the tiles: not worth compiling candidates for."""
     return op.in_features * op.out_features < 4 * 2**20 // 2
+
+
+def untuned(op: KernelLinear, candidates: Sequence) -> bool:
+    """Whether `op` takes its first candidate untimed (this tuner's `choose`, the prefill tuner's
+    prefill.choose_matmul): under the interpreter, off a CUDA device, for an op not to be tuned
+    (`LinearOp.tune`), a small weight, or a single candidate."""
+    return interpreting() or not op.tune or len(candidates) == 1 or op.device.type != "cuda" or small_weight(op)
 
 
 def _launcher(op: KernelLinear, config: MatvecConfig, mode: str, rows: int | None = None, cols: int | None = None,
@@ -159,13 +166,13 @@ def precompile(uses, workers: int | None = None) -> int:
     fails here is left to `choose`, which times it as before (and skips it when it cannot compile)."""
     if interpreting():
         return 0
-    cache, jobs, seen = _TuneCache.get(), [], set()
+    cache, jobs, seen = TuneCache.get(), [], set()
     for mode, rows, cols, ops in weight_kinds(uses).values():
         op = ops[0]
-        if not op.tune or op.device.type != "cuda" or _small(op):
+        if not op.tune or op.device.type != "cuda" or small_weight(op):
             continue
         candidates = op.candidates(mode, rows, cols)
-        key = _cache_key(op, _tuned_mode(mode, rows, cols, len(ops) > 1), candidates)  # as choose looks it up
+        key = cache_key(op, _tuned_mode(mode, rows, cols, len(ops) > 1), candidates)  # as choose looks it up
         if len(candidates) == 1 or key in seen or cache.lookup(key) in candidates:
             continue
         seen.add(key)
@@ -257,7 +264,7 @@ def median_ms(launch, repeats: int = 7, inner: int = 5, device=None) -> float:
     return sorted(times)[len(times) // 2]
 
 
-def _cache_key(op: KernelLinear, mode: str, candidates: Sequence = ()) -> str:
+def cache_key(op: KernelLinear, mode: str, candidates: Sequence = ()) -> str:
     """The cache of choices' key: the weight's kind, the mode, the device, Triton's version and a digest of
     the candidates timed, so that a choice made among other candidates (an older thin) is timed again."""
     import hashlib
@@ -271,11 +278,11 @@ def _cache_key(op: KernelLinear, mode: str, candidates: Sequence = ()) -> str:
             f"{str(op.dtype).removeprefix('torch.')}|{mode}|{device}|triton {triton.__version__}|of {timed}")
 
 
-class _TuneCache:
+class TuneCache:
     """Chosen configurations by key, in ~/.cache/thin/kernel-configs.json (THIN_CACHE_DIR overrides
     the folder). A missing or unreadable file is an empty cache; writes are atomic."""
 
-    _instance: _TuneCache | None = None
+    _instance: TuneCache | None = None
 
     def __init__(self, path: Path):
         self.path = path
@@ -285,7 +292,7 @@ class _TuneCache:
             self.entries = {}
 
     @classmethod
-    def get(cls) -> _TuneCache:
+    def get(cls) -> TuneCache:
         if cls._instance is None:
             folder = Path(os.environ.get("THIN_CACHE_DIR") or Path.home() / ".cache" / "thin")
             cls._instance = cls(folder / "kernel-configs.json")
