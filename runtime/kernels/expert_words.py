@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .expert_rows import _e8m0, _part
-from .pairs import pair_fma, pair_sum, word_dot, x_pairs
+from .pairs import CODE_UNIT, pair_fma, pair_sum, word_dot, x_pairs
 from .tiles import chunk_side, octet_dot, plane_words, tile_rows, tile_starts, upper_halves, x_octet, x_sum8
 
 
@@ -72,9 +72,8 @@ def words_dot(base, offs, x_ptr, pid, n, K, magic, FMT: tl.constexpr, SUB: tl.co
 
     Each step covers C chunks of 32 columns of every row: the low plane's WL words (and the high
     plane's WH) of each row and chunk in one load per lane, x loaded once per chunk and shared by
-    the rows. PACKED (symmetric int4, bf16 x 4-byte aligned; magic = pairs.PAIR_MAGIC, ZERO_BITS =
-    pairs.zero_pair(8)), or mxfp4 under bf16 x: products summed as bf16 pairs within a chunk; else magic =
-    2^23's bits."""
+    the rows. PACKED (symmetric int4, bf16 x 4-byte aligned; ZERO_BITS = pairs.code_zero(8)), or mxfp4
+    under bf16 x: products summed as bf16 pairs within a chunk; magic = 2^23's bits (the float path's)."""
     MX: tl.constexpr = FMT == 4
     WL: tl.constexpr = 2 if SUB == 3 else 4  # the low (or mxfp4's only) plane's bits
     WH: tl.constexpr = 0 if MX else SUB - WL
@@ -106,8 +105,8 @@ def words_dot(base, offs, x_ptr, pid, n, K, magic, FMT: tl.constexpr, SUB: tl.co
         elif PACKED:
             pairs = tl.zeros([rows.shape[0], C], dtype=tl.int32)  # bf16 pairs (0, 0)
             for o in tl.static_range(4):
-                pairs = word_dot(pairs, low[o], x_pairs(x_ptr, 32 * chunk + 8 * o, cmask, EVEN_K, ASM), magic,
-                                 ZERO_BITS, ASM)
+                pairs = word_dot(pairs, low[o], x_pairs(x_ptr, 32 * chunk + 8 * o, cmask, EVEN_K, ASM), ZERO_BITS,
+                                 ASM)
             dot = pair_sum(pairs)
         elif MX:
             dot = tl.zeros([rows.shape[0], C], dtype=tl.float32)
@@ -138,4 +137,6 @@ def words_dot(base, offs, x_ptr, pid, n, K, magic, FMT: tl.constexpr, SUB: tl.co
             acc += scale.to(tl.float32) * dot + offset.to(tl.float32) * xsum[None, :]
         else:
             acc += scale.to(tl.float32) * dot
+    if PACKED and not MX:
+        acc = acc * CODE_UNIT  # word_dot's unit (exact: a power of 2)
     return tl.sum(acc, axis=1)

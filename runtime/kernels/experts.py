@@ -49,7 +49,7 @@ from .expert_rows import FORMAT_CODES, GINT, MXFP4, SUPPORTED, ExpertGroup, row_
 from .expert_tiles import ExpertConfig, RouterConfig, expert_candidates, router_candidates, routings
 from .expert_words import words_dot
 from .norm import finish_partials, prefetch_norms
-from .pairs import PAIR_MAGIC, zero_pair
+from .pairs import code_zero
 from .tiles import activate, glu_halves
 from .tuning import compile_launches, median_ms_or_inf
 
@@ -457,9 +457,9 @@ class MoEKernels:
 
     def _common(self, g: ExpertGroup, config: ExpertConfig, n: int, K: int, x: torch.Tensor) -> dict:
         """The constexprs (and `magic`) every launch of group g's kernel with `config` passes."""
-        words = dict(WORDS=config.words, PACKED=config.packed, ZERO_BITS=zero_pair(8) if config.packed else 0,
+        words = dict(WORDS=config.words, PACKED=config.packed, ZERO_BITS=code_zero(8) if config.packed else 0,
                      EVEN_N=n % config.block_n == 0, EVEN_K=(K // 32) % config.groups == 0,
-                     ASM=common.INLINE_ASM and not interpreting(), magic=PAIR_MAGIC if config.packed else MAGIC_BITS)
+                     ASM=common.INLINE_ASM and not interpreting(), magic=MAGIC_BITS)
         if config.words and (g.fmt not in (GINT, MXFP4) or g.group % 32 or K % 32):
             raise ValueError(f"whole-word expert tiles read grouped ints of 32-column groups and mxfp4, not {config}")
         if config.packed and not ((g.fmt == MXFP4 or (g.dt == 4 and not g.asym)) and x.dtype == torch.bfloat16

@@ -36,7 +36,7 @@ from .deferred_norm import deferred_args, deferred_epilogue, deferred_reads
 from .dependent import release_next, wait_previous
 from .grouped_int_prefill import GroupedIntPrefill
 from .norm import finish_partials, holds_row, prefetch_norms
-from .pairs import PAIR_MAGIC, pair_sum, word_dot, x_pairs, zero_pair
+from .pairs import CODE_UNIT, code_zero, pair_sum, word_dot, x_pairs
 from .tiles import (
     chunk_side,
     octet_dot,
@@ -65,8 +65,9 @@ def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K: tl.constexp
     words and the chunk's activations are loaded once per lane, the codes of an octet of columns
     become floats in place (zero point folded in) and go into a per-chunk dot product, which is
     scaled by the chunk's group scale once (a chunk never straddles a group: G >= 32). PACKED
-    (symmetric 4-bit codes, bf16 x; magic = pairs.PAIR_MAGIC, ZERO_BITS = pairs.zero_pair(MID)):
-    the chunk's products are summed as bf16 pairs, word o of a row holding octet o's codes.
+    (symmetric 4-bit codes, bf16 x; ZERO_BITS = pairs.code_zero(MID)): the chunk's products are summed
+    as bf16 pairs, word o of a row holding octet o's codes (in units of pairs.CODE_UNIT, put back at the
+    end).
     AHEAD >= 1: the group scales (and offsets) are loaded one step ahead. ptxas sinks a load next to
     its first use, and theirs is the end of a step: loaded in the step before, their memory latency
     overlaps a whole step's math instead of following it. AHEAD 2: the low plane's words too, two
@@ -107,8 +108,8 @@ def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K: tl.constexp
         if PACKED:
             pairs = tl.zeros([rows.shape[0], C], dtype=tl.int32)  # bf16 pairs (0, 0)
             for o in tl.static_range(4):
-                pairs = word_dot(pairs, low[o], x_pairs(x_ptr, 32 * chunk + 8 * o, cmask, EVEN_K, ASM), magic,
-                                 ZERO_BITS, ASM)
+                pairs = word_dot(pairs, low[o], x_pairs(x_ptr, 32 * chunk + 8 * o, cmask, EVEN_K, ASM), ZERO_BITS,
+                                 ASM)
             dot = pair_sum(pairs)
         else:
             low_up = upper_halves(low, WL, ASM)
@@ -132,6 +133,8 @@ def _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K: tl.constexp
             acc += scale.to(tl.float32) * dot + offset.to(tl.float32) * xsum[None, :]
         else:
             acc += scale.to(tl.float32) * dot
+    if PACKED:
+        acc = acc * CODE_UNIT  # the pairs' unit (exact: a power of 2)
     return tl.sum(acc, axis=1)
 
 
@@ -262,11 +265,11 @@ class GroupedIntLinear(GroupedIntPrefill, KernelLinear):
         _matvec_kernel[(programs, config.split)](
             self.low32, self.high32, self.scales, self.offsets, bias, x if scale is None else scale, x, out, n,
             self.in_features, launch.split_chunks,
-            PAIR_MAGIC if config.packed else MAGIC_BITS,
+            MAGIC_BITS,
             WL=self.wl, WH=self.wh, MID=self.mid, ASYM=self.asym, G=self.group, C=launch.chunks,
             BN=config.block_n, EVEN_N=n % config.block_n == 0, EVEN_K=launch.even, ASM=launch.asm, ACT=act,
             HAS_BIAS=self.bias is not None, PARTIAL=partial, PACKED=config.packed,
-            ZERO_BITS=zero_pair(self.mid) if config.packed else 0, AHEAD=ahead, LEVEL=scale is not None,
+            ZERO_BITS=code_zero(self.mid) if config.packed else 0, AHEAD=ahead, LEVEL=scale is not None,
             num_warps=config.num_warps, **(finish.launch_args(config.split, n) if finish is not None else {}),
             **deferred_args(defer, rstd, config, programs, n, act, partial), **pdl)
         return config.split

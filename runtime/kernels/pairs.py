@@ -1,18 +1,23 @@
 """Packed bfloat16 pairs for the chunk-scheme matvecs (tiles.py): two 4-bit weights an instruction.
 
 Every value here is an int32 holding two bfloat16 (low half, high half), so the layout is explicit
-and the same in the GPU's inline PTX and in the plain-Triton twin the interpreter runs. For a word
-w of a 4-bit plane (code j at bits 4j) and k in 0..3,
+and the same in the GPU's inline PTX and in the plain-Triton twin the interpreter runs. A bf16 whose
+bits b are below 256 is b * 2^-133 exactly (the subnormals and the first normal binade share one
+unit), so both nibbles of a 16-bit half's low byte are numbers as they stand: for a word w of a
+4-bit plane (code j at bits 4j) and its second bytes v = w >> 8,
 
-    (w >> 4k) & 0x000F000F | 0x43004300  ==  bf16 pair (128 + u_k, 128 + u_{k+4})    (exact)
+    w & 0x000F000F  ==  bf16 pair (u_0, u_4) * 2^-133          w & 0x00F000F0  ==  (u_1, u_5) * 2^-129
+    v & 0x000F000F  ==  (u_2, u_6) * 2^-133                    v & 0x00F000F0  ==  (u_3, u_7) * 2^-129
 
-(bf16 has 7 mantissa bits: a nibble at bits 0..3 of each half lands in the mantissa of 128.0,
-whose unit is 1), one fused multiply-add of the pair by (1, 1) plus (-128 - ZERO, ...) makes it the
-exact small integers (u - ZERO), and one more multiplies it by the activations of the same two
-columns, (x_k, x_{k+4}), into a bf16 pair of running sums. A 32-column chunk (one group scale)
-sums 16 products in each half; the two halves are then widened to float32, added and scaled in
-float32 as the float path does. Per 8 weights: 3 shifts, 4 logic ops, 8 pair FMAs, against 8 logic
-ops, 8 adds and 8 FMAs of the float path.
+(exact). One fused multiply-add of the pair by (2^126, 2^126) (or 2^122) plus (-ZERO, -ZERO) * 2^-7
+makes it the exact small integers (u - ZERO) * 2^-7, and one more multiplies it by the activations of
+the same two columns, (x_k, x_{k+4}), into a bf16 pair of running sums. A 32-column chunk (one group
+scale) sums 16 products in each half; the two halves are then widened to float32, added and scaled
+in float32 as the float path does, and the caller multiplies its row sums by CODE_UNIT (2^7) once at
+the end. Every value is exactly 2^-7 times what the codes OR-ed into bf16 128.0 give (a shift per code,
+PAIR_MAGIC; grouped_int_batch's arithmetic), so the roundings are the same. Per 8 weights: 1 shift,
+4 logic ops, 8 pair FMAs, against 3 shifts, 4 logic ops and 8 pair FMAs that way, and 8 logic ops, 8
+adds and 8 FMAs on the float path.
 
 Precision: the pair FMA rounds each running sum to bf16 (8 significant bits), so a chunk's sum of
 16 products carries about 2^-9 of its size in rounding; on random weights (groups of 128) and
@@ -31,15 +36,30 @@ ONE2 = tl.constexpr(0x3F803F80)  # bf16 pair (1.0, 1.0)
 PAIR_MAGIC = 0x43004300  # bf16 pair (128.0, 128.0), passed to the kernels as an argument
 LOW_NIBBLES = tl.constexpr(0x000F000F)
 HIGH_HALF = tl.constexpr(-65536)  # 0xFFFF0000 as an int32
+UP_FIRST = tl.constexpr(0x7E807E80)  # bf16 pair (2^126, 2^126): a half's first nibble to u * 2^-7
+UP_SECOND = tl.constexpr(0x7C807C80)  # (2^122, 2^122): its second nibble (u * 2^-129) to u * 2^-7
+HIGH_NIBBLES = tl.constexpr(0x00F000F0)
+CODE_UNIT = tl.constexpr(128.0)  # word_dot's sums are the products' sums / 2^7
+
+
+def _pair_bits(value: float) -> int:
+    """The int32 bits of the bf16 pair (value, value) (value exact in bf16)."""
+    import struct
+
+    bits = struct.unpack("<I", struct.pack("<f", value))[0] >> 16
+    word = bits | bits << 16
+    return word - (1 << 32) if word >= 1 << 31 else word
 
 
 def zero_pair(zero: int) -> int:
-    """The int32 bits of the bf16 pair (-(128 + zero), -(128 + zero)) (exact for zero < 128)."""
-    import struct
+    """The int32 bits of the bf16 pair (-(128 + zero), -(128 + zero)) (exact for zero < 128): the
+    zero point after a code OR-ed into 128.0 (PAIR_MAGIC; grouped_int_batch's arithmetic)."""
+    return _pair_bits(-(128.0 + zero))
 
-    bits = struct.unpack("<I", struct.pack("<f", -(128.0 + zero)))[0] >> 16
-    word = bits | bits << 16
-    return word - (1 << 32) if word >= 1 << 31 else word
+
+def code_zero(zero: int) -> int:
+    """The int32 bits of the bf16 pair (-zero, -zero) * 2^-7: word_dot's ZERO_BITS."""
+    return _pair_bits(-zero / 128.0)
 
 
 @triton.jit
@@ -81,15 +101,10 @@ def pair_fma(a, b, c, ASM: tl.constexpr):
 
 
 @triton.jit
-def code_pair(word, k: tl.constexpr, magic, ZERO_BITS: tl.constexpr, ASM: tl.constexpr):
-    """(u_k - ZERO, u_{k+4} - ZERO) as a bf16 pair, for the 4-bit codes k and k + 4 of int32 words
-    (code j at bits 4j; `magic`: PAIR_MAGIC as a run-time value, so it stays in a register where a
-    second constant would be re-materialised next to every mask; ZERO_BITS: zero_pair(ZERO)). The
-    shift is arithmetic, harmless: the mask keeps bits up to 19, and 4k + 19 <= 31."""
-    biased = ((word >> (4 * k)) & LOW_NIBBLES) | magic  # (128 + u_k, 128 + u_{k+4}), one LOP3
-    one = tl.full([1, 1], ONE2, tl.int32)
-    zero = tl.full([1, 1], ZERO_BITS, tl.int32)
-    return pair_fma(biased, one, zero, ASM)
+def _codes(nibbles, up, ZERO_BITS: tl.constexpr, ASM: tl.constexpr):
+    """A pair of nibbles as they stand (bf16 u * 2^-133 or u * 2^-129) to (u - ZERO) * 2^-7, exactly
+    (`up`: UP_FIRST or UP_SECOND; ZERO_BITS: code_zero(ZERO))."""
+    return pair_fma(nibbles, tl.full([1, 1], up, tl.int32), tl.full([1, 1], ZERO_BITS, tl.int32), ASM)
 
 
 @triton.jit
@@ -130,13 +145,16 @@ def x_pairs(x_ptr, first, cmask, EVEN: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def word_dot(acc, word, xp, magic, ZERO_BITS: tl.constexpr, ASM: tl.constexpr):
+def word_dot(acc, word, xp, ZERO_BITS: tl.constexpr, ASM: tl.constexpr):
     """acc (bf16 pairs [rows, C]) + the products of the 8 codes of `word` [rows, C] with their
-    activations (xp: x_pairs of the word's 8 columns; magic: PAIR_MAGIC): pair k holds columns k
-    and k + 4."""
-    for k in tl.static_range(4):
-        acc = pair_fma(code_pair(word, k, magic, ZERO_BITS, ASM), xp[k][None, :], acc, ASM)
-    return acc
+    activations (xp: x_pairs of the word's 8 columns; ZERO_BITS: code_zero(ZERO)), in units of
+    2^-7 (CODE_UNIT): pair k holds columns k and k + 4. The shift is arithmetic, harmless: the masks
+    keep bits up to 23 of the shifted word."""
+    second = word >> 8
+    acc = pair_fma(_codes(word & LOW_NIBBLES, UP_FIRST, ZERO_BITS, ASM), xp[0][None, :], acc, ASM)
+    acc = pair_fma(_codes(word & HIGH_NIBBLES, UP_SECOND, ZERO_BITS, ASM), xp[1][None, :], acc, ASM)
+    acc = pair_fma(_codes(second & LOW_NIBBLES, UP_FIRST, ZERO_BITS, ASM), xp[2][None, :], acc, ASM)
+    return pair_fma(_codes(second & HIGH_NIBBLES, UP_SECOND, ZERO_BITS, ASM), xp[3][None, :], acc, ASM)
 
 
 @triton.jit
@@ -145,4 +163,5 @@ def pair_sum(acc):
     return _low(acc) + _high(acc)
 
 
-__all__ = ["PAIR_MAGIC", "code_pair", "pair_fma", "pair_sum", "triton", "word_dot", "x_pairs", "zero_pair"]
+__all__ = ["CODE_UNIT", "PAIR_MAGIC", "code_zero", "pair_fma", "pair_sum", "triton", "word_dot", "x_pairs",
+           "zero_pair"]
