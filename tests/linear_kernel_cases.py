@@ -93,18 +93,26 @@ def pairs_reference(op, dense, x) -> torch.Tensor:
     """What the bf16-pair arithmetic computes, in torch (float32 [N]): per 32-column chunk and row,
     columns 8o + k and 8o + k + 4 (octet o, k < 4) summed in two bf16 running sums (each product,
     exact in float32, added with one float32 and one bf16 rounding, as the kernel's plain-Triton
-    twin does), then the halves added and scaled by the group scale in float32."""
+    twin does), then the halves added and scaled by the chunk's scale in float32. The kernels' products
+    are these times a power of 2 (int4: 2^-7, mxfp4: 2^-26), which rounds the same."""
     n, k = dense.shape
-    scales = op.scales.float().cpu()
-    codes = torch.round(dense.view(n, k // op.group, op.group) / scales[:, :, None])  # u - zero point
+    scales = chunk_scales(op)
+    codes = dense / scales.repeat_interleave(32, 1)  # int4: u - zero point; mxfp4: the E2M1 values (exact)
     codes = codes.view(n, k // 32, 4, 2, 4)  # [row, chunk, octet, half, k]
     xs = x.float().cpu().view(k // 32, 4, 2, 4)
     acc = torch.zeros(n, k // 32, 2)
     for o in range(4):
         for j in range(4):
             acc = (codes[:, :, o, :, j] * xs[:, o, :, j] + acc).bfloat16().float()
-    chunk_scales = scales.repeat_interleave(op.group // 32, 1)
-    return (chunk_scales * acc.sum(-1)).sum(-1)
+    return (scales * acc.sum(-1)).sum(-1)
+
+
+def chunk_scales(op) -> torch.Tensor:
+    """float32 [N, K / 32]: the scale of each 32-column chunk of a grouped-int or mxfp4 op's rows."""
+    if hasattr(op, "group"):
+        return op.scales.float().cpu().repeat_interleave(op.group // 32, 1)
+    exponents = op.scales.cpu().view(op.out_features, -1).to(torch.int32)
+    return torch.where(exponents == 0, torch.tensor(2.0**-127), torch.exp2(exponents.float() - 127))
 
 
 def check_matmul(op, dense, bias, dtype, rows=5, *, seed=3):

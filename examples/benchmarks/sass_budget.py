@@ -74,11 +74,11 @@ def compile_launch(fmt: str, shape: str, config_text: str):
     from triton.runtime import driver
 
     from thin.ir import Encoding, Tensor, formats
-    from thin.runtime.kernels import grouped_int, rowwise8
+    from thin.runtime.kernels import grouped_int, mxfp4, rowwise8
     from thin.runtime.kernels.common import MatvecConfig
 
     driver.set_active(_Sm90())
-    for module in (grouped_int, rowwise8):  # once a process: a second call finds them wrapped
+    for module in (grouped_int, mxfp4, rowwise8):  # once a process: a second call finds them wrapped
         for name, value in vars(module).copy().items():
             if isinstance(value, triton.runtime.jit.JITFunction) and name.endswith("_kernel"):
                 setattr(module, name, _CompileOnly(value))
@@ -87,9 +87,9 @@ def compile_launch(fmt: str, shape: str, config_text: str):
     params = formats.get(fmt).normalize({})
     raw = formats.encode(fmt, 0.02 * torch.randn(rows, k), params)
     record = Tensor("w", "ffn.down", 0, (rows, k), Encoding(fmt, params), "bf16")
-    factory = {"int4": grouped_int.make, "int8": rowwise8.make, "fp8_e4m3": rowwise8.make}.get(fmt)
+    factory = {"int4": grouped_int.make, "int8": rowwise8.make, "fp8_e4m3": rowwise8.make, "mxfp4": mxfp4.make}.get(fmt)
     if factory is None:
-        raise SystemExit(f"sass_budget knows the grouped-int and rowwise8 matvecs (int4, int8, fp8_e4m3), not {fmt}")
+        raise SystemExit(f"sass_budget knows the int4, int8, fp8_e4m3 and mxfp4 matvecs, not {fmt}")
     op = factory(record, raw, None, torch.device("cpu"), torch.bfloat16)
     config = eval(f"MatvecConfig({config_text})", {"MatvecConfig": MatvecConfig})  # noqa: S307 (a developer's flag)
     x = torch.randn(k).to(torch.bfloat16)

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .expert_rows import _e8m0, _part
-from .pairs import CODE_UNIT, pair_fma, pair_sum, word_dot, x_pairs
+from .pairs import CODE_UNIT, SUM_UP, e2m1_word_dot, pair_sum, word_dot, x_pairs
 from .tiles import chunk_side, octet_dot, plane_words, tile_rows, tile_starts, upper_halves, x_octet, x_sum8
 
 
@@ -43,23 +43,8 @@ def _e2m1_term(acc, w, x, P: tl.constexpr):
     return acc + (magnitude | sign).to(tl.float32, bitcast=True) * x
 
 
-@triton.jit
-def _e2m1_pair(w, k: tl.constexpr):
-    """2^-126 * E2M1 of codes k and k + 4 of words w as bf16 pairs (low half code k): each code's
-    magnitude bits to bits 6..8 of its half, its sign to bit 15."""
-    MS: tl.constexpr = 6 - 4 * k
-    if MS >= 0:  # noqa: SIM108  (constexpr branches: only one is compiled)
-        magnitude = (w << MS) & 0x01C001C0
-    else:
-        magnitude = (w >> -MS) & 0x01C001C0
-    return magnitude | ((w << (12 - 4 * k)) & PAIR_SIGNS)
-
-
-PAIR_SIGNS = tl.constexpr(-2147450880)  # 0x80008000 as an int32
-X_UP_PAIR = tl.constexpr(0x71807180)  # the bf16 pair (2^100, 2^100)
 SIGN_BIT = tl.constexpr(-2147483648)  # 0x80000000 as an int32
 X_UP = tl.constexpr(1.2676506002282294e30)  # 2^100: mxfp4's products x * 2^-126 * value stay normal
-SUM_UP = tl.constexpr(67108864.0)  # 2^26 = 2^126 / 2^100
 
 
 @triton.jit
@@ -95,12 +80,8 @@ def words_dot(base, offs, x_ptr, pid, n, K, magic, FMT: tl.constexpr, SUB: tl.co
         xsum = tl.zeros([C], dtype=tl.float32)
         if PACKED and MX:
             pairs = tl.zeros([rows.shape[0], C], dtype=tl.int32)  # bf16 pairs (0, 0)
-            up = tl.full([1], X_UP_PAIR, tl.int32)
             for o in tl.static_range(4):
-                xp = x_pairs(x_ptr, 32 * chunk + 8 * o, cmask, EVEN_K, ASM)
-                for k in tl.static_range(4):
-                    xk = pair_fma(xp[k], up, tl.zeros([1], dtype=tl.int32), ASM)  # exact: a power of 2
-                    pairs = pair_fma(_e2m1_pair(low[o], k), xk[None, :], pairs, ASM)
+                pairs = e2m1_word_dot(pairs, low[o], x_pairs(x_ptr, 32 * chunk + 8 * o, cmask, EVEN_K, ASM), ASM)
             dot = pair_sum(pairs)
         elif PACKED:
             pairs = tl.zeros([rows.shape[0], C], dtype=tl.int32)  # bf16 pairs (0, 0)

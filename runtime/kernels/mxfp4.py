@@ -4,11 +4,14 @@ A code's float bits are built in place: its 3 magnitude bits go to float32 bits 
 to bit 31, which is the E2M1 value times 2^-126 (code 1, 0.5, lands on a float32 subnormal; the
 multiply by 2^126 is exact and the GPU keeps subnormals in plain float32 arithmetic). The matvec
 runs the chunk scheme (tiles.py): a lane owns one block (32 columns, four words) of its rows, and
-the block's dot product is scaled once by its 2^(e - 127). Prefill dequantizes [BN, BK] tiles for
-tl.dot.
+the block's dot product is scaled once by its 2^(e - 127). Under bf16 activations the launch tuner also
+has the bf16 pairs (pairs.py: two products an instruction, a block summed in bf16, as the mxfp4 experts
+do). Prefill dequantizes [BN, BK] tiles for tl.dot.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import triton
@@ -19,6 +22,7 @@ from thin.ir.formats.mxfp4 import BLOCK
 from . import interpreting
 from .chunks import chunk_candidates, chunk_prefix
 from .common import KernelLinear, MatvecConfig, prefix_rows
+from .pairs import SUM_UP, e2m1_word_dot, pair_sum, x_pairs
 from .prefill import MatmulConfig, TiledPrefill, plain_tile, store_plain
 from .tiles import (
     chunk_side,
@@ -68,8 +72,9 @@ def _octet(acc, word, xs):
 
 @triton.jit
 def _rows_dot(v_ptr, e_ptr, x_ptr, n, K: tl.constexpr, split_chunks, C: tl.constexpr, BN: tl.constexpr,
-              GLU: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr):
-    """sum_k W[rows, k] x[k] over the tile's rows and this program's blocks, float32 [rows]."""
+              GLU: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, PACKED: tl.constexpr):
+    """sum_k W[rows, k] x[k] over the tile's rows and this program's blocks, float32 [rows]. PACKED (bf16 x):
+    a block's products summed as bf16 pairs, two an instruction (pairs.e2m1_word_dot)."""
     pid = tl.program_id(0)
     rows, row_mask = tile_rows(pid, n, BN, GLU)
     total = K // 32
@@ -82,9 +87,15 @@ def _rows_dot(v_ptr, e_ptr, x_ptr, n, K: tl.constexpr, split_chunks, C: tl.const
         chunk = c0 + ci
         cmask = chunk < end
         words = plane_words(v_ptr, starts, row_mask, c0, end, C, 4, EVEN_N, EVEN_K, ASM)
-        dot = tl.zeros([rows.shape[0], C], dtype=tl.float32)
-        for o in tl.static_range(4):
-            dot = _octet(dot, words[o], x_octet(x_ptr, 32 * chunk + 8 * o, cmask, EVEN_K))
+        if PACKED:
+            pairs = tl.zeros([rows.shape[0], C], dtype=tl.int32)  # bf16 pairs (0, 0)
+            for o in tl.static_range(4):
+                pairs = e2m1_word_dot(pairs, words[o], x_pairs(x_ptr, 32 * chunk + 8 * o, cmask, EVEN_K, ASM), ASM)
+            dot = pair_sum(pairs) * SUM_UP
+        else:
+            dot = tl.zeros([rows.shape[0], C], dtype=tl.float32)
+            for o in tl.static_range(4):
+                dot = _octet(dot, words[o], x_octet(x_ptr, 32 * chunk + 8 * o, cmask, EVEN_K))
         e = chunk_side(e_ptr, pid, n, total, c0, end, 1, C, BN, GLU, EVEN_N, EVEN_K, ASM)
         acc += _block_scale(e.to(tl.int32)) * dot
     return tl.sum(acc, axis=1)
@@ -93,9 +104,9 @@ def _rows_dot(v_ptr, e_ptr, x_ptr, n, K: tl.constexpr, split_chunks, C: tl.const
 @triton.jit
 def _matvec_kernel(v_ptr, e_ptr, bias_ptr, x_ptr, out_ptr, n, K: tl.constexpr, split_chunks, C: tl.constexpr,
                    BN: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, ACT: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
+                   HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, PACKED: tl.constexpr):
     """Program (i, s): output rows i*BN.., blocks of split s; ACT >= 0: gate and up rows in one tile."""
-    total = _rows_dot(v_ptr, e_ptr, x_ptr, n, K, split_chunks, C, BN, ACT >= 0, EVEN_N, EVEN_K, ASM)
+    total = _rows_dot(v_ptr, e_ptr, x_ptr, n, K, split_chunks, C, BN, ACT >= 0, EVEN_N, EVEN_K, ASM, PACKED)
     store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL)
 
 
@@ -168,16 +179,21 @@ class MxFp4Linear(TiledPrefill, KernelLinear):
 
     def candidates(self, mode: str, rows: int | None = None, cols: int | None = None) -> list[MatvecConfig]:
         n, k = self.matvec_shape(mode, rows, cols)
-        return chunk_candidates(n, k, BLOCK, mode, 4)
+        base = chunk_candidates(n, k, BLOCK, mode, 4)
+        # Under bf16 activations also the bf16 pairs (pairs.py; the plain float32 arithmetic stays first, the
+        # untimed default).
+        return base + [replace(c, packed=True) for c in base] if self.dtype == torch.bfloat16 else base
 
     def _matvec(self, x, out, config, act, partial, rows=None, cols=None):
         n, programs, config = prefix_rows(self, config, act, rows)
         config, launch = chunk_prefix(config, self.in_features, cols, BLOCK)
+        if config.packed and not (x.dtype == torch.bfloat16 and x.data_ptr() % 4 == 0):
+            raise ValueError(f"mxfp4 {config}: bf16 pairs need bfloat16 activations (got {x.dtype}), 4-byte aligned")
         _matvec_kernel[(programs, config.split)](
             self.words, self.scales, self.bias if self.bias is not None else x, x, out, n, self.in_features,
             launch.split_chunks, C=launch.chunks, BN=config.block_n, EVEN_N=n % config.block_n == 0,
             EVEN_K=launch.even, ASM=launch.asm, ACT=act, HAS_BIAS=self.bias is not None, PARTIAL=partial,
-            num_warps=config.num_warps)
+            PACKED=bool(config.packed), num_warps=config.num_warps)
         return config.split
 
     def _launch_matmul(self, x, N, K, n1, block, config: MatmulConfig):

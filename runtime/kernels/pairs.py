@@ -157,11 +157,42 @@ def word_dot(acc, word, xp, ZERO_BITS: tl.constexpr, ASM: tl.constexpr):
     return pair_fma(_codes(second & HIGH_NIBBLES, UP_SECOND, ZERO_BITS, ASM), xp[3][None, :], acc, ASM)
 
 
+PAIR_SIGNS = tl.constexpr(-2147450880)  # 0x80008000 as an int32
+X_UP_PAIR = tl.constexpr(0x71807180)  # the bf16 pair (2^100, 2^100): mxfp4's x, so products stay normal
+SUM_UP = tl.constexpr(67108864.0)  # 2^26 = 2^126 / 2^100: an mxfp4 chunk's pair sum back to value * x
+
+
+@triton.jit
+def e2m1_pair(w, k: tl.constexpr):
+    """2^-126 * E2M1 of the mxfp4 codes k and k + 4 of words w as bf16 pairs (low half code k): each
+    code's magnitude bits to bits 6..8 of its half, its sign to bit 15 (bf16 has float32's exponent
+    range, so 2^-126 times a value is exact, subnormal for the code 0.5). Times x_pairs' pair k scaled by
+    X_UP_PAIR, every product is value * x * 2^-26, a normal number."""
+    MS: tl.constexpr = 6 - 4 * k
+    if MS >= 0:  # noqa: SIM108  (constexpr branches: only one is compiled)
+        magnitude = (w << MS) & 0x01C001C0
+    else:
+        magnitude = (w >> -MS) & 0x01C001C0
+    return magnitude | ((w << (12 - 4 * k)) & PAIR_SIGNS)
+
+
+@triton.jit
+def e2m1_word_dot(acc, word, xp, ASM: tl.constexpr):
+    """acc (bf16 pairs [rows, C]) + value * x * 2^-26 over the 8 mxfp4 codes of `word` [rows, C] (xp:
+    x_pairs of the word's 8 columns): pair k holds columns k and k + 4. Sum with pair_sum, times SUM_UP."""
+    up = tl.full([1], X_UP_PAIR, tl.int32)
+    zero = tl.zeros([1], dtype=tl.int32)
+    for k in tl.static_range(4):
+        xk = pair_fma(xp[k], up, zero, ASM)  # exact: a power of 2
+        acc = pair_fma(e2m1_pair(word, k), xk[None, :], acc, ASM)
+    return acc
+
+
 @triton.jit
 def pair_sum(acc):
     """The two halves of bf16 pairs, widened to float32 and added."""
     return _low(acc) + _high(acc)
 
 
-__all__ = ["CODE_UNIT", "PAIR_MAGIC", "code_zero", "pair_fma", "pair_sum", "triton", "word_dot", "x_pairs",
-           "zero_pair"]
+__all__ = ["CODE_UNIT", "PAIR_MAGIC", "SUM_UP", "code_zero", "e2m1_word_dot", "pair_fma", "pair_sum", "triton",
+           "word_dot", "x_pairs", "zero_pair"]
