@@ -130,3 +130,25 @@ def check_all(fmt, shape, params=None, dtype=torch.float32, bias=False, activati
     check_matvec(op, dense, b, dtype)
     check_glu(op, dense, b, dtype, activation)
     check_matmul(op, dense, b, dtype)
+
+
+def check_pairs(op, dense, exact, every=True):
+    """Every bf16-pair candidate (plain and split-K; `every` False: the first of each) computes
+    pairs_reference (to `exact`: float32 summation order; bf16 output rounding for the plain one),
+    which a wrong column fails, and stays within PAIRS_TOLERANCE of the float32 product."""
+    x = torch.randn(op.in_features, generator=torch.Generator().manual_seed(1)).bfloat16().to(DEVICE)
+    want = x.float().cpu() @ dense.T
+    emulated = pairs_reference(op, dense, x)
+    swapped = dense.clone()
+    swapped[:, [37, 41]] = swapped[:, [41, 37]]  # two columns 4 apart: what a pair taken from the wrong octet reads
+    wrong = pairs_reference(op, swapped, x)
+    for config in [c for c in op.candidates("partial") if c.packed][:None if every else 1]:
+        op._configs["partial"] = config
+        parts = op.matvec(x, partials=poisoned(8, op.out_features, dtype=torch.float32)).sum(0)
+        assert rel_err(parts, emulated) < exact, (config, rel_err(parts, emulated))
+        assert rel_err(parts, want) < PAIRS_TOLERANCE and rel_err(parts, wrong) > 10 * exact
+    for config in [c for c in op.candidates("direct") if c.packed][:None if every else 1]:
+        op._configs["direct"] = config
+        got = op.matvec(x, out=poisoned(op.out_features, dtype=torch.bfloat16))
+        assert rel_err(got, emulated) < tolerance(torch.bfloat16) / 2, config
+        assert rel_err(got, want) < PAIRS_TOLERANCE

@@ -6,7 +6,15 @@ from functools import partial
 import pytest
 import torch
 from kernel_support import DEVICE, poisoned, rel_err, tolerance
-from linear_kernel_cases import PAIRS_TOLERANCE, check_all, check_glu, check_matvec, make_op, pairs_reference
+from linear_kernel_cases import (
+    PAIRS_TOLERANCE,
+    check_all,
+    check_glu,
+    check_matvec,
+    check_pairs,
+    make_op,
+    pairs_reference,
+)
 
 from thin.runtime.ffn import activate
 
@@ -65,28 +73,6 @@ def pairs_op(shape, group, seed=0):
     for mode in ("direct", "partial", "glu"):
         op._configs[mode] = next(c for c in op.candidates(mode) if c.packed)
     return op, dense
-
-
-def check_pairs(op, dense, exact, every=True):
-    """Every bf16-pair candidate (plain and split-K; `every` False: the first of each) computes
-    pairs_reference (to `exact`: float32 summation order; bf16 output rounding for the plain one),
-    which a wrong column fails, and stays within PAIRS_TOLERANCE of the float32 product."""
-    x = torch.randn(op.in_features, generator=torch.Generator().manual_seed(1)).bfloat16().to(DEVICE)
-    want = x.float().cpu() @ dense.T
-    emulated = pairs_reference(op, dense, x)
-    swapped = dense.clone()
-    swapped[:, [37, 41]] = swapped[:, [41, 37]]  # columns k and k + 4 of an octet: the two halves of a pair
-    wrong = pairs_reference(op, swapped, x)
-    for config in [c for c in op.candidates("partial") if c.packed][:None if every else 1]:
-        op._configs["partial"] = config
-        parts = op.matvec(x, partials=poisoned(8, op.out_features, dtype=torch.float32)).sum(0)
-        assert rel_err(parts, emulated) < exact, (config, rel_err(parts, emulated))
-        assert rel_err(parts, want) < PAIRS_TOLERANCE and rel_err(parts, wrong) > 10 * exact
-    for config in [c for c in op.candidates("direct") if c.packed][:None if every else 1]:
-        op._configs["direct"] = config
-        got = op.matvec(x, out=poisoned(op.out_features, dtype=torch.bfloat16))
-        assert rel_err(got, emulated) < tolerance(torch.bfloat16) / 2, config
-        assert rel_err(got, want) < PAIRS_TOLERANCE
 
 
 @pytest.mark.parametrize("group", [32, 128])

@@ -5,7 +5,7 @@ from dataclasses import replace
 import pytest
 import torch
 from kernel_support import DEVICE, poisoned, rel_err, tolerance
-from linear_kernel_cases import PAIRS_TOLERANCE, check_all, check_glu, check_matvec, make_op, pairs_reference
+from linear_kernel_cases import check_all, check_glu, check_matvec, check_pairs, make_op
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -68,33 +68,10 @@ def test_tiled_prefill_real_shape_on_gpu(T):
 
 # ---- the bf16-pair arithmetic (pairs.e2m1_word_dot), a candidate under bf16 activations ----------------------
 
-def _check_pairs(op, dense, exact, every=True):
-    """Every bf16-pair candidate (plain and split-K; `every` False: the first of each) computes the pairs'
-    emulation (to `exact`), which a code pair taken from the wrong columns fails, and stays within
-    PAIRS_TOLERANCE of the float32 product."""
-    x = torch.randn(op.in_features, generator=torch.Generator().manual_seed(1)).bfloat16().to(DEVICE)
-    want = x.float().cpu() @ dense.T
-    emulated = pairs_reference(op, dense, x)
-    swapped = dense.clone()
-    swapped[:, [33, 37]] = swapped[:, [37, 33]]  # columns k and k + 4 of an octet: the two halves of a pair
-    wrong = pairs_reference(op, swapped, x)
-    assert rel_err(wrong, emulated) > 10 * exact
-    for config in [c for c in op.candidates("partial") if c.packed][:None if every else 1]:
-        op._configs["partial"] = config
-        parts = op.matvec(x, partials=poisoned(8, op.out_features, dtype=torch.float32)).sum(0)
-        assert rel_err(parts, emulated) < exact, (config, rel_err(parts, emulated))
-        assert rel_err(parts, want) < PAIRS_TOLERANCE
-    for config in [c for c in op.candidates("direct") if c.packed][:None if every else 1]:
-        op._configs["direct"] = config
-        got = op.matvec(x, out=poisoned(op.out_features, dtype=torch.bfloat16))
-        assert rel_err(got, emulated) < tolerance(torch.bfloat16) / 2, config
-        assert rel_err(got, want) < PAIRS_TOLERANCE
-
-
 def test_bf16_pairs_match_their_arithmetic_and_the_decode():
     op, dense, _ = make_op("mxfp4", (48, 256), dtype=torch.bfloat16, seed=6)
     assert any(c.packed for c in op.candidates("direct")) and not op.candidates("direct")[0].packed
-    _check_pairs(op, dense, 1e-5)
+    check_pairs(op, dense, 1e-5)
     for mode in ("direct", "partial", "glu"):
         op._configs[mode] = next(c for c in op.candidates(mode) if c.packed)
     check_matvec(op, dense, None, torch.bfloat16)
@@ -118,4 +95,4 @@ def test_bf16_pairs_real_shapes_on_gpu(shape, inline_asm, monkeypatch):
 
     monkeypatch.setattr(common, "INLINE_ASM", inline_asm)
     op, dense, _ = make_op("mxfp4", shape, dtype=torch.bfloat16)
-    _check_pairs(op, dense, 1e-4, every=inline_asm)  # fma.rn.bf16x2 rounds once, the emulation maybe twice
+    check_pairs(op, dense, 1e-4, every=inline_asm)  # fma.rn.bf16x2 rounds once, the emulation maybe twice
