@@ -108,11 +108,13 @@ def pairs_reference(op, dense, x) -> torch.Tensor:
 
 
 def chunk_scales(op) -> torch.Tensor:
-    """float32 [N, K / 32]: the scale of each 32-column chunk of a grouped-int or mxfp4 op's rows."""
-    if hasattr(op, "group"):
-        return op.scales.float().cpu().repeat_interleave(op.group // 32, 1)
-    exponents = op.scales.cpu().view(op.out_features, -1).to(torch.int32)
-    return torch.where(exponents == 0, torch.tensor(2.0**-127), torch.exp2(exponents.float() - 127))
+    """float32 [N, K / 32]: the scale of each 32-column chunk of a grouped-int or mxfp4 op's rows (mxfp4: its
+    E8M0 bytes as the format's decode reads them)."""
+    if op.format == "mxfp4":
+        from thin.ir.formats.mxfp4 import SCALE_BIAS
+
+        return torch.exp2(op.scales.cpu().view(op.out_features, -1).float() - SCALE_BIAS)
+    return op.scales.float().cpu().repeat_interleave(op.group // 32, 1)
 
 
 def check_matmul(op, dense, bias, dtype, rows=5, *, seed=3):

@@ -5,8 +5,9 @@ SASS instructions of the kernel's hot loop, per weight and lane, by opcode.
     python3 examples/benchmarks/sass_budget.py [--format int4] [--shape qkv] [--config "block_n=4, chunk=2048,
         num_warps=2, packed=1"] [--dump FILE]
 
-At llama-8b's bandwidth on an H200 (about 4.3 TB/s, 132 SMs of four schedulers at about 2 GHz) an int4 weight
-(4.125 bits with its scale) allows about 4 instructions a lane before the SMs, not memory, are the limit, and the
+At llama-8b's bandwidth on an H200 an int4 weight (4.125 bits with its scale) allows about 4 instructions a lane
+before the SMs, not memory, are the limit (computed, not measured: 132 SMs x 4 schedulers x 32 lanes x ~1.98 GHz
+= 3.3e13 lane-instructions a second, against 4.3 TB/s x 8 / 4.125 = 8.3e12 weights a second), and the
 matvecs issue from only part of their cycles (latency): BENCHMARKS.md's Round 12 timed a third of the loop's
 instructions removed at 7-10% of the big matvecs. This script is how Round 16 chose its arithmetic before any device
 time. The weights are random and nothing runs: the launch goes through the kernel's own launcher (so every constexpr
