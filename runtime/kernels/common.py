@@ -33,9 +33,7 @@ class MatvecConfig:
     int): 1, each loop step loads the next step's group scales; 2, also the weight words of the step
     after next; (fp8_e4m3) 1 or 2: each loop step loads the weights and activations of the step 1 or
     2 after it, into registers; `stages` (fp8_e4m3, > 1): the loop software-pipelined by Triton
-    instead, over that many buffers in shared memory (asynchronous copies, stages - 1 steps ahead); `mma`
-    (symmetric int4 under bf16 activations, as `packed`, which it replaces): the products on the tensor cores, summed in
-    float32 (mma_pairs.py)."""
+    instead, over that many buffers in shared memory (asynchronous copies, stages - 1 steps ahead)."""
 
     block_n: int
     chunk: int
@@ -44,7 +42,6 @@ class MatvecConfig:
     packed: bool = False
     ahead: int = 0
     stages: int = 0
-    mma: bool = False
 
 
 class KernelLinear(LinearOp):
@@ -265,10 +262,3 @@ MAGIC_BITS = 0x4B000000  # 2^23's float32 bits (tiles.MAGIC), passed as an argum
 def sm_count() -> int:
     """Multiprocessors of the current CUDA device."""
     return torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-
-
-def mma_capable(device: torch.device) -> bool:
-    """Whether `device` runs mma.sync on bf16 (compute capability 8.0 or later; mma_pairs.py): a CUDA GPU, not
-    the interpreter."""
-    return (device.type == "cuda" and not interpreting() and torch.cuda.is_available()
-            and torch.cuda.get_device_capability(device) >= (8, 0))

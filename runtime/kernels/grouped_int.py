@@ -24,7 +24,7 @@ import triton.language as tl
 
 from thin.ir.formats.grouped_int import PLANES
 
-from . import common, dependent
+from . import dependent
 from .chunks import chunk_candidates, chunk_launch, chunk_prefix
 from .common import (
     MAGIC_BITS,
@@ -36,7 +36,6 @@ from .deferred_norm import deferred_args, deferred_epilogue, deferred_reads
 from .dependent import release_next, wait_previous
 from .grouped_int_prefill import GroupedIntPrefill
 from .norm import finish_partials, holds_row, prefetch_norms
-from .mma_pairs import rows_dot_mma
 from .pairs import CODE_UNIT, code_zero, pair_sum, word_dot, x_pairs
 from .tiles import (
     chunk_side,
@@ -163,7 +162,7 @@ def _matvec_kernel(low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, level_ptr
                    POST: tl.constexpr = False, NORM: tl.constexpr = False, H_BLOCK: tl.constexpr = 1,
                    N_PARTS: tl.constexpr = 0, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = 0,
                    slots_ptr=None, n_slots=0, H_rows=1, DEFER: tl.constexpr = False, SCALED: tl.constexpr = False,
-                   SLOTS: tl.constexpr = 1, MMA: tl.constexpr = False):
+                   SLOTS: tl.constexpr = 1):
     """Program (i, s): output rows i*BN.., chunks of split s. With ACT >= 0 the weight is [gate; up]
     and the tile holds both rows of each output (gate row r, up row n + r), one pass over x; LEVEL:
     the product times level_ptr[r] (an elastic FFN level's scale, instead of a launch of its own).
@@ -172,19 +171,13 @@ def _matvec_kernel(low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, level_ptr
     for the norm weights that program reads (as rowwise8's matvec). DEFER (one split, plain rows): the
     rows go into the residual and the norm is left to the next projection (deferred_norm.Deferred); SCALED: x
     is such a deferred row, the sums are multiplied by its 1 / rms. PDL: launched as a programmatic
-    dependent (dependent.py), waiting after its first weights' loads (`_rows_dot`). MMA: the products on the
-    tensor cores (mma_pairs.rows_dot_mma; a dependent waits before its loads)."""
+    dependent (dependent.py), waiting after its first weights' loads (`_rows_dot`)."""
     if PREFETCH:
         prefetch_norms(norm_ptr, post_ptr, n, NORM, POST)
     if PDL == 0:  # the deferred norm's reads of the kernel before, under the loop's loads (deferred_reads)
         rstd, res, w = deferred_reads(slots_ptr, n_slots, H_rows, eps, res_ptr, norm_ptr, n, BN, SCALED, DEFER, SLOTS)
-    if MMA:
-        wait_previous(PDL)
-        release_next(PDL)
-        total = rows_dot_mma(low_ptr, scale_ptr, x_ptr, n, K, split_chunks, G, C, BN, ACT >= 0, ASM, AHEAD)
-    else:
-        total = _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K, split_chunks, magic, WL, WH, MID,
-                          ASYM, G, C, BN, ACT >= 0, EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS, AHEAD, PDL)
+    total = _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K, split_chunks, magic, WL, WH, MID, ASYM,
+                      G, C, BN, ACT >= 0, EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS, AHEAD, PDL)
     if PDL != 0:
         rstd, res, w = deferred_reads(slots_ptr, n_slots, H_rows, eps, res_ptr, norm_ptr, n, BN, SCALED, DEFER, SLOTS)
     total = deferred_epilogue(total, rstd, res, w, n, BN, bias_ptr, HAS_BIAS, res_ptr, normed_ptr, slots_ptr, SCALED,
@@ -231,17 +224,7 @@ class GroupedIntLinear(GroupedIntPrefill, KernelLinear):
         rows = 2 if mode == "glu" else 1
         steps = [c for c in packed if _steps(k, c) > 1]
         return (base + packed + [replace(c, ahead=1) for c in steps]
-                + [replace(c, ahead=2) for c in steps if c.block_n * rows <= 8]
-                + [replace(c, mma=True, ahead=a) for c in base if self._mma_fits(c, n, k, rows)
-                   for a in ((0, 2) if _steps(k, c) > 2 else (0,))])
-
-    def _mma_fits(self, config: MatvecConfig, n: int, k: int, rows: int) -> bool:
-        """Whether `config` can run on the tensor cores (mma_pairs.py): sm_80 or later, groups of a multiple
-        of 128 columns, 2 to 8 weight rows a tile dividing the rows, and steps that cover whole 128-column
-        groups with no step cut short."""
-        launch = chunk_launch(k // 32, config)
-        return (common.mma_capable(self.device) and self.group % 128 == 0 and config.block_n * rows in (2, 4, 8)
-                and n % config.block_n == 0 and launch.even and launch.split_chunks % launch.chunks == 0)
+                + [replace(c, ahead=2) for c in steps if c.block_n * rows <= 8])
 
     # The configuration of `matvec_finish` (norm.choose_finish), None until chosen; over a prefix of the
     # columns (an elastic FFN level's down) each prefix's own, by its columns.
@@ -270,13 +253,9 @@ class GroupedIntLinear(GroupedIntPrefill, KernelLinear):
         n, programs, config = prefix_rows(self, config, act, rows)
         config, launch = chunk_prefix(config, self.in_features, cols)
         bias = self.bias if self.bias is not None else x
-        if (config.packed or config.mma) and not (self.pairs and x.dtype == torch.bfloat16 and x.data_ptr() % 4 == 0):
+        if config.packed and not (self.pairs and x.dtype == torch.bfloat16 and x.data_ptr() % 4 == 0):
             raise ValueError(f"{self.format} {config}: bf16 pairs need symmetric int4, bfloat16 activations "
                              f"(got {x.dtype}) and x 4-byte aligned")
-        if config.mma and not (self.group % 128 == 0 and launch.even and n % config.block_n == 0
-                               and launch.split_chunks % launch.chunks == 0):
-            raise ValueError(f"{self.format} {config}: the tensor-core matvec needs groups of a multiple "
-                             "of 128 columns, whole tiles and whole steps")
         if scale is not None and (act < 0 or scale.shape != out.shape or scale.dtype != out.dtype):
             raise ValueError(f"a gate/up scale must match the output ({tuple(out.shape)} {out.dtype}), got "
                              f"{tuple(scale.shape)} {scale.dtype} (act {act})")
@@ -290,8 +269,7 @@ class GroupedIntLinear(GroupedIntPrefill, KernelLinear):
             WL=self.wl, WH=self.wh, MID=self.mid, ASYM=self.asym, G=self.group, C=launch.chunks,
             BN=config.block_n, EVEN_N=n % config.block_n == 0, EVEN_K=launch.even, ASM=launch.asm, ACT=act,
             HAS_BIAS=self.bias is not None, PARTIAL=partial, PACKED=config.packed,
-            ZERO_BITS=code_zero(self.mid) if config.packed else 0, AHEAD=config.ahead if config.mma else ahead,
-            LEVEL=scale is not None, MMA=config.mma,
+            ZERO_BITS=code_zero(self.mid) if config.packed else 0, AHEAD=ahead, LEVEL=scale is not None,
             num_warps=config.num_warps, **(finish.launch_args(config.split, n) if finish is not None else {}),
             **deferred_args(defer, rstd, config, programs, n, act, partial), **pdl)
         return config.split
