@@ -114,7 +114,7 @@ def test_matvecs_that_finish_the_residual_norm(models, quant):
         assert torch.equal(finishing.logits, plain.logits)
 
 
-@pytest.mark.parametrize("quant", ["int8", "fp8_e4m3", "int4"])
+@pytest.mark.parametrize("quant", ["int8", "fp8_e4m3", "int4", "mxfp4"])
 def test_residual_norms_left_to_the_next_projection(models, quant):
     """defer_norm (the default): every o and down of a dense llama whose consumers' kernels take it leave the
     norm to gate/up, the next qkv or the LM head (kernels/deferred_norm.py Deferred), with no finishing program: the

@@ -1,7 +1,7 @@
 """The residual norm left to the next projection (deferred_norm.Deferred): the producer matvec (o, down) adds its rows
 into the residual and writes residual * norm weight and its programs' sums of squares; a consumer matvec
 (gate/up, qkv, the LM head) reading that row multiplies its sums by 1 / rms. Against add_rmsnorm and the
-consumer's plain matvec of the normed row, for int4 (both arithmetics), int8 and fp8_e4m3."""
+consumer's plain matvec of the normed row, for int4 and mxfp4 (both arithmetics each), int8 and fp8_e4m3."""
 
 from dataclasses import replace
 
@@ -11,7 +11,7 @@ from kernel_support import DEVICE, poisoned, rel_err, tolerance
 from linear_kernel_cases import make_op
 
 FORMATS = [("int4", {"group_size": 32}, False), ("int4", {"group_size": 32}, True), ("int8", {}, False),
-           ("fp8_e4m3", {}, False)]
+           ("fp8_e4m3", {}, False), ("mxfp4", {}, False), ("mxfp4", {}, True)]
 
 
 def _op(fmt, params, packed, shape, dtype, bias, seed, mode="direct"):

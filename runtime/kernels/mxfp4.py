@@ -6,7 +6,8 @@ multiply by 2^126 is exact and the GPU keeps subnormals in plain float32 arithme
 runs the chunk scheme (tiles.py): a lane owns one block (32 columns, four words) of its rows, and
 the block's dot product is scaled once by its 2^(e - 127). Under bf16 activations the launch tuner also
 has the bf16 pairs (pairs.py: two products an instruction, a block summed in bf16, as the mxfp4 experts
-do). Prefill dequantizes [BN, BK] tiles for tl.dot.
+do). The residual norm may be left to the next projection (deferred_norm.Deferred), as the grouped-int and
+8-bit matvecs do. Prefill dequantizes [BN, BK] tiles for tl.dot.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from thin.ir.formats.mxfp4 import BLOCK
 from . import interpreting
 from .chunks import chunk_candidates, chunk_prefix
 from .common import KernelLinear, MatvecConfig, prefix_rows
+from .deferred_norm import deferred_args, deferred_epilogue, deferred_reads
 from .pairs import SUM_UP, e2m1_word_dot, pair_sum, x_pairs
 from .prefill import MatmulConfig, TiledPrefill, plain_tile, store_plain
 from .tiles import (
@@ -104,10 +106,19 @@ def _rows_dot(v_ptr, e_ptr, x_ptr, n, K: tl.constexpr, split_chunks, C: tl.const
 @triton.jit
 def _matvec_kernel(v_ptr, e_ptr, bias_ptr, x_ptr, out_ptr, n, K: tl.constexpr, split_chunks, C: tl.constexpr,
                    BN: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, ASM: tl.constexpr, ACT: tl.constexpr,
-                   HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, PACKED: tl.constexpr):
-    """Program (i, s): output rows i*BN.., blocks of split s; ACT >= 0: gate and up rows in one tile."""
+                   HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, PACKED: tl.constexpr, res_ptr=None, norm_ptr=None,
+                   normed_ptr=None, slots_ptr=None, n_slots=0, H_rows=1, eps=0.0, DEFER: tl.constexpr = False,
+                   SCALED: tl.constexpr = False, SLOTS: tl.constexpr = 1):
+    """Program (i, s): output rows i*BN.., blocks of split s; ACT >= 0: gate and up rows in one tile. DEFER (one
+    split, plain rows): the rows go into the residual and the norm is left to the next projection
+    (deferred_norm.Deferred); SCALED: x is such a deferred row, the sums are multiplied by its 1 / rms."""
+    # The deferred norm's reads of the kernel before, under the loop's loads.
+    rstd, res, w = deferred_reads(slots_ptr, n_slots, H_rows, eps, res_ptr, norm_ptr, n, BN, SCALED, DEFER, SLOTS)
     total = _rows_dot(v_ptr, e_ptr, x_ptr, n, K, split_chunks, C, BN, ACT >= 0, EVEN_N, EVEN_K, ASM, PACKED)
-    store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL)
+    total = deferred_epilogue(total, rstd, res, w, n, BN, bias_ptr, HAS_BIAS, res_ptr, normed_ptr, slots_ptr, SCALED,
+                              DEFER)
+    if not DEFER:  # a producer's rows are stored by deferred_epilogue
+        store_tile(out_ptr, bias_ptr, total, n, BN, ACT, HAS_BIAS, PARTIAL)
 
 
 @triton.jit
@@ -177,6 +188,8 @@ class MxFp4Linear(TiledPrefill, KernelLinear):
         self.words = self.values.view(torch.int32)
         self.scales = self.parts["scales"]
 
+    deferrable = True  # the residual norm left to the next projection (deferred_norm.Deferred)
+
     def candidates(self, mode: str, rows: int | None = None, cols: int | None = None) -> list[MatvecConfig]:
         n, k = self.matvec_shape(mode, rows, cols)
         base = chunk_candidates(n, k, BLOCK, mode, 4)
@@ -184,7 +197,7 @@ class MxFp4Linear(TiledPrefill, KernelLinear):
         # untimed default).
         return base + [replace(c, packed=True) for c in base] if self.dtype == torch.bfloat16 else base
 
-    def _matvec(self, x, out, config, act, partial, rows=None, cols=None):
+    def _matvec(self, x, out, config, act, partial, rows=None, cols=None, defer=None, rstd=None):
         n, programs, config = prefix_rows(self, config, act, rows)
         config, launch = chunk_prefix(config, self.in_features, cols, BLOCK)
         if config.packed and not (x.dtype == torch.bfloat16 and x.data_ptr() % 4 == 0):
@@ -193,7 +206,8 @@ class MxFp4Linear(TiledPrefill, KernelLinear):
             self.words, self.scales, self.bias if self.bias is not None else x, x, out, n, self.in_features,
             launch.split_chunks, C=launch.chunks, BN=config.block_n, EVEN_N=n % config.block_n == 0,
             EVEN_K=launch.even, ASM=launch.asm, ACT=act, HAS_BIAS=self.bias is not None, PARTIAL=partial,
-            PACKED=bool(config.packed), num_warps=config.num_warps)
+            PACKED=bool(config.packed), num_warps=config.num_warps,
+            **deferred_args(defer, rstd, config, programs, n, act, partial))
         return config.split
 
     def _launch_matmul(self, x, N, K, n1, block, config: MatmulConfig):
