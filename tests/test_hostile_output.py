@@ -93,9 +93,11 @@ def test_a_cache_hit_gets_normal_permissions(folder, tmp_path):
         assert stat.S_IMODE(path.stat().st_mode) == 0o644, path
 
 
-# Compiles FOLDER to OUT slowly (a pause after each tensor), saying when it has started writing.
+# Compiles FOLDER to OUT slowly (a pause after each tensor), saying when it has started writing. Ctrl-C's
+# default handler is put back: a child of a background job inherits SIGINT ignored, as no terminal's would be.
 CHILD = r"""
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
 import thin.artifacts.writer as writer
 from thin.compiler import cli
 real = writer.ArtifactWriter.add_tensor
