@@ -159,7 +159,6 @@ class DecodeEngine:
             hopper = self.use_graphs and torch.cuda.get_device_capability(self.device) >= (9, 0)
             dependent_launch = ATTENTION if hopper else False
         self._dependent = dependent_launch if isinstance(dependent_launch, frozenset) else bool(dependent_launch)
-        self._early: frozenset = frozenset()  # dependents releasing theirs before their wait (dependent.launching)
         # {layer index: append_attend's repeat} of the layers whose attention appends (warm_up times it).
         self._appending = appending_layers(executor, timed=False) if fused_attention else {}
         if finish_norm:
@@ -265,7 +264,7 @@ class DecodeEngine:
         cache.out_tokens[step]), then advance pos and step. Reads nothing from the host."""
         from .kernels.dependent import launching
 
-        with launching(self._dependent, self._early):
+        with launching(self._dependent):
             self._step(cache, sampler)
 
     def _section(self, name: str):
@@ -373,7 +372,7 @@ class DecodeEngine:
             self.decode_one_token(cache, sampler)
             return
         # A captured step holds its launches' sizes and addresses: one per sampler, FFN level and launch kind.
-        key = (sampler.key, self.ffn_key(), self._dependent, self._early)
+        key = (sampler.key, self.ffn_key(), self._dependent)
         captured = cache.graphs.get(key)
         if captured is not None:
             captured.replay()

@@ -227,7 +227,7 @@ class DecodeAttention:
             self.o, self.m, self.l, self.n, sinks if sinks is not None else self.m, out,
             log if log is not None else self.n, step if step is not None else self.n, self.num_heads, self.head_dim,
             self.splits, SP=sp, BLOCK_D=block_d, SINKS=sinks is not None, LOG=log is not None,
-            num_warps=1 if sp * block_d <= 32 * 128 else 4, **dependent.kernel_args("merge"))
+            num_warps=1 if sp * block_d <= 32 * 128 else 4, **dependent.kernel_args())
 
     @staticmethod
     def ieee(dtype: torch.dtype) -> bool:

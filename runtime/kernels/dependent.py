@@ -16,11 +16,7 @@ finished. Levels:
     1  a dependent's code without the grid-dependency instructions (Triton's interpreter has none), so
        the CPU tests run every reordered load of level 2;
     2  a programmatic dependent (CUDA, launched with `launch_pdl`): loads ahead of the wait, waits, releases;
-    3  a plain launch that releases its dependents at once (the kernel before a level-2 one), the plain code;
-    4  a programmatic dependent that releases its own dependents before its wait (`launching(..., early)`), so
-       theirs are placed, and load what they may, while the kernel before this one still runs. Safe where those
-       dependents read nothing before their wait that the kernel before this one writes: their wait is for this
-       kernel's completion, which comes after that kernel's.
+    3  a plain launch that releases its dependents at once (the kernel before a level-2 one), the plain code.
 
 Launches of kernels that do not take part (torch's, the sampler's, other families') keep full stream
 order. The engine turns it on around its decode step (`launching`: every taking-part launch a dependent, or
@@ -44,23 +40,20 @@ from . import interpreting
 
 _ON = contextvars.ContextVar("thin_dependent_launch", default=False)
 _SECTION = contextvars.ContextVar("thin_dependent_section", default=None)
-_EARLY = contextvars.ContextVar("thin_dependent_early", default=frozenset())
 
 # The decode step's sections (the engine's profiler names) of its attention kernels.
 ATTENTION = frozenset({"attention + qk norm + rope + append", "attention"})
 
 
 @contextlib.contextmanager
-def launching(on, early: frozenset = frozenset()):
+def launching(on):
     """Launch the taking-part kernels inside the block as programmatic dependents (`on` True), plainly
     (False), or only those inside the named sections (`on` a frozenset of `section` names; the others
-    release their dependents at once, level 3). `early`: the dependents, by section or kernel name
-    (`kernel_args`), that release their own dependents before their wait (level 4)."""
-    token, early_token = _ON.set(on if isinstance(on, frozenset) else bool(on)), _EARLY.set(frozenset(early))
+    release their dependents at once, level 3)."""
+    token = _ON.set(on if isinstance(on, frozenset) else bool(on))
     try:
         yield
     finally:
-        _EARLY.reset(early_token)
         _ON.reset(token)
 
 
@@ -84,34 +77,29 @@ def level() -> int:
     return 2 if on is True or _SECTION.get() in on else 3
 
 
-def kernel_args(kernel: str | None = None) -> dict:
+def kernel_args() -> dict:
     """The keywords a taking-part kernel's launch adds now: none plainly, else its PDL constexpr and,
-    for a dependent on the GPU, the launch attribute. `kernel`: the launch's own name, for `early`."""
+    for a dependent on the GPU, the launch attribute."""
     pdl = level()
-    if pdl == 2 and (kernel in _EARLY.get() or _SECTION.get() in _EARLY.get()):
-        pdl = 4
-    return {} if not pdl else {"PDL": pdl, "launch_pdl": True} if pdl in (2, 4) else {"PDL": pdl}
+    return {} if not pdl else {"PDL": 2, "launch_pdl": True} if pdl == 2 else {"PDL": pdl}
 
 
 def preloads(args: dict) -> bool:
     """Whether a launch with `kernel_args()` runs a dependent's code (loads ahead of its wait)."""
-    return args.get("PDL", 0) in (1, 2, 4)
+    return args.get("PDL", 0) in (1, 2)
 
 
 @triton.jit
 def wait_previous(PDL: tl.constexpr):
-    """Block until the previous kernel in the stream has finished and its writes are visible (level 4:
-    having let the next kernel's programs start first)."""
-    if PDL == 4:
-        gdc_launch_dependents()
-    if PDL == 2 or PDL == 4:
+    """Block until the previous kernel in the stream has finished and its writes are visible."""
+    if PDL == 2:
         gdc_wait()
 
 
 @triton.jit
 def release_next(PDL: tl.constexpr):
     """Let the next kernel's programs start (once every program of this launch has said so or exited)."""
-    if PDL == 2 or PDL == 3:
+    if PDL >= 2:
         gdc_launch_dependents()
 
 

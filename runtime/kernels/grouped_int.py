@@ -174,13 +174,11 @@ def _matvec_kernel(low_ptr, high_ptr, scale_ptr, offset_ptr, bias_ptr, level_ptr
     dependent (dependent.py), waiting after its first weights' loads (`_rows_dot`)."""
     if PREFETCH:
         prefetch_norms(norm_ptr, post_ptr, n, NORM, POST)
-    # The deferred norm's reads of the kernel before, under the loop's loads (deferred_reads), where the kernel
-    # waits for nothing inside (a plain launch, PDL 0 or 3); after its loop in a dependent, whose wait is inside.
-    if PDL == 0 or PDL == 3:
+    if PDL == 0:  # the deferred norm's reads of the kernel before, under the loop's loads (deferred_reads)
         rstd, res, w = deferred_reads(slots_ptr, n_slots, H_rows, eps, res_ptr, norm_ptr, n, BN, SCALED, DEFER, SLOTS)
     total = _rows_dot(low_ptr, high_ptr, scale_ptr, offset_ptr, x_ptr, n, K, split_chunks, magic, WL, WH, MID, ASYM,
                       G, C, BN, ACT >= 0, EVEN_N, EVEN_K, ASM, PACKED, ZERO_BITS, AHEAD, PDL)
-    if PDL != 0 and PDL != 3:
+    if PDL != 0:
         rstd, res, w = deferred_reads(slots_ptr, n_slots, H_rows, eps, res_ptr, norm_ptr, n, BN, SCALED, DEFER, SLOTS)
     total = deferred_epilogue(total, rstd, res, w, n, BN, bias_ptr, HAS_BIAS, res_ptr, normed_ptr, slots_ptr, SCALED,
                               DEFER)

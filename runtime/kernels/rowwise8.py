@@ -65,7 +65,7 @@ def _fp8_dot(v_ptr, x_ptr, rows, row_mask, K, split_cols, BK: tl.constexpr, EVEN
     ks = tl.max_contiguous(tl.arange(0, BK), 8)
     row_off = rows.to(tl.int64) * K
     acc = tl.zeros([rows.shape[0], BK], dtype=tl.float32)
-    if (PDL == 1 or PDL == 2 or PDL == 4) and STAGES <= 1:
+    if (PDL == 1 or PDL == 2) and STAGES <= 1:
         w_next = _fp8_weights(v_ptr, row_off, row_mask, begin, end, ks, EVEN_N, False)
         wait_previous(PDL)
         release_next(PDL)
@@ -234,9 +234,7 @@ def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, split, flip
     for the kernel before."""
     if PREFETCH:
         prefetch_norms(norm_ptr, post_ptr, n, NORM, POST)
-    # The deferred norm's reads of the kernel before, under the loop's loads (deferred_reads), where the kernel
-    # waits for nothing inside (a plain launch, PDL 0 or 3); after its loop in a dependent, whose wait is inside.
-    if PDL == 0 or PDL == 3:
+    if PDL == 0:  # the deferred norm's reads of the kernel before, under the loop's loads (deferred_reads)
         rstd, res, w = deferred_reads(slots_ptr, n_slots, H_rows, eps, res_ptr, norm_ptr, n, BN, SCALED, DEFER, SLOTS)
     rows, row_mask = tile_rows(tl.program_id(0), n, BN, ACT >= 0)
     if FP8 and AHEAD:  # v_ptr: int32 words; split and STEP in chunks of 8 columns
@@ -250,7 +248,7 @@ def _matvec_kernel(v_ptr, scale_ptr, bias_ptr, x_ptr, out_ptr, n, K, split, flip
         starts = tile_starts(tl.program_id(0), n, K // 16, BN, ACT >= 0, ASM)
         total = _int8_dot(v_ptr, x_ptr, starts, row_mask, K, split, flip_lo, flip_hi, STEP, EVEN_N, EVEN_K, ASM)
     total *= tl.load(scale_ptr + rows, mask=row_mask, other=0.0)
-    if PDL != 0 and PDL != 3:
+    if PDL != 0:
         rstd, res, w = deferred_reads(slots_ptr, n_slots, H_rows, eps, res_ptr, norm_ptr, n, BN, SCALED, DEFER, SLOTS)
     total = deferred_epilogue(total, rstd, res, w, n, BN, bias_ptr, HAS_BIAS, res_ptr, normed_ptr, slots_ptr, SCALED,
                               DEFER)
