@@ -24,9 +24,11 @@ four logic ops, two mma (codes; the constant -8 for the zero point), against 13 
 
 Status (BENCHMARKS Round 19, one H200): correct on the GPU (`check`: 9e-8 relative against the format's decode;
 `bench`: 4.8e-3 against the shipped bf16 pairs, their own rounding), 1.05 instructions a weight in the loop
-(`sass`), and no faster yet: at its best split qkv 6.29 us against 6.26 shipped, gate/up 18.80 against 18.87,
-down 14.57 against 12.68. This first form loads each group's words in the step that uses them (the shipped
-kernel's words run two steps ahead) and chains each warp's 16 mma serially; those are the next things to try.
+(`sass`), and no faster yet in its first form (one row tile a warp, each group's words loaded in the step that
+uses them): at its best split qkv 6.29 us against 6.26 shipped, gate/up 18.80 against 18.87, down 14.57 against
+12.68. The kernel now also takes MT = 2 row tiles a warp (two independent mma chains sharing the B fragments) and
+AHEAD = 1 (the next group's words and x loaded before this group's mma; unrolled by two, still 1.05 instructions
+a weight on sm_90): checked on the CPU, not yet timed on a GPU (`bench` sweeps them).
 """
 
 from __future__ import annotations
@@ -80,49 +82,98 @@ def _mma(a0, a1, a2, a3, b0, b1, d, ASM: tl.constexpr):
 
 
 @triton.jit
+def _group(w_lo, w_hi, xa_lo, xb_lo, xa_hi, xb_hi, ASM: tl.constexpr):
+    """One row tile's D fragment over one group (128 columns: 8 slices, 8 mma): w_lo / w_hi [L, 4] a lane's words
+    of the group's two steps, xa / xb [L, 4] its B fragments of each step's slices 0, 1 and 2, 3."""
+    zero = tl.zeros([w_lo.shape[0]], dtype=tl.float32)
+    d = (zero, zero, zero, zero)
+    for half in tl.static_range(2):
+        words = w_lo if half == 0 else w_hi
+        xa = xa_lo if half == 0 else xa_hi
+        xb = xb_lo if half == 0 else xb_hi
+        w02, w13 = tl.split(tl.reshape(words, [words.shape[0], 2, 2]))  # slices (0, 2), (1, 3)
+        a0s, a1s = tl.split(tl.reshape(xa, [words.shape[0], 2, 2]))  # b0s, b1s of slices 0, 1
+        c0s, c1s = tl.split(tl.reshape(xb, [words.shape[0], 2, 2]))  # of slices 2, 3
+        for j in tl.static_range(4):
+            w = tl.split(w02 if j % 2 == 0 else w13)[j // 2]
+            b0 = tl.split(a0s if j < 2 else c0s)[j % 2]
+            b1 = tl.split(a1s if j < 2 else c1s)[j % 2]
+            v = w >> 8
+            d = _mma(w & ROW_G, w & ROW_H, v & ROW_G, v & ROW_H, b0, b1, d, ASM)
+    return d
+
+
+@triton.jit
+def _scaled(acc_g, acc_h, d, z, s_ptrs, groups: tl.constexpr):
+    """acc + the group's sums of rows g and g + 8 with the zero point off (z: 8 * sum(x) of the group) and scaled."""
+    acc_g += (d[0] - z * 1.1641532182693481e-10) * tl.load(s_ptrs).to(tl.float32)  # 2^-33
+    acc_h += (d[2] - z * 1.862645149230957e-09) * tl.load(s_ptrs + 8 * groups).to(tl.float32)  # 2^-29
+    return acc_g, acc_h
+
+
+@triton.jit
 def _frag_matvec(w_ptr, s_ptr, x_ptr, z_ptr, out_ptr, N, K: tl.constexpr, SPLIT_K: tl.constexpr, NW: tl.constexpr,
-                 ASM: tl.constexpr):
-    """Program (i, s): row tiles i*NW .. (one a warp, 16 rows each) over columns s*SPLIT_K .. + SPLIT_K; out
+                 ASM: tl.constexpr, MT: tl.constexpr = 1, AHEAD: tl.constexpr = 0, UNROLL: tl.constexpr = 1):
+    """Program (i, s): MT row tiles a warp (16 rows each; NW warps) over columns s*SPLIT_K .. + SPLIT_K; out
     [splits, N] float32 partial sums. w_ptr: int32 fragment words [N/16, K/64, 32, 4]; s_ptr: float16 scales
-    [N, K/128]; x_ptr: int32 bf16 pairs of x * 2^100, [K/64, 4, 4, 2], z_ptr: 8 * sum(x) a group (x_fragments)."""
+    [N, K/128]; x_ptr: int32 bf16 pairs of x * 2^100, [K/64, 4, 4, 2], z_ptr: 8 * sum(x) a group (x_fragments).
+    AHEAD: the next group's words and x are loaded before this group's mma."""
     e = tl.arange(0, 32 * NW)
     if ASM:  # the thread that holds element e: its lane is what the mma reads the registers by
         e = tl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r,r", [e], dtype=tl.int32, is_pure=True, pack=1)
-    tile = tl.program_id(0) * NW + e // 32
+    tile = (tl.program_id(0) * NW + e // 32) * MT
     lane = e % 32
     g = lane // 4
     t = lane % 4
     row_g = tile * 16 + g
     acc_g = tl.zeros([32 * NW], dtype=tl.float32)
     acc_h = tl.zeros([32 * NW], dtype=tl.float32)
+    acc_g1 = tl.zeros([32 * NW], dtype=tl.float32)
+    acc_h1 = tl.zeros([32 * NW], dtype=tl.float32)
     j4 = tl.arange(0, 4)
     steps: tl.constexpr = K // 64
     groups: tl.constexpr = K // 128
+    count: tl.constexpr = SPLIT_K // 128
     first = tl.program_id(1) * (SPLIT_K // 64)
-    # A lane's 16 bytes of fragment words a step, and its 2 x 16 bytes of B fragments (b0s, b1s of the 4 slices).
+    # A lane's 16 bytes of fragment words a step (the next row tile's K/64 * 128 words on), and its 2 x 16 bytes
+    # of B fragments (the (b0, b1) pairs of the step's 4 slices).
     w_ptrs = w_ptr + ((tile * steps + first) * 32 + lane)[:, None] * 4 + j4[None, :]
-    x_ptrs = x_ptr + ((first * 4 + t) * 2)[:, None] * 4 + j4[None, :]
-    s_ptrs = s_ptr + row_g * groups + tl.program_id(1) * (SPLIT_K // 128)
-    for grp in range(SPLIT_K // 128):
-        zero = tl.zeros([32 * NW], dtype=tl.float32)
-        d = (zero, zero, zero, zero)
-        for half in tl.static_range(2):
-            words = tl.load(w_ptrs + half * 128)
-            xa = tl.load(x_ptrs + half * 32)  # (b0, b1) of slices 0 and 1: each pair one mma's B registers
-            xb = tl.load(x_ptrs + half * 32 + 4)  # slices 2 and 3
-            w02, w13 = tl.split(tl.reshape(words, [32 * NW, 2, 2]))  # slices (0, 2), (1, 3)
-            a0s, a1s = tl.split(tl.reshape(xa, [32 * NW, 2, 2]))  # b0s, b1s of slices 0, 1
-            c0s, c1s = tl.split(tl.reshape(xb, [32 * NW, 2, 2]))  # of slices 2, 3
-            for j in tl.static_range(4):
-                w = tl.split(w02 if j % 2 == 0 else w13)[j // 2]
-                b0 = tl.split(a0s if j < 2 else c0s)[j % 2]
-                b1 = tl.split(a1s if j < 2 else c1s)[j % 2]
-                v = w >> 8
-                d = _mma(w & ROW_G, w & ROW_H, v & ROW_G, v & ROW_H, b0, b1, d, ASM)
-        # The zero point: 8 * sum(x) over the group (z_ptr, float32), the same for every row, in each half's unit.
-        z = tl.load(z_ptr + tl.program_id(1) * (SPLIT_K // 128) + grp)
-        acc_g += (d[0] - z * 1.1641532182693481e-10) * tl.load(s_ptrs).to(tl.float32)  # 2^-33
-        acc_h += (d[2] - z * 1.862645149230957e-09) * tl.load(s_ptrs + 8 * groups).to(tl.float32)  # 2^-29
+    x_ptrs = x_ptr + ((first * 4 + t) * 8)[:, None] + j4[None, :]
+    s_ptrs = s_ptr + row_g * groups + tl.program_id(1) * count
+    z_ptrs = z_ptr + tl.program_id(1) * count
+    TILE: tl.constexpr = steps * 128
+    if AHEAD:
+        w_lo, w_hi = tl.load(w_ptrs), tl.load(w_ptrs + 128)
+        if MT == 2:
+            v_lo, v_hi = tl.load(w_ptrs + TILE), tl.load(w_ptrs + TILE + 128)
+        xa_lo, xb_lo = tl.load(x_ptrs), tl.load(x_ptrs + 4)
+        xa_hi, xb_hi = tl.load(x_ptrs + 32), tl.load(x_ptrs + 36)
+    for grp in tl.range(count, loop_unroll_factor=UNROLL):
+        if AHEAD:  # this group's, then the next group's (past the last: this group's again, no masks)
+            cw_lo, cw_hi, cxa_lo, cxb_lo, cxa_hi, cxb_hi = w_lo, w_hi, xa_lo, xb_lo, xa_hi, xb_hi
+            ahead = tl.where(grp + 1 < count, 1, 0)
+            w_lo = tl.load(w_ptrs + ahead * 256)
+            w_hi = tl.load(w_ptrs + ahead * 256 + 128)
+            if MT == 2:
+                cv_lo, cv_hi = v_lo, v_hi
+                v_lo = tl.load(w_ptrs + TILE + ahead * 256)
+                v_hi = tl.load(w_ptrs + TILE + ahead * 256 + 128)
+            xa_lo = tl.load(x_ptrs + ahead * 64)
+            xb_lo = tl.load(x_ptrs + ahead * 64 + 4)
+            xa_hi = tl.load(x_ptrs + ahead * 64 + 32)
+            xb_hi = tl.load(x_ptrs + ahead * 64 + 36)
+        else:
+            cw_lo, cw_hi = tl.load(w_ptrs), tl.load(w_ptrs + 128)
+            if MT == 2:
+                cv_lo, cv_hi = tl.load(w_ptrs + TILE), tl.load(w_ptrs + TILE + 128)
+            cxa_lo, cxb_lo = tl.load(x_ptrs), tl.load(x_ptrs + 4)
+            cxa_hi, cxb_hi = tl.load(x_ptrs + 32), tl.load(x_ptrs + 36)
+        z = tl.load(z_ptrs + grp)
+        d = _group(cw_lo, cw_hi, cxa_lo, cxb_lo, cxa_hi, cxb_hi, ASM)
+        acc_g, acc_h = _scaled(acc_g, acc_h, d, z, s_ptrs, groups)
+        if MT == 2:  # the second row tile: its own mma chain, the same B fragments
+            d1 = _group(cv_lo, cv_hi, cxa_lo, cxb_lo, cxa_hi, cxb_hi, ASM)
+            acc_g1, acc_h1 = _scaled(acc_g1, acc_h1, d1, z, s_ptrs + 16 * groups, groups)
         w_ptrs += 256
         x_ptrs += 64
         s_ptrs += 1
@@ -130,6 +181,9 @@ def _frag_matvec(w_ptr, s_ptr, x_ptr, z_ptr, out_ptr, N, K: tl.constexpr, SPLIT_
     base = out_ptr + tl.program_id(1) * N
     tl.store(base + row_g, acc_g * 8589934592.0, mask=(t == 0) & (row_g < N))  # 2^33
     tl.store(base + row_g + 8, acc_h * 536870912.0, mask=(t == 0) & (row_g + 8 < N))  # 2^29
+    if MT == 2:
+        tl.store(base + row_g + 16, acc_g1 * 8589934592.0, mask=(t == 0) & (row_g + 16 < N))
+        tl.store(base + row_g + 24, acc_h1 * 536870912.0, mask=(t == 0) & (row_g + 24 < N))
 
 
 def repack(codes: torch.Tensor) -> torch.Tensor:
@@ -156,9 +210,13 @@ def x_fragments(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pairs.permute(0, 3, 1, 2).contiguous(), 8 * x.float().reshape(-1, 128).sum(1)
 
 
-def matvec(words, scales, xf, n, k, split_k, nw, asm) -> torch.Tensor:
+def matvec(words, scales, xf, n, k, split_k, nw, asm, mt: int = 1, ahead: int = 0, unroll: int = 1) -> torch.Tensor:
+    """The kernel's partial sums [k / split_k, n] (split_k a multiple of 128; n of 16 * nw * mt)."""
+    if n % (16 * nw * mt) or split_k % 128 or k % split_k:
+        raise ValueError(f"fragments tile n={n} by {16 * nw * mt} rows and k={k} by splits of 128 columns")
     out = torch.empty(k // split_k, n, dtype=torch.float32, device=words.device)
-    _frag_matvec[(n // (16 * nw), k // split_k)](words, scales, *xf, out, n, k, split_k, nw, asm, num_warps=nw)
+    _frag_matvec[(n // (16 * nw * mt), k // split_k)](words, scales, *xf, out, n, k, split_k, nw, asm, mt, ahead,
+                                                      unroll, num_warps=nw)
     return out
 
 
@@ -169,16 +227,18 @@ def reference(codes, scales, x) -> torch.Tensor:
 
 def check(device: str) -> None:
     asm = device == "cuda"
-    for n, k, split_k, nw in [(32, 256, 256, 1), (64, 512, 256, 2), (96, 384, 128, 1)]:
+    for n, k, split_k, nw, mt, ahead, unroll in [(32, 256, 256, 1, 1, 0, 1), (64, 512, 256, 2, 1, 1, 1),
+                                                 (96, 384, 128, 1, 2, 0, 1), (128, 768, 768, 2, 2, 1, 2)]:
         gen = torch.Generator().manual_seed(n + k)
         codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
         scales = (0.01 * torch.rand(n, k // 128, generator=gen) + 0.001).half()
         x = torch.randn(k, generator=gen).bfloat16()
         want = reference(codes, scales, x)
         xf = tuple(f.to(device) for f in x_fragments(x))
-        got = matvec(repack(codes).to(device), scales.to(device), xf, n, k, split_k, nw, asm).sum(0).cpu()
+        got = matvec(repack(codes).to(device), scales.to(device), xf, n, k, split_k, nw, asm, mt, ahead,
+                     unroll).sum(0).cpu()
         err = ((got - want).norm() / want.norm()).item()
-        print(f"n={n} k={k} split_k={split_k} warps={nw}: relative error {err:.2e}")
+        print(f"n={n} k={k} split_k={split_k} warps={nw} tiles a warp {mt} ahead {ahead}: relative error {err:.2e}")
         assert err < 1e-5, err
 
 
@@ -207,18 +267,22 @@ def bench() -> None:
         want = ops[0](x[None])[0].float()
         shipped = time_graph([lambda op=op, x=x: op.matvec(x) for op in ops] * max(1, 20 // copies))
         print(f"{name}: shipped ({ops[0].config('direct')}) {shipped * 1e6:.2f} us", flush=True)
-        for split_k, nw in ((k, 1), (k, 2), (k // 2, 1), (k // 4, 1), (k // 8, 2)):
-            if n % (16 * nw) or split_k % 128:
+        for split_k, nw, mt, ahead in [(c, w, m, a) for c in (k // 2, k // 4, k // 8) for w in (1, 2)
+                                       for m in (1, 2) for a in (0, 1)]:
+            if n % (16 * nw * mt) or split_k % 128:
                 continue
-            got = matvec(*frags[0], xf, n, k, split_k, nw, True).sum(0)
+            unroll = 2 if ahead else 1  # unrolled by two, the words loaded ahead need no moves (`sass`)
+            got = matvec(*frags[0], xf, n, k, split_k, nw, True, mt, ahead, unroll).sum(0)
             err = ((got - want).norm() / want.norm()).item()
-            t = time_graph([lambda f=f, a=(xf, n, k, split_k, nw): matvec(*f, *a, True) for f in frags]
+            t = time_graph([lambda f=f, a=(xf, n, k, split_k, nw, True, mt, ahead, unroll): matvec(*f, *a)
+                            for f in frags]
                            * max(1, 20 // copies))
-            print(f"  fragments split_k={split_k} warps={nw}: {t * 1e6:.2f} us, error against shipped {err:.1e}",
-                  flush=True)
+            print(f"  fragments split_k={split_k} warps={nw} tiles a warp {mt} ahead {ahead}: {t * 1e6:.2f} us, "
+                  f"error against shipped {err:.1e}", flush=True)
 
 
-def sass(n: int = 6144, k: int = 4096, split_k: int = 4096, nw: int = 1) -> None:
+def sass(n: int = 6144, k: int = 4096, split_k: int = 1024, nw: int = 1, mt: int = 1, ahead: int = 0,
+         unroll: int = 1) -> None:
     """Compile the mma path for sm_90 on this machine (sass_budget.py's stand-in driver) and count its loop."""
     import collections
     import subprocess
@@ -235,8 +299,8 @@ def sass(n: int = 6144, k: int = 4096, split_k: int = 4096, nw: int = 1) -> None
     xf = torch.zeros(k // 64, 4, 4, 2, dtype=torch.int32)
     z = torch.zeros(k // 128, dtype=torch.float32)
     out = torch.empty(k // split_k, n, dtype=torch.float32)
-    kernel = _frag_matvec.warmup(words, scales, xf, z, out, n, k, split_k, nw, True, num_warps=nw,
-                                 grid=(n // (16 * nw), k // split_k))
+    kernel = _frag_matvec.warmup(words, scales, xf, z, out, n, k, split_k, nw, True, mt, ahead, unroll, num_warps=nw,
+                                 grid=(n // (16 * nw * mt), k // split_k))
     nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
         cubin.write(kernel.asm["cubin"])
@@ -245,7 +309,7 @@ def sass(n: int = 6144, k: int = 4096, split_k: int = 4096, nw: int = 1) -> None
     loop = hot_loop(text)
     counts = collections.Counter(opcode(t) for t in loop)
     # Each mma is one word a lane: 8 weights (the compiler may unroll the loop over groups).
-    print(f"loop {len(loop)} instructions, {len(loop) / (8 * counts['HMMA']):.3f} a weight and lane, shared "
+    print(f"loop {len(loop)} instructions, {len(loop) / (8 * max(1, counts['HMMA'])):.3f} a weight and lane, shared "
           f"{kernel.metadata.shared} B: " + ", ".join(f"{o} {c}" for o, c in counts.most_common()))
 
 
@@ -255,5 +319,5 @@ if __name__ == "__main__":
         check("cuda" if torch.cuda.is_available() else "cpu")
     elif what == "bench":
         bench()
-    elif what == "sass":
-        sass()
+    elif what == "sass":  # sass [split_k warps tiles_a_warp ahead unroll]
+        sass(6144, 4096, *[int(a) for a in sys.argv[2:]])
