@@ -2,7 +2,7 @@
 
     python3 examples/benchmarks/exp_int4_fragments.py check            # CPU (TRITON_INTERPRET=1) or GPU
     python3 examples/benchmarks/exp_int4_fragments.py sass             # sm_90 instructions a weight, no GPU
-    python3 examples/benchmarks/exp_int4_fragments.py bench            # GPU: against the shipped matvec
+    python3 examples/benchmarks/exp_int4_fragments.py bench [qkv,o,gate_up,down]    # GPU: against the shipped matvec
 
 Why (BENCHMARKS Round 19): with the bf16-pair arithmetic cut to a few integer adds a word (wrong sums, timing
 only) llama-8b's int4 step ran 688.5 tok/s against 629.2, so the loop's 2.1-2.6 instructions a weight cost
@@ -249,7 +249,9 @@ def bench() -> None:
     sys.path.insert(0, os.path.dirname(__file__))
     from bench_kernels import time_graph
 
-    for name, n, k in [("qkv", 6144, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]:
+    shapes = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
+    only = sys.argv[2].split(",") if len(sys.argv) > 2 else None
+    for name, n, k in [shape for shape in shapes if only is None or shape[0] in only]:
         copies = max(1, min(24, 256 * 2**20 // (n * k // 2)))
         params = formats.get("int4").normalize({})
         ops, frags = [], []
