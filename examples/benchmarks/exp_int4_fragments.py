@@ -40,19 +40,10 @@ import torch
 import triton
 import triton.language as tl
 
+from thin.runtime.kernels.pairs import _high, _low  # a bf16 pair's halves as float32
+
 ROW_G = tl.constexpr(0x000F000F)
 ROW_H = tl.constexpr(0x00F000F0)
-HIGH_HALF = tl.constexpr(-65536)
-
-
-@triton.jit
-def _low(p):
-    return (p << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _high(p):
-    return (p & HIGH_HALF).to(tl.float32, bitcast=True)
 
 
 @triton.jit
