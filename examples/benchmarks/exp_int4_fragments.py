@@ -1,7 +1,7 @@
 """Experiment: a symmetric int4 (group 128) matvec whose packed words are the tensor cores' A fragments.
 
     python3 examples/benchmarks/exp_int4_fragments.py check            # CPU (TRITON_INTERPRET=1) or GPU
-    python3 examples/benchmarks/exp_int4_fragments.py sass             # sm_90 instructions a weight, no GPU
+    python3 examples/benchmarks/exp_int4_fragments.py sass [SPLIT_K WARPS TILES AHEAD UNROLL]   # sm_90, no GPU
     python3 examples/benchmarks/exp_int4_fragments.py bench [qkv,o,gate_up,down]    # GPU: against the shipped matvec
 
 Why (BENCHMARKS Round 19): with the bf16-pair arithmetic cut to a few integer adds a word (wrong sums, timing
@@ -20,7 +20,8 @@ instructions a weight); here the layout is re-packed so one 32-bit word of a lan
 and 4 consecutive slices (64 columns) of a lane are one 16-byte load. x comes pre-scaled by 2^100 (products
 stay normal) and permuted so that lane t's B fragments of a 64-column step are 32 contiguous bytes. Every
 column of B is x, so D's columns are equal and each lane holds its rows g and g + 8. Per word: one shift,
-four logic ops, two mma (codes; the constant -8 for the zero point), against 13 for the pairs.
+four logic ops and one mma, against 13 for the pairs; the zero point comes off once a group, from 8 * sum(x)
+that `x_fragments` computes with the fragments (in a decode step the kernel before would write both).
 
 Status (BENCHMARKS Round 19, one H200): correct on the GPU (`check`: 9e-8 relative against the format's decode;
 `bench`: 4.8e-3 against the shipped bf16 pairs, their own rounding), 1.05 instructions a weight in the loop
