@@ -41,10 +41,9 @@ import torch
 import triton
 import triton.language as tl
 
+from thin.runtime.kernels.pairs import HIGH_NIBBLES as ROW_H  # w & ROW_H: row g + 8's pair
+from thin.runtime.kernels.pairs import LOW_NIBBLES as ROW_G  # w & ROW_G: row g's pair
 from thin.runtime.kernels.pairs import _high, _low  # a bf16 pair's halves as float32
-
-ROW_G = tl.constexpr(0x000F000F)
-ROW_H = tl.constexpr(0x00F000F0)
 
 
 @triton.jit
@@ -217,25 +216,37 @@ def reference(codes, scales, x) -> torch.Tensor:
     return w.reshape(codes.shape) @ x.float()
 
 
+def relative_error(n, k, split_k, nw, mt, ahead, unroll, device, seed: int = 0) -> float:
+    """|kernel - reference| / |reference| on random codes, scales (of both signs) and x: the mma path on a GPU,
+    the interpreter twin on the CPU."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
+    scales = (0.02 * torch.rand(n, k // 128, generator=gen) - 0.01).half()
+    x = torch.randn(k, generator=gen).bfloat16()
+    want = reference(codes, scales, x)
+    xf = tuple(f.to(device) for f in x_fragments(x))
+    asm = torch.device(device).type == "cuda"
+    got = matvec(repack(codes).to(device), scales.to(device), xf, n, k, split_k, nw, asm, mt, ahead, unroll)
+    got = got.sum(0).cpu()
+    return ((got - want).norm() / want.norm()).item()
+
+
+# (n, k, split_k, warps, row tiles a warp, ahead, unroll): the last has an odd count of groups a split.
+CASES = [(32, 256, 256, 1, 1, 0, 1), (64, 512, 256, 2, 1, 1, 1), (96, 384, 128, 1, 2, 0, 1),
+         (128, 768, 384, 2, 2, 1, 2)]
+
+
 def check(device: str) -> None:
-    asm = device == "cuda"
-    for n, k, split_k, nw, mt, ahead, unroll in [(32, 256, 256, 1, 1, 0, 1), (64, 512, 256, 2, 1, 1, 1),
-                                                 (96, 384, 128, 1, 2, 0, 1), (128, 768, 768, 2, 2, 1, 2)]:
-        gen = torch.Generator().manual_seed(n + k)
-        codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-        scales = (0.01 * torch.rand(n, k // 128, generator=gen) + 0.001).half()
-        x = torch.randn(k, generator=gen).bfloat16()
-        want = reference(codes, scales, x)
-        xf = tuple(f.to(device) for f in x_fragments(x))
-        got = matvec(repack(codes).to(device), scales.to(device), xf, n, k, split_k, nw, asm, mt, ahead,
-                     unroll).sum(0).cpu()
-        err = ((got - want).norm() / want.norm()).item()
-        print(f"n={n} k={k} split_k={split_k} warps={nw} tiles a warp {mt} ahead {ahead}: relative error {err:.2e}")
+    for n, k, split_k, nw, mt, ahead, unroll in CASES:
+        err = relative_error(n, k, split_k, nw, mt, ahead, unroll, device, seed=n + k)
+        print(f"n={n} k={k} split_k={split_k} warps={nw} tiles a warp {mt} ahead {ahead} unroll {unroll}: "
+              f"relative error {err:.2e}")
         assert err < 1e-5, err
 
 
 def bench() -> None:
     from thin.ir import Encoding, Tensor, formats
+    from thin.ir.formats.quantized import unpack_bits
     from thin.runtime.linear import make_linear
 
     sys.path.insert(0, os.path.dirname(__file__))
@@ -253,9 +264,8 @@ def bench() -> None:
             record = Tensor("w", "ffn.down", 0, (n, k), Encoding("int4", params), "bf16")
             op = make_linear(record, raw.cpu(), None, torch.device("cuda"), torch.bfloat16)
             ops.append(op)
-            codes = formats.get("int4").split(raw, (n, k), params)
-            u = torch.stack([codes["codes"] & 15, codes["codes"] >> 4], dim=-1).reshape(n, k)
-            frags.append((repack(u.cuda()), codes["scales"].contiguous().cuda()))
+            parts = formats.get("int4").split(raw, (n, k), params)
+            frags.append((repack(unpack_bits(parts["codes"], 4).cuda()), parts["scales"].contiguous().cuda()))
         x = torch.randn(k, device="cuda").bfloat16()
         xf = tuple(f.cuda() for f in x_fragments(x.cpu()))
         want = ops[0](x[None])[0].float()
@@ -279,13 +289,11 @@ def sass(n: int = 6144, k: int = 4096, split_k: int = 1024, nw: int = 1, mt: int
          unroll: int = 1) -> None:
     """Compile the mma path for sm_90 on this machine (sass_budget.py's stand-in driver) and count its loop."""
     import collections
-    import subprocess
-    import tempfile
 
     from triton.runtime import driver
 
     sys.path.insert(0, os.path.dirname(__file__))
-    from sass_budget import _Sm90, hot_loop, opcode
+    from sass_budget import _Sm90, disassemble, hot_loop, opcode
 
     driver.set_active(_Sm90())
     words = torch.zeros(n // 16, k // 64, 32, 4, dtype=torch.int32)
@@ -295,12 +303,7 @@ def sass(n: int = 6144, k: int = 4096, split_k: int = 1024, nw: int = 1, mt: int
     out = torch.empty(k // split_k, n, dtype=torch.float32)
     kernel = _frag_matvec.warmup(words, scales, xf, z, out, n, k, split_k, nw, True, mt, ahead, unroll, num_warps=nw,
                                  grid=(n // (16 * nw * mt), k // split_k))
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(kernel.asm["cubin"])
-        cubin.flush()
-        text = subprocess.run([nvdisasm, "-c", cubin.name], capture_output=True, text=True, check=True).stdout
-    loop = hot_loop(text)
+    loop = hot_loop(disassemble(kernel))
     counts = collections.Counter(opcode(t) for t in loop)
     # Each mma is one word a lane: 8 weights (the compiler may unroll the loop over groups).
     print(f"loop {len(loop)} instructions, {len(loop) / (8 * max(1, counts['HMMA'])):.3f} a weight and lane, shared "

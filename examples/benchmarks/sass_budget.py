@@ -99,6 +99,17 @@ def compile_launch(fmt: str, shape: str, config_text: str):
     return _COMPILED[-1], op, config, mode
 
 
+def disassemble(kernel) -> str:
+    """nvdisasm's listing of a compiled kernel's cubin (Triton's own nvdisasm)."""
+    import triton
+
+    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        return subprocess.run([nvdisasm, "-c", cubin.name], capture_output=True, text=True, check=True).stdout
+
+
 def hot_loop(sass: str) -> list[str]:
     """The instructions of the longest loop (a backward branch to a label) of nvdisasm's listing."""
     code, labels, best = [], {}, []
@@ -123,16 +134,11 @@ def opcode(text: str) -> str:
 
 def budget(fmt: str, shape: str, config_text: str, dump: str | None = None) -> dict:
     """{'per_weight': loop instructions per weight and lane, 'loop': their count, 'opcodes': Counter}."""
-    import triton
 
     from thin.runtime.kernels.chunks import chunk_launch
 
     kernel, op, config, mode = compile_launch(fmt, shape, config_text)
-    nvdisasm = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "nvdisasm")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
-        cubin.write(kernel.asm["cubin"])
-        cubin.flush()
-        sass = subprocess.run([nvdisasm, "-c", cubin.name], capture_output=True, text=True, check=True).stdout
+    sass = disassemble(kernel)
     if dump:
         with open(dump, "w") as f:
             f.write(sass)
