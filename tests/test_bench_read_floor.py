@@ -1,0 +1,49 @@
+"""The read-only kernels of examples/benchmarks/bench_read_floor.py and bench_step_floor.py read what they are
+given (their stored xor is the data's) and the step floor's writes zeros over the whole output, under the
+interpreter (launched plainly: it has no grid-dependency instructions)."""
+
+import importlib.util
+from functools import reduce
+from pathlib import Path
+
+import torch
+from kernel_support import DEVICE
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(
+        name, Path(__file__).resolve().parents[1] / "examples" / "benchmarks" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _xor(t):
+    return reduce(lambda a, b: a ^ b, t.flatten().tolist(), 0)
+
+
+def test_read_floor_stores_each_programs_xor():
+    floor = _load("bench_read_floor")
+    per, nw, programs = 2, 1, 3
+    src = torch.randint(-2**31, 2**31 - 1, (programs * 32 * nw * per * 4,), dtype=torch.int32,
+                        generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    out = torch.empty(programs, dtype=torch.int32, device=DEVICE)
+    floor._read[(programs,)](src, out, per, nw, 0, num_warps=nw)
+    chunk = 32 * nw * per * 4
+    want = [(_xor(src[p * chunk:(p + 1) * chunk].cpu()) + 2**31) % 2**32 - 2**31 for p in range(programs)]
+    assert out.cpu().tolist() == want
+
+
+def test_step_floor_writes_zeros_over_the_whole_output():
+    floor = _load("bench_step_floor")
+    gen = torch.Generator().manual_seed(1)
+    words = torch.randint(-2**31, 2**31 - 1, (3000,), dtype=torch.int32, generator=gen).to(DEVICE)
+    scales = torch.randint(-2**31, 2**31 - 1, (40,), dtype=torch.int32, generator=gen).to(DEVICE)
+    out = torch.full((2500,), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    x = torch.randn(300, generator=gen).bfloat16().to(DEVICE)
+    chunk, programs_words = 32 * 1 * 2 * 4, -(-3000 // (32 * 1 * 2 * 4))
+    programs = programs_words + 1
+    floor._read_zero[(programs,)](words, 3000, scales, 40, out, 2500, -(-2500 // programs), programs_words, x, 300,
+                                  2, 1, 16, False, num_warps=1)
+    assert chunk * programs_words >= 3000
+    assert torch.count_nonzero(out).item() == 0
