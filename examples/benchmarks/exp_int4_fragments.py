@@ -556,8 +556,10 @@ def sass(n: int = 6144, k: int = 4096, split_k: int = 4096, nw: int = 8, mt: int
                                  grid=(n // (16 * mt), k // split_k))
     loop = hot_loop(disassemble(kernel))
     counts = collections.Counter(opcode(t) for t in loop)
-    # Each mma is one word a lane: 8 weights (the compiler may unroll the loop over groups).
-    print(f"loop {len(loop)} instructions, {len(loop) / (8 * max(1, counts['HMMA'])):.3f} a weight and lane, shared "
+    # A group has 8 mma a row tile, one word (8 weights) a lane each, and 8 for its zero point (the compiler may
+    # unroll the loop over groups).
+    words = max(1, counts["HMMA"] * mt // (mt + 1))
+    print(f"loop {len(loop)} instructions, {len(loop) / (8 * words):.3f} a weight and lane, shared "
           f"{kernel.metadata.shared} B: " + ", ".join(f"{o} {c}" for o, c in counts.most_common()))
 
 
