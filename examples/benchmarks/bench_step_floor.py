@@ -3,9 +3,9 @@ in a fresh process with each matvec launch replaced by a kernel that reads the w
 the best rate bench_read_floor.py found (8 warps, 16 loads of 16 bytes a lane issued at once, launched as a
 programmatic dependent that waits for the kernel before only after its loads) and writes zeros where the matvec
 would have written its output. With --with-x each program also loads all of the matvec's activations after its
-wait (as a matvec program over whole rows must), so the bound keeps the step's chain of activations.
+wait (as a matvec program over whole rows must), so the bound keeps the step's chain of activations. With --plain the reads launch plainly (stream order, no wait in the kernel).
 
-    python examples/benchmarks/bench_step_floor.py MODEL.thin [--runs 5] [--with-x]
+    python examples/benchmarks/bench_step_floor.py MODEL.thin [--runs 5] [--with-x] [--plain]
 
 The attention, the embedding, the sampler and every other kernel of the step run as shipped; every matvec's output
 (and the LM head's) is zeros, so the tokens are meaningless (token 0; the run's checks compare the patched step with
@@ -25,6 +25,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 NW, PER = 8, 16  # bench_read_floor.py's best for every int4 matvec size of llama-8b (BENCHMARKS Round 20)
 CHUNK = 32 * NW * PER * 4  # int32 words a program reads
 WITH_X = "--with-x" in sys.argv  # every program also loads the matvec's x after its wait
+PLAIN = "--plain" in sys.argv  # plain launches (in stream order, no wait inside the kernel)
 
 
 @triton.jit
@@ -66,13 +67,13 @@ def _read_matvec(self, x, out, config, act, partial, rows=None, cols=None, scale
     flat = out.reshape(-1)
     _read_zero[(programs,)](words, words.numel(), scales, scales.numel(), flat, flat.numel(),
                             -(-flat.numel() // programs), programs_words, x, x.numel(), PER, NW,
-                            triton.next_power_of_2(-(-x.numel() // (32 * NW))) if WITH_X else 0, num_warps=NW,
-                            launch_pdl=True)
+                            triton.next_power_of_2(-(-x.numel() // (32 * NW))) if WITH_X else 0, not PLAIN,
+                            num_warps=NW, **({} if PLAIN else {"launch_pdl": True}))
     return config.split
 
 
 def main() -> None:
-    args = [a for a in sys.argv[1:] if a != "--with-x"]
+    args = [a for a in sys.argv[1:] if a not in ("--with-x", "--plain")]
     if not args:
         raise SystemExit(__doc__)
     import thin.runtime.kernels.grouped_int as grouped_int
