@@ -3,8 +3,8 @@ in a fresh process with each matvec launch replaced by a kernel that reads the w
 the best rate bench_read_floor.py found (8 warps, 16 loads of 16 bytes a lane issued at once, launched as a
 programmatic dependent that waits for the kernel before only after its loads) and writes zeros where the matvec
 would have written its output. With --with-x each program also loads all of the matvec's activations after its
-wait (as a matvec program over whole rows must), so the bound keeps the step's chain of activations. With --plain the reads launch plainly (stream order, no wait in the
-kernel).
+wait (as a matvec program over whole rows must), so the bound keeps the step's chain of activations. With
+--plain the reads launch plainly (stream order, no wait in the kernel).
 
     python examples/benchmarks/bench_step_floor.py MODEL.thin [--runs 5] [--with-x] [--plain]
 
