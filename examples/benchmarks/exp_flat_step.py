@@ -32,56 +32,10 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from exp_int4_fragments import _flat_x, _group, _pick, _run, _warps_sum, _zero, repack  # noqa: E402
+from exp_int4_fragments import _tile_loads, _tile_sums, repack  # noqa: E402
 
 from thin.runtime.kernels.deferred_norm import deferred_epilogue, deferred_reads  # noqa: E402
 from thin.runtime.kernels.tiles import store_tile  # noqa: E402
-
-
-@triton.jit
-def _tile_loads(w_ptr, s_ptr, tile, first, lane, g, steps: tl.constexpr, groups: tl.constexpr, RUN: tl.constexpr,
-                S: tl.constexpr):
-    """Row tile `tile`'s words of each warp's run of RUN steps and their group scales (rows g and g + 8), all
-    loaded at once (`_run`)."""
-    lane_ptrs = w_ptr + ((tile * steps + first) * 32 + lane)[:, None] * 4 + tl.arange(0, 4)[None, :]
-    s_ptrs = s_ptr + (tile * 16 + g) * groups + first // 2
-    return (_run(lane_ptrs, first, S, RUN, steps, 128), _run(s_ptrs, first // 2, S // 2, RUN // 2, groups, 1),
-            _run(s_ptrs + 8 * groups, first // 2, S // 2, RUN // 2, groups, 1))
-
-
-@triton.jit
-def _rows(acc_g, acc_h, NW: tl.constexpr):
-    """A tile's [16] row sums from its lanes' accumulators: lane 4g + t holds rows g and g + 8 (equal over t);
-    the warps' runs added, one value a row, the units put back (codes 2^-133 and 2^-129, x 2^100)."""
-    rows_g = tl.max(tl.reshape(_warps_sum(acc_g, NW), [8, 4]), axis=1) * 8589934592.0  # 2^33
-    rows_h = tl.max(tl.reshape(_warps_sum(acc_h, NW), [8, 4]), axis=1) * 536870912.0  # 2^29
-    return tl.reshape(tl.permute(tl.join(rows_g, rows_h), [1, 0]), [16])
-
-
-@triton.jit
-def _tile_sums(a, b, x32, first, t, steps: tl.constexpr, RUN: tl.constexpr, S: tl.constexpr, NW: tl.constexpr,
-               TWO: tl.constexpr, ASM: tl.constexpr):
-    """The [16] row sums of tile a (`_tile_loads`) and, with TWO, of tile b, over the warps' runs: x and the
-    zero point's mma once a group for both."""
-    G2: tl.constexpr = S // 2
-    acc_g = tl.zeros([32 * NW], dtype=tl.float32)
-    acc_h = tl.zeros([32 * NW], dtype=tl.float32)
-    acc_g1 = tl.zeros([32 * NW], dtype=tl.float32)
-    acc_h1 = tl.zeros([32 * NW], dtype=tl.float32)
-    for grp in tl.static_range(G2):
-        if grp < (RUN + 1) // 2:
-            ok = (first + 2 * grp < steps) & (2 * grp < RUN)
-            x_lo = _flat_x(x32, first + 2 * grp, t, ok, ASM)
-            x_hi = _flat_x(x32, first + 2 * grp + 1, t, ok, ASM)
-            z = _zero(x_lo, x_hi, ASM)
-            d = _group(_pick(a[0], 2 * grp, S), _pick(a[0], 2 * grp + 1, S), x_lo, x_hi, ASM)
-            acc_g += (d[0] + z[0]) * _pick(a[1], grp, G2).to(tl.float32)
-            acc_h += (d[2] + z[2]) * _pick(a[2], grp, G2).to(tl.float32)
-            if TWO:
-                d1 = _group(_pick(b[0], 2 * grp, S), _pick(b[0], 2 * grp + 1, S), x_lo, x_hi, ASM)
-                acc_g1 += (d1[0] + z[0]) * _pick(b[1], grp, G2).to(tl.float32)
-                acc_h1 += (d1[2] + z[2]) * _pick(b[2], grp, G2).to(tl.float32)
-    return _rows(acc_g, acc_h, NW), _rows(acc_g1, acc_h1, NW)
 
 
 @triton.jit

@@ -293,6 +293,52 @@ def _flat_x(x_ptr, step, t, ok, ASM: tl.constexpr):
 
 
 @triton.jit
+def _tile_loads(w_ptr, s_ptr, tile, first, lane, g, steps: tl.constexpr, groups: tl.constexpr, RUN: tl.constexpr,
+                S: tl.constexpr):
+    """Row tile `tile`'s words of each warp's run of RUN steps and their group scales (rows g and g + 8), all
+    loaded at once (`_run`)."""
+    lane_ptrs = w_ptr + ((tile * steps + first) * 32 + lane)[:, None] * 4 + tl.arange(0, 4)[None, :]
+    s_ptrs = s_ptr + (tile * 16 + g) * groups + first // 2
+    return (_run(lane_ptrs, first, S, RUN, steps, 128), _run(s_ptrs, first // 2, S // 2, RUN // 2, groups, 1),
+            _run(s_ptrs + 8 * groups, first // 2, S // 2, RUN // 2, groups, 1))
+
+
+@triton.jit
+def _rows(acc_g, acc_h, NW: tl.constexpr):
+    """A tile's [16] row sums from its lanes' accumulators: lane 4g + t holds rows g and g + 8 (equal over t);
+    the warps' runs added, one value a row, the units put back (codes 2^-133 and 2^-129, x 2^100)."""
+    rows_g = tl.max(tl.reshape(_warps_sum(acc_g, NW), [8, 4]), axis=1) * 8589934592.0  # 2^33
+    rows_h = tl.max(tl.reshape(_warps_sum(acc_h, NW), [8, 4]), axis=1) * 536870912.0  # 2^29
+    return tl.reshape(tl.permute(tl.join(rows_g, rows_h), [1, 0]), [16])
+
+
+@triton.jit
+def _tile_sums(a, b, x32, first, t, steps: tl.constexpr, RUN: tl.constexpr, S: tl.constexpr, NW: tl.constexpr,
+               TWO: tl.constexpr, ASM: tl.constexpr):
+    """The [16] row sums of tile a (`_tile_loads`) and, with TWO, of tile b, over the warps' runs: x and the
+    zero point's mma once a group for both."""
+    G2: tl.constexpr = S // 2
+    acc_g = tl.zeros([32 * NW], dtype=tl.float32)
+    acc_h = tl.zeros([32 * NW], dtype=tl.float32)
+    acc_g1 = tl.zeros([32 * NW], dtype=tl.float32)
+    acc_h1 = tl.zeros([32 * NW], dtype=tl.float32)
+    for grp in tl.static_range(G2):
+        if grp < (RUN + 1) // 2:
+            ok = (first + 2 * grp < steps) & (2 * grp < RUN)
+            x_lo = _flat_x(x32, first + 2 * grp, t, ok, ASM)
+            x_hi = _flat_x(x32, first + 2 * grp + 1, t, ok, ASM)
+            z = _zero(x_lo, x_hi, ASM)
+            d = _group(_pick(a[0], 2 * grp, S), _pick(a[0], 2 * grp + 1, S), x_lo, x_hi, ASM)
+            acc_g += (d[0] + z[0]) * _pick(a[1], grp, G2).to(tl.float32)
+            acc_h += (d[2] + z[2]) * _pick(a[2], grp, G2).to(tl.float32)
+            if TWO:
+                d1 = _group(_pick(b[0], 2 * grp, S), _pick(b[0], 2 * grp + 1, S), x_lo, x_hi, ASM)
+                acc_g1 += (d1[0] + z[0]) * _pick(b[1], grp, G2).to(tl.float32)
+                acc_h1 += (d1[2] + z[2]) * _pick(b[2], grp, G2).to(tl.float32)
+    return _rows(acc_g, acc_h, NW), _rows(acc_g1, acc_h1, NW)
+
+
+@triton.jit
 def _flat_matvec(w_ptr, s_ptr, x_ptr, out_ptr, N, K: tl.constexpr, NW: tl.constexpr, RUN: tl.constexpr,
                  S: tl.constexpr, ASM: tl.constexpr, MT: tl.constexpr = 1, PDL: tl.constexpr = 0):
     """Program (i, j): MT row tiles over columns j * NW * RUN * 64 .., a run of RUN steps (64 columns) a warp. Every
@@ -300,56 +346,28 @@ def _flat_matvec(w_ptr, s_ptr, x_ptr, out_ptr, N, K: tl.constexpr, NW: tl.conste
     masked past the run), then (PDL: after the wait for the kernel before) x and the sums group by group; out
     [K / (NW * RUN * 64), N] float32, the warps' sums added."""
     e = tl.arange(0, 32 * NW)
-    if ASM:
+    if ASM:  # the thread that holds element e: its lane is what the mma reads the registers by
         e = tl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r,r", [e], dtype=tl.int32, is_pure=True, pack=1)
     warp = e // 32
     lane = e % 32
-    g = lane // 4
-    t = lane % 4
     tile = tl.program_id(0) * MT
     steps: tl.constexpr = K // 64
     groups: tl.constexpr = K // 128
     first = (tl.program_id(1) * NW + warp) * RUN  # a warp's first step
-    lane_ptrs = w_ptr + ((tile * steps + first) * 32 + lane)[:, None] * 4 + tl.arange(0, 4)[None, :]
-    words = _run(lane_ptrs, first, S, RUN, steps, 128)
-    G2: tl.constexpr = S // 2
-    s_ptrs = s_ptr + (tile * 16 + g) * groups + first // 2
-    sg = _run(s_ptrs, first // 2, G2, RUN // 2, groups, 1)
-    sh = _run(s_ptrs + 8 * groups, first // 2, G2, RUN // 2, groups, 1)
+    a = _tile_loads(w_ptr, s_ptr, tile, first, lane, lane // 4, steps, groups, RUN, S)
+    b = a
     if MT == 2:
-        words1 = _run(lane_ptrs + steps * 128, first, S, RUN, steps, 128)
-        sg1 = _run(s_ptrs + 16 * groups, first // 2, G2, RUN // 2, groups, 1)
-        sh1 = _run(s_ptrs + 24 * groups, first // 2, G2, RUN // 2, groups, 1)
+        b = _tile_loads(w_ptr, s_ptr, tile + 1, first, lane, lane // 4, steps, groups, RUN, S)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
     x32 = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
-    acc_g = tl.zeros([32 * NW], dtype=tl.float32)
-    acc_h = tl.zeros([32 * NW], dtype=tl.float32)
-    acc_g1 = tl.zeros([32 * NW], dtype=tl.float32)
-    acc_h1 = tl.zeros([32 * NW], dtype=tl.float32)
-    for grp in tl.static_range(G2):
-        if grp < (RUN + 1) // 2:
-            ok0 = (first + 2 * grp < steps) & (2 * grp < RUN)
-            x_lo = _flat_x(x32, first + 2 * grp, t, ok0, ASM)
-            x_hi = _flat_x(x32, first + 2 * grp + 1, t, ok0, ASM)
-            z = _zero(x_lo, x_hi, ASM)
-            d = _group(_pick(words, 2 * grp, S), _pick(words, 2 * grp + 1, S), x_lo, x_hi, ASM)
-            acc_g += (d[0] + z[0]) * _pick(sg, grp, G2).to(tl.float32)
-            acc_h += (d[2] + z[2]) * _pick(sh, grp, G2).to(tl.float32)
-            if MT == 2:
-                d1 = _group(_pick(words1, 2 * grp, S), _pick(words1, 2 * grp + 1, S), x_lo, x_hi, ASM)
-                acc_g1 += (d1[0] + z[0]) * _pick(sg1, grp, G2).to(tl.float32)
-                acc_h1 += (d1[2] + z[2]) * _pick(sh1, grp, G2).to(tl.float32)
+    rows_a, rows_b = _tile_sums(a, b, x32, first, lane % 4, steps, RUN, S, NW, MT == 2, ASM)
+    rows = tile * 16 + tl.arange(0, 16)
     base = out_ptr + tl.program_id(1) * N
-    lane = tl.arange(0, 32)
-    row_g = tile * 16 + lane // 4
-    store = (lane % 4 == 0) & (row_g < N)
-    tl.store(base + row_g, _warps_sum(acc_g, NW) * 8589934592.0, mask=store)  # 2^33
-    tl.store(base + row_g + 8, _warps_sum(acc_h, NW) * 536870912.0, mask=store)  # 2^29
+    tl.store(base + rows, rows_a, mask=rows < N)
     if MT == 2:
-        tl.store(base + row_g + 16, _warps_sum(acc_g1, NW) * 8589934592.0, mask=store)
-        tl.store(base + row_g + 24, _warps_sum(acc_h1, NW) * 536870912.0, mask=store)
+        tl.store(base + rows + 16, rows_b, mask=rows + 16 < N)
 
 
 def flat_matvec(words, scales, x, n, k, nw, run, asm, mt: int = 1, pdl: int = 0) -> torch.Tensor:
