@@ -44,6 +44,6 @@ def test_step_floor_writes_zeros_over_the_whole_output():
     chunk, programs_words = 32 * 1 * 2 * 4, -(-3000 // (32 * 1 * 2 * 4))
     programs = programs_words + 1
     floor._read_zero[(programs,)](words, 3000, scales, 40, out, 2500, -(-2500 // programs), programs_words, x, 300,
-                                  2, 1, 16, False, num_warps=1)
+                                  2, 1, 16, False, 5, num_warps=1)  # with a chain of 5 after the loads
     assert chunk * programs_words >= 3000
     assert torch.count_nonzero(out).item() == 0
