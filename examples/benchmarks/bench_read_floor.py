@@ -79,6 +79,7 @@ def main() -> None:
                 del srcs
         for key, (t, nw, per, programs) in best.items():
             extra = {"launch_pdl": True} if key == "dependent" else {}
+            out = torch.empty(programs, dtype=torch.int32, device="cuda")  # a word for each of its programs
             empty = time_graph([partial(_empty[(programs,)], out, key == "dependent", num_warps=nw, **extra)] * 20)
             rows.append((name, nbytes, key, t, nw, per, programs, empty))
     print("\n| matvec | MB | launch | best read us | of copy | warps | loads a lane | programs | empty kernel us |")

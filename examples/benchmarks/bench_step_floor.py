@@ -48,9 +48,10 @@ PLAIN = "--plain" in sys.argv  # plain launches (in stream order, no wait inside
 
 @triton.jit
 def _read_zero(words_ptr, n_words, scales_ptr, n_scales, out_ptr, n_out, per_program, programs_words, x_ptr, k,
-               PER: tl.constexpr, NW: tl.constexpr, XPER: tl.constexpr, PDL: tl.constexpr = True, chain=0):
+               PER: tl.constexpr, NW: tl.constexpr, XPER: tl.constexpr, PDL: tl.constexpr = True,
+               CHAIN: tl.constexpr = 0):
     """Programs below programs_words read CHUNK words of the codes, the rest of the scales (as int32), all at once;
-    then (PDL) the wait for the kernel before, `chain` dependent multiply-adds a lane, and zeros into the program's
+    then (PDL) the wait for the kernel before, CHAIN dependent multiply-adds a lane, and zeros into the program's
     share of out."""
     lanes: tl.constexpr = 32 * NW
     pid = tl.program_id(0)
@@ -69,10 +70,11 @@ def _read_zero(words_ptr, n_words, scales_ptr, n_scales, out_ptr, n_out, per_pro
     if XPER:  # the activations after the wait, as a matvec's program loads them (all K of them)
         xi = tl.arange(0, lanes)[:, None] + lanes * tl.arange(0, XPER)[None, :]
         seen ^= (tl.sum(tl.load(x_ptr + xi, mask=xi < k, other=0.0).to(tl.float32)) > 1e30).to(tl.int32)
-    v = (seen & 1).to(tl.float32) + tl.arange(0, lanes).to(tl.float32)
-    for _ in range(chain):  # each waits for the one before: about 4 cycles each
-        v = v * 0.999 + 0.5
-    seen ^= (tl.max(v, axis=0) < -1.0).to(tl.int32)
+    if CHAIN:  # each waits for the one before: about 4 cycles each
+        v = (seen & 1).to(tl.float32) + tl.arange(0, lanes).to(tl.float32)
+        for _ in range(CHAIN):
+            v = v * 0.999 + 0.5
+        seen ^= (tl.max(v, axis=0) < -1.0).to(tl.int32)
     i = pid * per_program + tl.arange(0, 1024)
     zero = tl.where(seen == 0x2545F491, 1.0, 0.0)  # zeros that depend on the loads: they cannot be left out
     for start in range(0, per_program, 1024):
