@@ -32,7 +32,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from exp_int4_fragments import _tile_loads, _tile_sums, repack  # noqa: E402
+from exp_int4_fragments import _threads, _tile_loads, _tile_sums, repack  # noqa: E402
 
 from thin.runtime.kernels.deferred_norm import deferred_epilogue, deferred_reads  # noqa: E402
 from thin.runtime.kernels.tiles import store_tile  # noqa: E402
@@ -45,11 +45,9 @@ def _flat_op(w_ptr, s_ptr, x_ptr, out_ptr, bias_ptr, n, K: tl.constexpr, NW: tl.
              all_slots=0, DEFER: tl.constexpr = False, SCALED: tl.constexpr = False, SLOTS: tl.constexpr = 1):
     """Program i: output rows 16i .. 16i + 15 over all K columns (NW warps, RUN steps of 64 columns each), with
     ACT >= 0 of gate rows 16i.. and up rows n + 16i.. (the weight [gate; up]). Every weight load is issued before
-    the wait for the kernel before (PDL). DEFER: a deferred norm's producer (its slots past the launch's own
-    zeroed, all_slots of them); SCALED: its consumer."""
-    e = tl.arange(0, 32 * NW)
-    if ASM:  # the thread that holds element e: its lane is what the mma reads the registers by
-        e = tl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r,r", [e], dtype=tl.int32, is_pure=True, pack=1)
+    the wait for the kernel before (PDL). DEFER: a deferred norm's producer (the slots its consumers read past
+    this launch's own, up to all_slots, zeroed); SCALED: its consumer."""
+    e = _threads(NW, ASM)
     warp = e // 32
     lane = e % 32
     steps: tl.constexpr = K // 64
@@ -78,12 +76,14 @@ def _flat_op(w_ptr, s_ptr, x_ptr, out_ptr, bias_ptr, n, K: tl.constexpr, NW: tl.
         store_tile(out_ptr, bias_ptr, total, n, 16, ACT, HAS_BIAS, False)
 
 
-def _tiling(k: int) -> tuple[int, int]:
-    """(warps, steps a warp) covering K in one split: Round 20's best one-split flat tilings."""
+def _tiling(k: int) -> tuple[int, int] | None:
+    """(warps, steps a warp) covering K in one split (Round 20's best one-split flat tilings as dependents: 4 x 16
+    at 4096 columns, 16 x 14 at 14336), or None where a warp's run would pass 16 steps of registers."""
     steps = k // 64
     warps = 4 if steps <= 64 else 16
     run = -(-steps // warps)
-    return warps, run + run % 2
+    run += run % 2
+    return (warps, run) if run <= 16 else None
 
 
 def flat_call(op, x, out, act, defer=None, rstd=None, asm=True, pdl=True) -> None:
@@ -91,9 +91,9 @@ def flat_call(op, x, out, act, defer=None, rstd=None, asm=True, pdl=True) -> Non
     words, scales = op.fragments
     n = op.out_features // 2 if act >= 0 else op.out_features
     k = op.in_features
-    warps, run = _tiling(k)
-    if warps * run * 64 < k or run > 16:
+    if _tiling(k) is None:
         raise ValueError(f"no one-split flat tiling for K={k}")
+    warps, run = _tiling(k)
     args = {}
     if defer is not None:
         # The consumers read defer.programs slots (the shipped producer's count): this launch's n / 16, the rest
@@ -120,7 +120,7 @@ def _fragments(op) -> tuple[torch.Tensor, torch.Tensor]:
 
 def flat_eligible(op) -> bool:
     return (op.pairs and op.group == 128 and op.out_features % 16 == 0 and op.in_features % 128 == 0
-            and op.in_features // 64 <= 256)
+            and _tiling(op.in_features) is not None)
 
 
 def patch(which: set[str], max_k: int = 1 << 30) -> None:

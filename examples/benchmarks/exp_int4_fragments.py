@@ -54,6 +54,23 @@ from thin.runtime.kernels.pairs import X_UP_PAIR, _high, _low, pair_fma  # bf16 
 
 
 @triton.jit
+def _threads(NW: tl.constexpr, ASM: tl.constexpr):
+    """[32 * NW]: the thread that holds each element. ASM: read from %tid.x (the mma reads registers by lane, so
+    the lane must be the thread's own); in the interpreter's twin, the element's index."""
+    e = tl.arange(0, 32 * NW)
+    if ASM:
+        e = tl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r,r", [e], dtype=tl.int32, is_pure=True, pack=1)
+    return e
+
+
+@triton.jit
+def _x_up(pairs, ASM: tl.constexpr):
+    """bf16 pairs of x times 2^100 (exact), so that the products with the codes (units of 2^-133 and 2^-129) stay
+    normal floats."""
+    return pair_fma(pairs, tl.full([1, 1], X_UP_PAIR, tl.int32), tl.zeros([1, 1], dtype=tl.int32), ASM)
+
+
+@triton.jit
 def _mma(a0, a1, a2, a3, b0, b1, d, ASM: tl.constexpr):
     """d + this lane's D fragment of A @ B for one 16x16 slice (A: this lane's fragment registers, bf16
     pairs; B: every column x, this lane's pairs b0 (its k = 2t, 2t + 1) and b1 (k = 2t + 8, 2t + 9)); d = (dg,
@@ -81,9 +98,8 @@ def _mma(a0, a1, a2, a3, b0, b1, d, ASM: tl.constexpr):
 
 @triton.jit
 def _scaled_x(x_ptrs, ASM: tl.constexpr):
-    """A lane's 4 bf16 pairs of x at x_ptrs [L, 4] times 2^100 (exact), so that the products with the codes
-    (units of 2^-133 and 2^-129) stay normal floats."""
-    return pair_fma(tl.load(x_ptrs), tl.full([1, 1], X_UP_PAIR, tl.int32), tl.zeros([1, 1], dtype=tl.int32), ASM)
+    """A lane's 4 bf16 pairs of x at x_ptrs [L, 4], scaled (`_x_up`)."""
+    return _x_up(tl.load(x_ptrs), ASM)
 
 
 NEG_ZERO_G = tl.constexpr(-2146926584)  # 0x80088008: the bf16 pair (-2^-130, -2^-130), -8 codes in row g's unit
@@ -148,9 +164,7 @@ def _frag_matvec(w_ptr, s_ptr, x_ptr, out_ptr, N, K: tl.constexpr, SPLIT_K: tl.c
     into equal runs (whole groups), their sums added across the warps at the end; out [splits, N] float32.
     w_ptr: int32 fragment words [N/16, K/64, 32, 4] (`repack`); s_ptr: float16 scales [N, K/128]; x_ptr: bf16
     x [K] as it is (int32 pairs). AHEAD: the next group's words and x are loaded before this group's mma."""
-    e = tl.arange(0, 32 * NW)
-    if ASM:  # the thread that holds element e: its lane is what the mma reads the registers by
-        e = tl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r,r", [e], dtype=tl.int32, is_pure=True, pack=1)
+    e = _threads(NW, ASM)
     warp = e // 32
     lane = e % 32
     g = lane // 4
@@ -285,11 +299,8 @@ def _pick(t, s: tl.constexpr, S: tl.constexpr):
 def _flat_x(x_ptr, step, t, ok, ASM: tl.constexpr):
     """(xa, xb) of a lane at `step` (`_slice_x`), scaled; zeros where not ok (past the warp's run)."""
     ptrs = x_ptr + (step * 32 + 8 * t)[:, None] + tl.arange(0, 4)[None, :]
-    up = tl.full([1, 1], X_UP_PAIR, tl.int32)
-    zero = tl.zeros([1, 1], dtype=tl.int32)
-    xa = tl.load(ptrs, mask=ok[:, None], other=0)
-    xb = tl.load(ptrs + 4, mask=ok[:, None], other=0)
-    return pair_fma(xa, up, zero, ASM), pair_fma(xb, up, zero, ASM)
+    return (_x_up(tl.load(ptrs, mask=ok[:, None], other=0), ASM),
+            _x_up(tl.load(ptrs + 4, mask=ok[:, None], other=0), ASM))
 
 
 @triton.jit
@@ -345,9 +356,7 @@ def _flat_matvec(w_ptr, s_ptr, x_ptr, out_ptr, N, K: tl.constexpr, NW: tl.conste
     word of a warp's run is loaded at once, before anything else (S >= RUN steps of registers, a power of 2,
     masked past the run), then (PDL: after the wait for the kernel before) x and the sums group by group; out
     [K / (NW * RUN * 64), N] float32, the warps' sums added."""
-    e = tl.arange(0, 32 * NW)
-    if ASM:  # the thread that holds element e: its lane is what the mma reads the registers by
-        e = tl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r,r", [e], dtype=tl.int32, is_pure=True, pack=1)
+    e = _threads(NW, ASM)
     warp = e // 32
     lane = e % 32
     tile = tl.program_id(0) * MT
@@ -415,14 +424,19 @@ def reference(codes, scales, x) -> torch.Tensor:
     return w.reshape(codes.shape) @ x.float()
 
 
-def relative_error(n, k, split_k, nw, mt, ahead, unroll, device, seed: int = 0) -> float:
-    """|kernel - reference| / |reference| on random codes, scales (of both signs) and x: the mma path on a GPU,
-    the interpreter twin on the CPU."""
+def _case(n, k, seed):
+    """Random codes, scales (of both signs) and x of an [n, k] weight, and the format's decode times x."""
     gen = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
     scales = (0.02 * torch.rand(n, k // 128, generator=gen) - 0.01).half()
     x = torch.randn(k, generator=gen).bfloat16()
-    want = reference(codes, scales, x)
+    return codes, scales, x, reference(codes, scales, x)
+
+
+def relative_error(n, k, split_k, nw, mt, ahead, unroll, device, seed: int = 0) -> float:
+    """|kernel - reference| / |reference| of `_frag_matvec` on a random case (`_case`): the mma path on a GPU,
+    the interpreter twin on the CPU."""
+    codes, scales, x, want = _case(n, k, seed)
     asm = torch.device(device).type == "cuda"
     got = matvec(repack(codes).to(device), scales.to(device), x.to(device), n, k, split_k, nw, asm, mt, ahead, unroll)
     got = got.sum(0).cpu()
@@ -440,11 +454,7 @@ FLAT_CASES = [(32, 1024, 2, 8, 1), (64, 1024, 2, 6, 2), (32, 1792, 4, 4, 1), (48
 
 def flat_relative_error(n, k, nw, run, mt, device, seed: int = 0) -> float:
     """`relative_error` of `_flat_matvec` (launched plainly)."""
-    gen = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16, (n, k), generator=gen, dtype=torch.uint8)
-    scales = (0.02 * torch.rand(n, k // 128, generator=gen) - 0.01).half()
-    x = torch.randn(k, generator=gen).bfloat16()
-    want = reference(codes, scales, x)
+    codes, scales, x, want = _case(n, k, seed)
     asm = torch.device(device).type == "cuda"
     got = flat_matvec(repack(codes).to(device), scales.to(device), x.to(device), n, k, nw, run, asm, mt).sum(0).cpu()
     return ((got - want).norm() / want.norm()).item()
@@ -453,7 +463,7 @@ def flat_relative_error(n, k, nw, run, mt, device, seed: int = 0) -> float:
 def check(device: str) -> None:
     for n, k, split_k, nw, mt, ahead, unroll in CASES:
         err = relative_error(n, k, split_k, nw, mt, ahead, unroll, device, seed=n + k)
-        print(f"n={n} k={k} split_k={split_k} warps={nw} tiles a warp {mt} ahead {ahead} unroll {unroll}: "
+        print(f"n={n} k={k} split_k={split_k} warps={nw} row tiles {mt} ahead {ahead} unroll {unroll}: "
               f"relative error {err:.2e}")
         assert err < 1e-5, err
     for n, k, nw, run, mt in FLAT_CASES:
@@ -462,31 +472,37 @@ def check(device: str) -> None:
         assert err < 1e-5, err
 
 
-def bench() -> None:
+def _weights(n, k):
+    """(shipped ops, (fragment words, scales)) of enough random int4 weights [n, k] (encoded on the GPU) that they
+    do not fit in L2, the same weights in both layouts."""
     from thin.ir import Encoding, Tensor, formats
     from thin.ir.formats.quantized import unpack_bits
     from thin.runtime.linear import make_linear
 
+    params = formats.get("int4").normalize({})
+    ops, frags = [], []
+    for _ in range(max(2, min(24, 256 * 2**20 // (n * k // 2)))):
+        raw = formats.encode("int4", 0.02 * torch.randn(n, k, device="cuda"), params)
+        record = Tensor("w", "ffn.down", 0, (n, k), Encoding("int4", params), "bf16")
+        ops.append(make_linear(record, raw.cpu(), None, torch.device("cuda"), torch.bfloat16))
+        parts = formats.get("int4").split(raw, (n, k), params)
+        frags.append((repack(unpack_bits(parts["codes"], 4).cuda()), parts["scales"].contiguous().cuda()))
+    return ops, frags
+
+
+def bench() -> None:
+    """`_frag_matvec` against the shipped matvec (plain launches)."""
     sys.path.insert(0, os.path.dirname(__file__))
     from bench_kernels import time_graph
 
     shapes = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
     only = sys.argv[2].split(",") if len(sys.argv) > 2 else None
     for name, n, k in [shape for shape in shapes if only is None or shape[0] in only]:
-        copies = max(1, min(24, 256 * 2**20 // (n * k // 2)))
-        params = formats.get("int4").normalize({})
-        ops, frags = [], []
-        for _ in range(copies):
-            w = 0.02 * torch.randn(n, k, device="cuda")
-            raw = formats.encode("int4", w, params)
-            record = Tensor("w", "ffn.down", 0, (n, k), Encoding("int4", params), "bf16")
-            op = make_linear(record, raw.cpu(), None, torch.device("cuda"), torch.bfloat16)
-            ops.append(op)
-            parts = formats.get("int4").split(raw, (n, k), params)
-            frags.append((repack(unpack_bits(parts["codes"], 4).cuda()), parts["scales"].contiguous().cuda()))
+        ops, frags = _weights(n, k)
+        reps = max(1, 20 // len(ops))
         x = torch.randn(k, device="cuda").bfloat16()
         want = ops[0](x[None])[0].float()
-        shipped = time_graph([lambda op=op, x=x: op.matvec(x) for op in ops] * max(1, 20 // copies))
+        shipped = time_graph([partial(op.matvec, x) for op in ops] * reps)
         print(f"{name}: shipped ({ops[0].config('direct')}) {shipped * 1e6:.2f} us", flush=True)
         grid = [(k, w) for w in (4, 8, 16)] + [(k // 2, w) for w in (2, 4, 8)]
         for split_k, nw, mt, ahead in [(c, w, m, a) for c, w in grid for m in (1, 2) for a in (0, 1)]:
@@ -495,9 +511,7 @@ def bench() -> None:
             unroll = 2 if ahead else 1  # unrolled by two, the words loaded ahead need no moves (`sass`)
             got = matvec(*frags[0], x, n, k, split_k, nw, True, mt, ahead, unroll).sum(0)
             err = ((got - want).norm() / want.norm()).item()
-            t = time_graph([lambda f=f, a=(x, n, k, split_k, nw, True, mt, ahead, unroll): matvec(*f, *a)
-                            for f in frags]
-                           * max(1, 20 // copies))
+            t = time_graph([partial(matvec, *f, x, n, k, split_k, nw, True, mt, ahead, unroll) for f in frags] * reps)
             print(f"  fragments split_k={split_k} warps={nw} row tiles {mt} ahead {ahead}: {t * 1e6:.2f} us, "
                   f"error against shipped {err:.1e}", flush=True)
 
@@ -512,10 +526,7 @@ FLAT_GRID = {  # (warps, steps a warp, row tiles) a shape: one split where warps
 
 def bench_flat() -> None:
     """`_flat_matvec` against the shipped matvec, each launched plainly and as programmatic dependents."""
-    from thin.ir import Encoding, Tensor, formats
-    from thin.ir.formats.quantized import unpack_bits
     from thin.runtime.kernels import dependent
-    from thin.runtime.linear import make_linear
 
     sys.path.insert(0, os.path.dirname(__file__))
     from bench_kernels import time_graph
@@ -524,19 +535,10 @@ def bench_flat() -> None:
     only = sys.argv[2].split(",") if len(sys.argv) > 2 else None
     table = []
     for name, n, k in [shape for shape in shapes if only is None or shape[0] in only]:
-        copies = max(2, min(24, 256 * 2**20 // (n * k // 2)))
-        params = formats.get("int4").normalize({})
-        ops, frags = [], []
-        for _ in range(copies):
-            w = 0.02 * torch.randn(n, k, device="cuda")
-            raw = formats.encode("int4", w, params)
-            record = Tensor("w", "ffn.down", 0, (n, k), Encoding("int4", params), "bf16")
-            ops.append(make_linear(record, raw.cpu(), None, torch.device("cuda"), torch.bfloat16))
-            parts = formats.get("int4").split(raw, (n, k), params)
-            frags.append((repack(unpack_bits(parts["codes"], 4).cuda()), parts["scales"].contiguous().cuda()))
+        ops, frags = _weights(n, k)
         x = torch.randn(k, device="cuda").bfloat16()
         want = ops[0](x[None])[0].float()
-        reps = max(1, 20 // copies)
+        reps = max(1, 20 // len(ops))
         for pdl in (0, 1):
             with dependent.launching(bool(pdl)):
                 shipped = time_graph([partial(op.matvec, x) for op in ops] * reps)
@@ -590,5 +592,5 @@ if __name__ == "__main__":
         bench()
     elif what == "flat":
         bench_flat()
-    elif what == "sass":  # sass [split_k warps tiles_a_warp ahead unroll]
+    elif what == "sass":  # sass [split_k warps row_tiles ahead unroll]
         sass(6144, 4096, *[int(a) for a in sys.argv[2:]])
