@@ -244,6 +244,8 @@ def _step(ptrs, first, s: tl.constexpr, RUN: tl.constexpr, STEPS: tl.constexpr, 
     return out
 
 
+# _run2 .. _run16: one rung a power of two, each joining two of the rung below. Triton's JIT has no recursion, and a
+# loop cannot grow a tensor's shape, so the ladder is written out.
 @triton.jit
 def _run2(ptrs, first, s: tl.constexpr, RUN: tl.constexpr, STEPS: tl.constexpr, STRIDE: tl.constexpr):
     return tl.join(_step(ptrs, first, s, RUN, STEPS, STRIDE), _step(ptrs, first, s + 1, RUN, STEPS, STRIDE))
