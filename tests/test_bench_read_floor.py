@@ -35,16 +35,18 @@ def test_read_floor_stores_each_programs_xor():
     assert out.cpu().tolist() == want
 
 
-@pytest.mark.parametrize("chain", [0, 5], ids=["no chain", "a chain of 5 after the wait"])
-def test_step_floor_writes_zeros_over_the_whole_output(chain):
+@pytest.mark.parametrize("chain, work, post", [(0, 0, 0), (5, 0, 0), (0, 3, 0), (0, 3, 2)],
+                         ids=["no chain", "a chain of 5 after the wait", "3 multiply-adds a word after the wait",
+                              "and 2 loads a lane after the wait"])
+def test_step_floor_writes_zeros_over_the_whole_output(chain, work, post):
     floor = _load("bench_step_floor")
     gen = torch.Generator().manual_seed(1)
     words = torch.randint(-2**31, 2**31 - 1, (3000,), dtype=torch.int32, generator=gen).to(DEVICE)
     scales = torch.randint(-2**31, 2**31 - 1, (40,), dtype=torch.int32, generator=gen).to(DEVICE)
     out = torch.full((2500,), 7.0, dtype=torch.bfloat16, device=DEVICE)
     x = torch.randn(300, generator=gen).bfloat16().to(DEVICE)
-    programs_words = -(-3000 // (32 * 1 * 2 * 4))  # 2 loads of 4 words a lane, one warp
+    programs_words = -(-3000 // (32 * 1 * (2 + post) * 4))  # 2 (+ post) loads of 4 words a lane, one warp
     programs = programs_words + 1
     floor._read_zero[(programs,)](words, 3000, scales, 40, out, 2500, -(-2500 // programs), programs_words, x, 300,
-                                  2, 1, 16, False, chain, num_warps=1)
+                                  2, 1, 16, False, chain, work, False, post, num_warps=1)
     assert torch.count_nonzero(out).item() == 0
