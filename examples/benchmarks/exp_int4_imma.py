@@ -1,0 +1,297 @@
+"""Experiment: a symmetric int4 (group 128) matvec on the int8 tensor cores, reading the packed planes as they lie,
+with the activations as int8 (one scale and one sum of the codes a group of 128).
+
+    python3 examples/benchmarks/exp_int4_imma.py check                 # CPU (TRITON_INTERPRET=1) or GPU
+    python3 examples/benchmarks/exp_int4_imma.py bench [qkv,o,gate_up,down]    # GPU: alone, plain and dependent
+
+Why (BENCHMARKS Round 21): in the step floor, after the wait, the shipped bf16 pairs' arithmetic took a dependent
+matvec's step from 801 to 647 tok/s, dp4a's to 746 and two int8 mma.sync a 16-byte chunk to 735, and the whole
+dp4a matvec with each row's sum over 128 lanes to 668. With the int8 mma the sum over K happens inside the mma, so
+the only sums across lanes are a warp's (one add a lane and warp at the end).
+
+Layout. A weight row's low plane holds, for each 32-column chunk, 4 words, word o the columns 8o .. 8o + 7 (column
+8o + j at bits 4j). So `w & 0x0F0F0F0F` is the word's even columns as bytes and `w & 0xF0F0F0F0` its odd ones as 16
+times bytes (one logic op each). Lane l = 4g + t of a warp loads, for row tile i and group q, the 16 bytes of chunk
+4q + t of rows g and g + 8; mma.sync.m16n8k32 (u8 x s8, int32 sums) takes, as A, the even bytes of words 0 and 1
+(or 2 and 3) of both rows, and as B the int8 activations of the same columns, which are the lane's own: the
+activations are laid (`quantize_x`) so that chunk c's word 2j + p holds columns 32c + 8j + p + 2m, m = 0..3, in
+its bytes. A group (4 chunks, one scale each side) is 2 mma on the even columns (its sums starting at -8 times the
+sum of the group's codes: the zero point) and 2 on the odd (16 times the products, shifted back exactly), then
+one int-to-float and one multiply-add a row. Every column of B is x, so each lane holds its rows g and g + 8.
+
+A program: NW warps splitting K (GPW groups each, past K masked), T row tiles of 16 rows; every weight word and
+scale of a lane is loaded before the wait (PDL), x's codes, scales and sums after it. Not in the runtime: the
+kernels before a matvec would write its int8 activations (here `quantize_x`, in torch), and the activations' int8
+rounding adds about 5e-3 (Gaussian) to 1e-2 (with outliers) of relative error to each row's sum.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from functools import partial
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from exp_int4_fragments import _pick, _run, _threads  # noqa: E402
+
+
+def quantize_x(x: torch.Tensor):
+    """x [K] -> (codes int32 [K / 4] in the B order above, scales float32 [K / 128], code sums int32 [K / 128]):
+    symmetric int8 a group of 128, scale = max |x| / 127."""
+    k = x.numel()
+    xg = x.float().reshape(k // 128, 128)
+    scale = xg.abs().amax(1).clamp_min(1e-30) / 127
+    q = torch.round(xg / scale[:, None]).clamp(-127, 127).to(torch.int32)
+    sums = q.sum(1).to(torch.int32)
+    b = q.to(torch.int64).reshape(k // 32, 4, 4, 2).permute(0, 1, 3, 2).reshape(k // 4, 4) & 0xFF  # chunk, j, p, m
+    words = b[:, 0] | b[:, 1] << 8 | b[:, 2] << 16 | b[:, 3] << 24
+    return ((words + 2**31) % 2**32 - 2**31).to(torch.int32), scale.contiguous(), sums.contiguous()
+
+
+def dequantized_x(x: torch.Tensor) -> torch.Tensor:
+    """What the kernel multiplies by: x rounded to its int8 codes times their group's scale."""
+    xg = x.float().reshape(-1, 128)
+    scale = xg.abs().amax(1).clamp_min(1e-30) / 127
+    return (torch.round(xg / scale[:, None]).clamp(-127, 127) * scale[:, None]).reshape(-1)
+
+
+@triton.jit
+def _dot4(a, b):
+    """sum over the 4 bytes of a (unsigned) times those of b (signed)."""
+    s = (a & 0xFF) * ((b << 24) >> 24)
+    s += ((a >> 8) & 0xFF) * ((b << 16) >> 24)
+    s += ((a >> 16) & 0xFF) * ((b << 8) >> 24)
+    return s + ((a >> 24) & 0xFF) * (b >> 24)
+
+
+@triton.jit
+def _imma(a0, a1, a2, a3, b0, b1, cg, ch, ASM: tl.constexpr):
+    """(cg, ch) + rows g and g + 8 of A @ B for one mma.sync.m16n8k32 (A u8: a0, a2 row g's k = 4t.., 16 + 4t..,
+    a1, a3 row g + 8's; B s8, every column x: b0, b1), int32 [L, ...] (L a multiple of 32 along the first axis,
+    the lanes). ASM: the mma, its accumulators in place; otherwise each lane's products and the sum over its quad
+    (plain Triton, the interpreter's)."""
+    b0 = tl.broadcast_to(b0, a0.shape)
+    b1 = tl.broadcast_to(b1, a0.shape)
+    if ASM:
+        d0, d1, d2, d3 = tl.inline_asm_elementwise(
+            "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, "
+            "{$10,$11,$12,$13};", "=r,=r,=r,=r,r,r,r,r,r,r,0,1,2,3", [a0, a1, a2, a3, b0, b1, cg, cg, ch, ch],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+        out = d0, d2
+    else:
+        pg = _dot4(a0, b0) + _dot4(a2, b1)
+        ph = _dot4(a1, b0) + _dot4(a3, b1)
+        out = cg + _quad_sum(pg), ch + _quad_sum(ph)
+    return out
+
+
+@triton.jit
+def _quad_sum(p):
+    """[L] -> the sum over each quad of lanes (4g .. 4g + 3), every lane of the quad holding it."""
+    L: tl.constexpr = p.shape[0]
+    s = tl.sum(tl.reshape(p, [L // 4, 4]), axis=1)
+    return tl.reshape(tl.broadcast_to(s[:, None], [L // 4, 4]), [L])
+
+
+@triton.jit
+def _split4(t):
+    """[L, 4] (a lane's 4 words, in its registers) -> the 4 words, each [L]."""
+    a, b = tl.split(tl.reshape(t, [t.shape[0], 2, 2]))
+    a0, a1 = tl.split(a)
+    b0, b1 = tl.split(b)
+    return a0, b0, a1, b1
+
+
+@triton.jit
+def _tile_runs(w_ptr, s_ptr, row, q0, t, GPW: tl.constexpr, S: tl.constexpr, groups: tl.constexpr, K: tl.constexpr):
+    """A lane's words (16 bytes a group: chunk 4q + t) and scales of rows `row` (g) and row + 8 over its warp's
+    groups q0 .. q0 + GPW - 1, all loaded at once (exp_int4_fragments._run: one load each, held as one tensor)."""
+    ptrs = w_ptr + (row * (K // 8) + (q0 * 4 + t) * 4)[:, None] + tl.arange(0, 4)[None, :]
+    s_ptrs = s_ptr + row * groups + q0
+    return (_run(ptrs, q0, S, GPW, groups, 16), _run(ptrs + 8 * (K // 8), q0, S, GPW, groups, 16),
+            _run(s_ptrs, q0, S, GPW, groups, 1), _run(s_ptrs + 8 * groups, q0, S, GPW, groups, 1))
+
+
+@triton.jit
+def _group_sums(tile, q: tl.constexpr, S: tl.constexpr, evens, odds, zero, ASM: tl.constexpr):
+    """A group's int32 sums of rows g and g + 8 (lane's D fragment) from a `_tile_runs` tile and the group's B
+    words (evens, odds: 4 each): two mma on the even columns starting at the zero point's sum, two on the odd
+    (16 times the codes), shifted back exactly."""
+    g0, g1, g2, g3 = _split4(_pick(tile[0], q, S))
+    h0, h1, h2, h3 = _split4(_pick(tile[1], q, S))
+    e0, e1, e2, e3 = evens
+    o0, o1, o2, o3 = odds
+    lo = 0x0F0F0F0F
+    hi = -252645136  # 0xF0F0F0F0
+    even_g, even_h = _imma(g0 & lo, h0 & lo, g1 & lo, h1 & lo, e0, e1, zero, zero, ASM)
+    even_g, even_h = _imma(g2 & lo, h2 & lo, g3 & lo, h3 & lo, e2, e3, even_g, even_h, ASM)
+    none = zero * 0
+    odd_g, odd_h = _imma(g0 & hi, h0 & hi, g1 & hi, h1 & hi, o0, o1, none, none, ASM)
+    odd_g, odd_h = _imma(g2 & hi, h2 & hi, g3 & hi, h3 & hi, o2, o3, odd_g, odd_h, ASM)
+    return even_g + (odd_g >> 4), even_h + (odd_h >> 4)
+
+
+@triton.jit
+def _tile_rows(acc_g, acc_h, NW: tl.constexpr):
+    """A tile's [16] row sums: the warps' sums lane by lane, then rows g (and g + 8) from any lane of quad g."""
+    rows_g = tl.max(tl.reshape(tl.sum(tl.reshape(acc_g, [NW, 32]), axis=0), [8, 4]), axis=1)
+    rows_h = tl.max(tl.reshape(tl.sum(tl.reshape(acc_h, [NW, 32]), axis=0), [8, 4]), axis=1)
+    return tl.reshape(tl.permute(tl.join(rows_g, rows_h), [1, 0]), [16])
+
+
+@triton.jit
+def _imma_matvec(w_ptr, s_ptr, xq_ptr, xs_ptr, xz_ptr, out_ptr, n, K: tl.constexpr, NW: tl.constexpr,
+                 GPW: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+    """out[rows] = W[rows] @ x over program_id(0)'s T (1 or 2) tiles of 16 rows (see the module docstring)."""
+    groups: tl.constexpr = K // 128
+    e = _threads(NW, ASM)
+    lane = e % 32
+    g = lane // 4
+    t = lane % 4
+    q0 = e // 32 * GPW  # the warp's first group
+    tile0 = tl.program_id(0) * T
+    a = _tile_runs(w_ptr, s_ptr, tile0 * 16 + g, q0, t, GPW, GPW, groups, K)
+    b = a
+    if T == 2:
+        b = _tile_runs(w_ptr, s_ptr, tile0 * 16 + 16 + g, q0, t, GPW, GPW, groups, K)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    acc_ag = tl.zeros([32 * NW], dtype=tl.float32)
+    acc_ah = tl.zeros([32 * NW], dtype=tl.float32)
+    acc_bg = tl.zeros([32 * NW], dtype=tl.float32)
+    acc_bh = tl.zeros([32 * NW], dtype=tl.float32)
+    for q in tl.static_range(GPW):
+        ok = q0 + q < groups
+        xp = (xq_ptr + ((q0 + q) * 4 + t) * 8)[:, None] + tl.arange(0, 4)[None, :]
+        x0, x1, x2, x3 = _split4(tl.load(xp, mask=ok[:, None], other=0))  # words 2j + p: octets 0, 1
+        x4, x5, x6, x7 = _split4(tl.load(xp + 4, mask=ok[:, None], other=0))  # octets 2, 3
+        e4 = (x0, x2, x4, x6)
+        o4 = (x1, x3, x5, x7)
+        xs = tl.load(xs_ptr + q0 + q, mask=ok, other=0.0)
+        zero = -8 * tl.load(xz_ptr + q0 + q, mask=ok, other=0)
+        sum_g, sum_h = _group_sums(a, q, GPW, e4, o4, zero, ASM)
+        acc_ag += sum_g.to(tl.float32) * (_pick(a[2], q, GPW).to(tl.float32) * xs)
+        acc_ah += sum_h.to(tl.float32) * (_pick(a[3], q, GPW).to(tl.float32) * xs)
+        if T == 2:
+            sum_g, sum_h = _group_sums(b, q, GPW, e4, o4, zero, ASM)
+            acc_bg += sum_g.to(tl.float32) * (_pick(b[2], q, GPW).to(tl.float32) * xs)
+            acc_bh += sum_h.to(tl.float32) * (_pick(b[3], q, GPW).to(tl.float32) * xs)
+    rows = tile0 * 16 + tl.arange(0, 16)
+    tl.store(out_ptr + rows, _tile_rows(acc_ag, acc_ah, NW))
+    if T == 2:
+        tl.store(out_ptr + rows + 16, _tile_rows(acc_bg, acc_bh, NW))
+
+
+def matvec(words, scales, xq, xs, xz, n, k, nw, t, asm, pdl=0, out=None):
+    """float32 [n]: the weight's (packed low plane as int32 [n, k / 8], float16 scales [n, k / 128]) product with
+    the int8 activations (`quantize_x`); nw warps split k, t row tiles of 16 a program."""
+    gpw = triton.next_power_of_2(-(-(k // 128) // nw))
+    if n % (16 * t) or k % 128 or t not in (1, 2) or gpw > 16:
+        raise ValueError(f"the int8 mma matvec tiles rows by 16 * t (t 1 or 2), columns by 128, at most 16 groups "
+                         f"a warp: not [{n}, {k}] with {nw} warps, t={t}")
+    out = torch.empty(n, dtype=torch.float32, device=words.device) if out is None else out
+    _imma_matvec[(n // (16 * t),)](words, scales, xq, xs, xz, out, n, k, nw, gpw, t, asm, pdl, num_warps=nw,
+                                       **({"launch_pdl": True} if pdl else {}))
+    return out
+
+
+def _case(n, k, seed):
+    """Random int4 weights as the format stores them, x, and both products: with x as its int8 rounding (the
+    kernel's) and with x as it is."""
+    from thin.ir import formats
+
+    gen = torch.Generator().manual_seed(seed)
+    params = formats.get("int4").normalize({})
+    w = 0.02 * torch.randn(n, k, generator=gen)
+    raw = formats.encode("int4", w, params)
+    parts = formats.get("int4").split(raw, (n, k), params)
+    decoded = formats.get("int4").decode(raw, (n, k), params, torch.float32)
+    x = torch.randn(k, generator=gen).bfloat16()
+    words = parts["codes"].contiguous().view(torch.int32).reshape(n, k // 8)
+    return words, parts["scales"].contiguous(), x, decoded @ dequantized_x(x), decoded @ x.float()
+
+
+# (n, k, warps, row tiles): groups a warp past K (1792: 14 groups) included.
+CASES = [(32, 256, 1, 1), (64, 512, 2, 2), (48, 384, 2, 1), (64, 1792, 4, 2), (32, 1792, 2, 1)]
+
+
+def relative_errors(n, k, nw, t, device, seed: int = 0) -> tuple[float, float]:
+    """|kernel - reference| / |reference| on a random case (`_case`), the reference the format's decode times x
+    rounded to int8 (what the kernel computes) and times x itself: the mma path on a GPU, the interpreter twin
+    on the CPU."""
+    words, scales, x, want, exact = _case(n, k, seed)
+    got = matvec(words.to(device), scales.to(device), *(a.to(device) for a in quantize_x(x)), n, k, nw, t,
+                 torch.device(device).type == "cuda").cpu()
+    return ((got - want).norm() / want.norm()).item(), ((got - exact).norm() / exact.norm()).item()
+
+
+def check(device: str) -> None:
+    for n, k, nw, t in CASES:
+        err, err_x = relative_errors(n, k, nw, t, device, n + k)
+        print(f"n={n} k={k} warps={nw} row tiles {t}: relative error {err:.1e} against the int8 x ({err_x:.1e} "
+              f"against x)")
+        assert err < 1e-5, err
+
+
+def _weights(n, k):
+    """(shipped ops, (low plane words, scales)) of enough random int4 weights [n, k] not to fit in L2."""
+    from thin.ir import Encoding, Tensor, formats
+    from thin.runtime.linear import make_linear
+
+    params = formats.get("int4").normalize({})
+    ops, planes = [], []
+    for _ in range(max(2, min(24, 256 * 2**20 // (n * k // 2)))):
+        raw = formats.encode("int4", 0.02 * torch.randn(n, k, device="cuda"), params)
+        record = Tensor("w", "ffn.down", 0, (n, k), Encoding("int4", params), "bf16")
+        ops.append(make_linear(record, raw.cpu(), None, torch.device("cuda"), torch.bfloat16))
+        planes.append((ops[-1].low32.reshape(n, k // 8), ops[-1].scales.reshape(n, k // 128)))
+    return ops, planes
+
+
+def bench() -> None:
+    """The int8 mma matvec against the shipped one, each timed alone (plain and as programmatic dependents)."""
+    from bench_kernels import time_graph
+
+    from thin.runtime.kernels import dependent
+
+    shapes = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
+    only = sys.argv[2].split(",") if len(sys.argv) > 2 else None
+    for name, n, k in [shape for shape in shapes if only is None or shape[0] in only]:
+        ops, planes = _weights(n, k)
+        reps = max(1, 20 // len(ops))
+        x = torch.randn(k, device="cuda").bfloat16()
+        xq = quantize_x(x)
+        want = ops[0](x[None])[0].float()
+        line = f"{name}: shipped ({ops[0].config('direct')})"
+        for pdl in (0, 1):
+            with dependent.launching(bool(pdl)):
+                took = time_graph([partial(op.matvec, x) for op in ops] * reps)
+            line += f" {'dependent' if pdl else 'plain'} {took * 1e6:.2f}"
+        print(line + " us", flush=True)
+        for nw, t in ([(8, 1), (8, 2), (4, 1), (4, 2)] if k <= 4096 else [(16, 1), (8, 1)]):
+            if n % (16 * t):
+                continue
+            out = torch.empty(n, device="cuda")
+            got = matvec(*planes[0], *xq, n, k, nw, t, True, 0, out)
+            err = ((got - want).norm() / want.norm()).item()
+            times = [time_graph([partial(matvec, *p, *xq, n, k, nw, t, True, pdl, out) for p in planes] * reps)
+                     for pdl in (0, 1)]
+            print(f"  int8 mma warps={nw} row tiles {t}: plain {times[0] * 1e6:.2f} us, dependent "
+                  f"{times[1] * 1e6:.2f} us, error against shipped {err:.1e}", flush=True)
+
+
+if __name__ == "__main__":
+    mode = sys.argv[1] if len(sys.argv) > 1 else "check"
+    if mode == "check":
+        check("cuda" if torch.cuda.is_available() else "cpu")
+    elif mode == "bench":
+        bench()
+    else:
+        raise SystemExit(__doc__)

@@ -1,0 +1,32 @@
+"""The int8 tensor-core int4 experiment (examples/benchmarks/exp_int4_imma.py): on the packed planes as the format
+stores them, it gives the format's decode times x rounded to int8, through the mma's interpreter twin on the CPU
+and the mma on the GPU; and its int8 activations lie where each lane's B fragment takes them."""
+
+import os
+import sys
+
+import pytest
+import torch
+from kernel_support import DEVICE
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples", "benchmarks"))
+
+import exp_int4_imma as imma  # noqa: E402
+
+
+@pytest.mark.parametrize("case", [imma.CASES[0], imma.CASES[-1]], ids=["one warp, one tile", "groups past K"])
+def test_int8_mma_matvec_matches_the_decode(case):
+    err, err_x = imma.relative_errors(*case, DEVICE, seed=case[0] + case[1])
+    assert err < 1e-5
+    assert err_x < 2e-2  # x's own int8 rounding, groups of 128
+
+
+def test_int8_activations_lie_in_the_fragments_order():
+    x = torch.randn(256, generator=torch.Generator().manual_seed(5))
+    words, scales, sums = imma.quantize_x(x)
+    q = torch.round(x.reshape(2, 128) / scales[:, None]).clamp(-127, 127).to(torch.int64).reshape(-1)
+    assert torch.equal(sums.long(), q.reshape(2, 128).sum(1))
+    w = words.to(torch.int64) % 2**32
+    for c, j, p, m in [(0, 0, 0, 0), (3, 2, 1, 3), (7, 3, 1, 1), (5, 1, 0, 2)]:
+        byte = (int(w[8 * c + 2 * j + p]) >> (8 * m)) & 0xFF
+        assert byte == int(q[32 * c + 8 * j + p + 2 * m]) % 256
