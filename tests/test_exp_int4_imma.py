@@ -27,6 +27,7 @@ def test_int8_activations_lie_in_the_fragments_order():
     q = torch.round(x.reshape(2, 128) / scales[:, None]).clamp(-127, 127).to(torch.int64).reshape(-1)
     assert torch.equal(sums.long(), q.reshape(2, 128).sum(1))
     w = words.to(torch.int64) % 2**32
-    for c, j, p, m in [(0, 0, 0, 0), (3, 2, 1, 3), (7, 3, 1, 1), (5, 1, 0, 2)]:
-        byte = (int(w[8 * c + 2 * j + p]) >> (8 * m)) & 0xFF
+    # chunk c's words e0, e1, o0, o1, e2, e3, o2, o3: octet j's even (p 0) or odd (p 1) columns, one a byte
+    for c, j, p, m in [(0, 0, 0, 0), (3, 2, 1, 3), (7, 3, 1, 1), (5, 1, 0, 2), (6, 2, 0, 1)]:
+        byte = (int(w[8 * c + 4 * (j // 2) + 2 * p + j % 2]) >> (8 * m)) & 0xFF
         assert byte == int(q[32 * c + 8 * j + p + 2 * m]) % 256

@@ -474,22 +474,42 @@ def check(device: str) -> None:
         assert err < 1e-5, err
 
 
-def _weights(n, k):
-    """(shipped ops, (fragment words, scales)) of enough random int4 weights [n, k] (encoded on the GPU) that they
-    do not fit in L2, the same weights in both layouts."""
+def shipped_weights(n, k):
+    """[(shipped op, its raw bytes)] of enough random int4 weights [n, k] (encoded on the GPU) that they do not fit
+    in L2."""
     from thin.ir import Encoding, Tensor, formats
-    from thin.ir.formats.quantized import unpack_bits
     from thin.runtime.linear import make_linear
 
     params = formats.get("int4").normalize({})
-    ops, frags = [], []
+    out = []
     for _ in range(max(2, min(24, 256 * 2**20 // (n * k // 2)))):
         raw = formats.encode("int4", 0.02 * torch.randn(n, k, device="cuda"), params)
         record = Tensor("w", "ffn.down", 0, (n, k), Encoding("int4", params), "bf16")
-        ops.append(make_linear(record, raw.cpu(), None, torch.device("cuda"), torch.bfloat16))
+        out.append((make_linear(record, raw.cpu(), None, torch.device("cuda"), torch.bfloat16), raw))
+    return out
+
+
+def _weights(n, k):
+    """(shipped ops, (fragment words, scales)) of `shipped_weights`, the same weights in both layouts."""
+    from thin.ir import formats
+    from thin.ir.formats.quantized import unpack_bits
+
+    params = formats.get("int4").normalize({})
+    ops, frags = [], []
+    for op, raw in shipped_weights(n, k):
+        ops.append(op)
         parts = formats.get("int4").split(raw, (n, k), params)
         frags.append((repack(unpack_bits(parts["codes"], 4).cuda()), parts["scales"].contiguous().cuda()))
     return ops, frags
+
+
+SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]  # llama-8b's
+
+
+def chosen_shapes() -> list[tuple[str, int, int]]:
+    """SHAPES, or those of them named (comma-separated) after the mode on the command line."""
+    only = sys.argv[2].split(",") if len(sys.argv) > 2 else None
+    return [shape for shape in SHAPES if only is None or shape[0] in only]
 
 
 def bench() -> None:
@@ -497,9 +517,7 @@ def bench() -> None:
     sys.path.insert(0, os.path.dirname(__file__))
     from bench_kernels import time_graph
 
-    shapes = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
-    only = sys.argv[2].split(",") if len(sys.argv) > 2 else None
-    for name, n, k in [shape for shape in shapes if only is None or shape[0] in only]:
+    for name, n, k in chosen_shapes():
         ops, frags = _weights(n, k)
         reps = max(1, 20 // len(ops))
         x = torch.randn(k, device="cuda").bfloat16()

@@ -14,10 +14,13 @@ Layout. A weight row's low plane holds, for each 32-column chunk, 4 words, word 
 times bytes (one logic op each). Lane l = 4g + t of a warp loads, for row tile i and group q, the 16 bytes of chunk
 4q + t of rows g and g + 8; mma.sync.m16n8k32 (u8 x s8, int32 sums) takes, as A, the even bytes of words 0 and 1
 (or 2 and 3) of both rows, and as B the int8 activations of the same columns, which are the lane's own: the
-activations are laid (`quantize_x`) so that chunk c's word 2j + p holds columns 32c + 8j + p + 2m, m = 0..3, in
-its bytes. A group (4 chunks, one scale each side) is 2 mma on the even columns (its sums starting at -8 times the
-sum of the group's codes: the zero point) and 2 on the odd (16 times the products, shifted back exactly), then
-one int-to-float and one multiply-add a row. Every column of B is x, so each lane holds its rows g and g + 8.
+activations are laid (`quantize_x`) so that chunk c's 8 words are e0, e1, o0, o1, e2, e3, o2, o3, where e_j holds
+columns 32c + 8j + 2m (m = 0..3, one a byte) and o_j columns 32c + 8j + 2m + 1, so each mma's two B registers are
+adjacent words of a 16-byte load (no register moves). A group (4 chunks, one scale each side) is 2 mma on the even
+columns and 2 on the odd (16 times the products, shifted back exactly), each chain from zero, then the zero point
+(-8 times the sum of the group's codes), one int-to-float and one multiply-add a row. Every column of B is x, so
+each lane holds its rows g and g + 8 (sm_90: 0.70-1.00 instructions a weight after the wait at llama-8b's
+shapes, the warps' sums included).
 
 A program: NW warps splitting K (GPW groups each, past K masked), T row tiles of 16 rows; every weight word and
 scale of a lane is loaded before the wait (PDL), x's codes, scales and sums after it. Not in the runtime: the
@@ -38,18 +41,19 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from exp_int4_fragments import _pick, _run, _threads  # noqa: E402
+from exp_int4_fragments import _pick, _run, _threads, chosen_shapes, shipped_weights  # noqa: E402
 
 
 def quantize_x(x: torch.Tensor):
-    """x [K] -> (codes int32 [K / 4] in the B order above, scales float32 [K / 128], code sums int32 [K / 128]):
-    symmetric int8 a group of 128, scale = max |x| / 127."""
+    """x [K] -> (codes int32 [K / 4] in the B order above: a chunk's words e0, e1, o0, o1, e2, e3, o2, o3; scales
+    float32 [K / 128]; code sums int32 [K / 128]): symmetric int8 a group of 128, scale = max |x| / 127."""
     k = x.numel()
     xg = x.float().reshape(k // 128, 128)
     scale = xg.abs().amax(1).clamp_min(1e-30) / 127
     q = torch.round(xg / scale[:, None]).clamp(-127, 127).to(torch.int32)
     sums = q.sum(1).to(torch.int32)
-    b = q.to(torch.int64).reshape(k // 32, 4, 4, 2).permute(0, 1, 3, 2).reshape(k // 4, 4) & 0xFF  # chunk, j, p, m
+    # [chunk, octet pair j // 2, octet j % 2, byte m, column parity p] -> words [chunk, j // 2, p, j % 2] of bytes m
+    b = q.to(torch.int64).reshape(k // 32, 2, 2, 4, 2).permute(0, 1, 4, 2, 3).reshape(k // 4, 4) & 0xFF
     words = b[:, 0] | b[:, 1] << 8 | b[:, 2] << 16 | b[:, 3] << 24
     return ((words + 2**31) % 2**32 - 2**31).to(torch.int32), scale.contiguous(), sums.contiguous()
 
@@ -71,23 +75,23 @@ def _dot4(a, b):
 
 
 @triton.jit
-def _imma(a0, a1, a2, a3, b0, b1, cg, ch, ASM: tl.constexpr):
+def _imma(a0, a1, a2, a3, b0, b1, c, ASM: tl.constexpr):
     """(cg, ch) + rows g and g + 8 of A @ B for one mma.sync.m16n8k32 (A u8: a0, a2 row g's k = 4t.., 16 + 4t..,
     a1, a3 row g + 8's; B s8, every column x: b0, b1), int32 [L, ...] (L a multiple of 32 along the first axis,
     the lanes). ASM: the mma, its accumulators in place; otherwise each lane's products and the sum over its quad
     (plain Triton, the interpreter's)."""
     b0 = tl.broadcast_to(b0, a0.shape)
     b1 = tl.broadcast_to(b1, a0.shape)
+    cg, cg2, ch, ch2 = c
     if ASM:
-        d0, d1, d2, d3 = tl.inline_asm_elementwise(
+        out = tl.inline_asm_elementwise(
             "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, "
-            "{$10,$11,$12,$13};", "=r,=r,=r,=r,r,r,r,r,r,r,0,1,2,3", [a0, a1, a2, a3, b0, b1, cg, cg, ch, ch],
+            "{$10,$11,$12,$13};", "=r,=r,=r,=r,r,r,r,r,r,r,0,1,2,3", [a0, a1, a2, a3, b0, b1, cg, cg2, ch, ch2],
             dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-        out = d0, d2
     else:
-        pg = _dot4(a0, b0) + _dot4(a2, b1)
-        ph = _dot4(a1, b0) + _dot4(a3, b1)
-        out = cg + _quad_sum(pg), ch + _quad_sum(ph)
+        sg = cg + _quad_sum(_dot4(a0, b0) + _dot4(a2, b1))
+        sh = ch + _quad_sum(_dot4(a1, b0) + _dot4(a3, b1))
+        out = sg, sg, sh, sh
     return out
 
 
@@ -119,22 +123,22 @@ def _tile_runs(w_ptr, s_ptr, row, q0, t, GPW: tl.constexpr, S: tl.constexpr, gro
 
 
 @triton.jit
-def _group_sums(tile, q: tl.constexpr, S: tl.constexpr, evens, odds, zero, ASM: tl.constexpr):
-    """A group's int32 sums of rows g and g + 8 (lane's D fragment) from a `_tile_runs` tile and the group's B
-    words (evens, odds: 4 each): two mma on the even columns starting at the zero point's sum, two on the odd
-    (16 times the codes), shifted back exactly."""
+def _group_sums(tile, q: tl.constexpr, S: tl.constexpr, x, zero, ASM: tl.constexpr):
+    """A group's int32 sums of rows g and g + 8 (a lane's D fragment) from a `_tile_runs` tile and the group's 8
+    B words x (e0, e1, o0, o1, e2, e3, o2, o3: octet j's even / odd columns): two mma on the even columns and two
+    on the odd (16 times the codes), each chain from zero, the odd sums shifted back exactly, then the zero point
+    (`zero`: -8 times the sum of the group's codes)."""
     g0, g1, g2, g3 = _split4(_pick(tile[0], q, S))
     h0, h1, h2, h3 = _split4(_pick(tile[1], q, S))
-    e0, e1, e2, e3 = evens
-    o0, o1, o2, o3 = odds
+    x0, x1, x2, x3, x4, x5, x6, x7 = x
     lo = 0x0F0F0F0F
     hi = -252645136  # 0xF0F0F0F0
-    even_g, even_h = _imma(g0 & lo, h0 & lo, g1 & lo, h1 & lo, e0, e1, zero, zero, ASM)
-    even_g, even_h = _imma(g2 & lo, h2 & lo, g3 & lo, h3 & lo, e2, e3, even_g, even_h, ASM)
-    none = zero * 0
-    odd_g, odd_h = _imma(g0 & hi, h0 & hi, g1 & hi, h1 & hi, o0, o1, none, none, ASM)
-    odd_g, odd_h = _imma(g2 & hi, h2 & hi, g3 & hi, h3 & hi, o2, o3, odd_g, odd_h, ASM)
-    return even_g + (odd_g >> 4), even_h + (odd_h >> 4)
+    z = zero * 0
+    even = _imma(g0 & lo, h0 & lo, g1 & lo, h1 & lo, x0, x1, (z, z, z, z), ASM)
+    even = _imma(g2 & lo, h2 & lo, g3 & lo, h3 & lo, x4, x5, even, ASM)
+    odd = _imma(g0 & hi, h0 & hi, g1 & hi, h1 & hi, x2, x3, (z, z, z, z), ASM)
+    odd = _imma(g2 & hi, h2 & hi, g3 & hi, h3 & hi, x6, x7, odd, ASM)
+    return even[0] + (odd[0] >> 4) + zero, even[2] + (odd[2] >> 4) + zero
 
 
 @triton.jit
@@ -167,20 +171,18 @@ def _imma_matvec(w_ptr, s_ptr, xq_ptr, xs_ptr, xz_ptr, out_ptr, n, K: tl.constex
     acc_ah = tl.zeros([32 * NW], dtype=tl.float32)
     acc_bg = tl.zeros([32 * NW], dtype=tl.float32)
     acc_bh = tl.zeros([32 * NW], dtype=tl.float32)
+    x_base = (xq_ptr + (q0 * 4 + t) * 8)[:, None] + tl.arange(0, 4)[None, :]
     for q in tl.static_range(GPW):
         ok = q0 + q < groups
-        xp = (xq_ptr + ((q0 + q) * 4 + t) * 8)[:, None] + tl.arange(0, 4)[None, :]
-        x0, x1, x2, x3 = _split4(tl.load(xp, mask=ok[:, None], other=0))  # words 2j + p: octets 0, 1
-        x4, x5, x6, x7 = _split4(tl.load(xp + 4, mask=ok[:, None], other=0))  # octets 2, 3
-        e4 = (x0, x2, x4, x6)
-        o4 = (x1, x3, x5, x7)
+        x0, x1, x2, x3 = _split4(tl.load(x_base + 32 * q, mask=ok[:, None], other=0))  # e0, e1, o0, o1
+        x4, x5, x6, x7 = _split4(tl.load(x_base + (32 * q + 4), mask=ok[:, None], other=0))  # e2, e3, o2, o3
         xs = tl.load(xs_ptr + q0 + q, mask=ok, other=0.0)
         zero = -8 * tl.load(xz_ptr + q0 + q, mask=ok, other=0)
-        sum_g, sum_h = _group_sums(a, q, GPW, e4, o4, zero, ASM)
+        sum_g, sum_h = _group_sums(a, q, GPW, (x0, x1, x2, x3, x4, x5, x6, x7), zero, ASM)
         acc_ag += sum_g.to(tl.float32) * (_pick(a[2], q, GPW).to(tl.float32) * xs)
         acc_ah += sum_h.to(tl.float32) * (_pick(a[3], q, GPW).to(tl.float32) * xs)
         if T == 2:
-            sum_g, sum_h = _group_sums(b, q, GPW, e4, o4, zero, ASM)
+            sum_g, sum_h = _group_sums(b, q, GPW, (x0, x1, x2, x3, x4, x5, x6, x7), zero, ASM)
             acc_bg += sum_g.to(tl.float32) * (_pick(b[2], q, GPW).to(tl.float32) * xs)
             acc_bh += sum_h.to(tl.float32) * (_pick(b[3], q, GPW).to(tl.float32) * xs)
     rows = tile0 * 16 + tl.arange(0, 16)
@@ -241,18 +243,9 @@ def check(device: str) -> None:
 
 
 def _weights(n, k):
-    """(shipped ops, (low plane words, scales)) of enough random int4 weights [n, k] not to fit in L2."""
-    from thin.ir import Encoding, Tensor, formats
-    from thin.runtime.linear import make_linear
-
-    params = formats.get("int4").normalize({})
-    ops, planes = [], []
-    for _ in range(max(2, min(24, 256 * 2**20 // (n * k // 2)))):
-        raw = formats.encode("int4", 0.02 * torch.randn(n, k, device="cuda"), params)
-        record = Tensor("w", "ffn.down", 0, (n, k), Encoding("int4", params), "bf16")
-        ops.append(make_linear(record, raw.cpu(), None, torch.device("cuda"), torch.bfloat16))
-        planes.append((ops[-1].low32.reshape(n, k // 8), ops[-1].scales.reshape(n, k // 128)))
-    return ops, planes
+    """(shipped ops, (low plane words, scales)) of `shipped_weights`: the planes the shipped kernel reads."""
+    ops = [op for op, _ in shipped_weights(n, k)]
+    return ops, [(op.low32.reshape(n, k // 8), op.scales.reshape(n, k // 128)) for op in ops]
 
 
 def bench() -> None:
@@ -261,9 +254,7 @@ def bench() -> None:
 
     from thin.runtime.kernels import dependent
 
-    shapes = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]
-    only = sys.argv[2].split(",") if len(sys.argv) > 2 else None
-    for name, n, k in [shape for shape in shapes if only is None or shape[0] in only]:
+    for name, n, k in chosen_shapes():
         ops, planes = _weights(n, k)
         reps = max(1, 20 // len(ops))
         x = torch.randn(k, device="cuda").bfloat16()
