@@ -22,6 +22,7 @@ over rows included.
 
     python examples/benchmarks/bench_step_floor.py MODEL.thin [--runs 5] [--with-x] [--plain] [--loads N] [--chain N]
         [--work N] [--post N] [--l2] [--arith NAME]
+    python examples/benchmarks/bench_step_floor.py --sass      # each --arith's sm_90 instructions, no GPU needed
 
 The attention, the embedding, the sampler and every other kernel of the step run as shipped; every matvec's output
 (and the LM head's) is zeros, so the tokens are meaningless (token 0; the run's checks compare the patched step with
@@ -31,6 +32,7 @@ their bytes can be, their launches kept. Use a launch-configuration cache of its
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
@@ -38,7 +40,19 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-from thin.runtime.kernels.pairs import HIGH_NIBBLES, LOW_NIBBLES, UP_FIRST, UP_SECOND, _codes, code_zero, pair_fma
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from int4_lanes import split4  # noqa: E402
+
+from thin.runtime.kernels.pairs import (  # noqa: E402
+    HIGH_NIBBLES,
+    LOW_NIBBLES,
+    UP_FIRST,
+    UP_SECOND,
+    _codes,
+    code_zero,
+    pair_fma,
+)
 
 ZERO_8 = tl.constexpr(code_zero(8))
 
@@ -58,6 +72,8 @@ PER = _option("--loads", 16)  # 16-byte loads a lane (16: that best; 32: twice t
 CHAIN = _option("--chain", 0)  # dependent float multiply-adds after the wait (a matvec's post-wait work, stood in)
 WORK = _option("--work", 0)  # independent float multiply-adds a loaded word after the wait (a matvec's arithmetic)
 ARITHMETIC = ("none", "pairs", "dp4a", "imma", "dp4a-rows", "dp4a-rows-q8", "dp4a-runs-q8", "hmma")
+# --arith's values inside the kernel (constexpr globals)
+PAIRS, DP4A, IMMA, DP4A_ROWS, DP4A_ROWS_Q8, DP4A_RUNS_Q8, HMMA = (tl.constexpr(i) for i in range(1, 8))
 
 
 def _arith_option() -> int:
@@ -74,6 +90,8 @@ def _arith_option() -> int:
 
 ARITH = _arith_option()  # int4 arithmetic on the words after the wait (sm_90 inline assembly: GPU only)
 POST = _option("--post", 0)  # 16-byte loads a lane issued after the wait, before the work on those before it
+if POST and ARITHMETIC[ARITH].startswith("dp4a-"):
+    raise SystemExit(f"--arith {ARITHMETIC[ARITH]} models a whole matvec on the loads before the wait: not with --post")
 L2 = "--l2" in sys.argv  # before the wait, ask L2 for the program's bytes (one bulk prefetch a lane); load after it
 CHUNK = 32 * NW * (PER + POST) * 4  # int32 words a program reads
 WITH_X = "--with-x" in sys.argv  # every program also loads the matvec's x after its wait
@@ -101,7 +119,7 @@ def _read_zero(words_ptr, n_words, scales_ptr, n_scales, out_ptr, n_out, per_pro
         _ask_l2(src, base, n_src, PER, NW)
     else:
         words = tl.load(src + base + offs, mask=base + offs < n_src, other=0)
-    if ARITH >= 4 and ARITH <= 6:  # a group scale for each row of a lane's chunk (an f16 a word's low half), early
+    if ARITH >= DP4A_ROWS and ARITH <= DP4A_RUNS_Q8:  # a group scale for each row of a lane's chunk, early
         si = (tl.arange(0, lanes)[:, None] * PER + tl.arange(0, PER)[None, :]) % n_scales
         wscale = (tl.load(scales_ptr + si) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
     if PDL:
@@ -114,10 +132,10 @@ def _read_zero(words_ptr, n_words, scales_ptr, n_scales, out_ptr, n_out, per_pro
             tl.arange(0, 4)[None, None, :]
         base_post = base + lanes * PER * 4
         later = tl.load(src + base_post + offs_post, mask=base_post + offs_post < n_src, other=0)
-    if ARITH == 6:
+    if ARITH == DP4A_RUNS_Q8:
         seen = _dp4a_runs(words, wscale, x_ptr, k)
-    elif ARITH == 4 or ARITH == 5:
-        seen = _dp4a_rows(words, wscale, x_ptr, k, ARITH == 4)
+    elif ARITH >= DP4A_ROWS and ARITH <= DP4A_ROWS_Q8:  # the two dp4a-rows models
+        seen = _dp4a_rows(words, wscale, x_ptr, k, ARITH == DP4A_ROWS)
     else:
         seen = _xor_all(_arith(_work(words, WORK), ARITH))
     if POST:
@@ -158,27 +176,28 @@ def _arith(words, ARITH: tl.constexpr):
     even and odd nibbles masked to bytes (one shift, two logic ops) into two dp4a; 3 imma: x as int8, a chunk's
     even nibbles as bytes and its odd nibbles as 16 times bytes (one logic op a word each) into two
     mma.sync.m16n8k32 (u8 x s8) a chunk."""
-    if ARITH == 1:
-        w0, w1, w2, w3 = _words4(words)
+    if ARITH == PAIRS:
+        w0, w1, w2, w3 = split4(words)
         acc = tl.zeros(w0.shape, dtype=tl.int32)
         xp = (w0 * 0 + 0x3F803F80, w0 * 0 + 0x3E003E00, w0 * 0 + 0x3F003F00, w0 * 0 + 0x3E803E80)
         acc = _pairs_word(_pairs_word(_pairs_word(_pairs_word(acc, w0, xp), w1, xp), w2, xp), w3, xp)
         words = tl.join(tl.join(acc, w1), tl.join(w2, w3)).reshape(words.shape)  # the xor keeps acc
-    elif ARITH == 2:
-        w0, w1, w2, w3 = _words4(words)
+    elif ARITH == DP4A:
+        w0, w1, w2, w3 = split4(words)
         acc = tl.zeros(w0.shape, dtype=tl.int32)
-        acc = _dp4a_word(_dp4a_word(_dp4a_word(_dp4a_word(acc, w0), w1), w2), w3)
+        lo, hi = acc + 0x05FD0307, acc + 0x7F81FE02  # constant int8 activations
+        acc = _dp4a_pair(_dp4a_pair(_dp4a_pair(_dp4a_pair(acc, w0, lo, hi), w1, lo, hi), w2, lo, hi), w3, lo, hi)
         words = tl.join(tl.join(acc, w1), tl.join(w2, w3)).reshape(words.shape)  # the xor keeps acc
-    elif ARITH == 7:
-        w0, w1, w2, w3 = _words4(words)
+    elif ARITH == HMMA:
+        w0, w1, w2, w3 = split4(words)
         z = tl.zeros(w0.shape, dtype=tl.float32)
         d = (z, z, z, z)
         d = _hmma_word(_hmma_word(_hmma_word(_hmma_word(d, w0), w1), w2), w3)
         c0, c1, c2, c3 = d
         words = tl.join(tl.join(c0.to(tl.int32, bitcast=True), c1.to(tl.int32, bitcast=True)),
                         tl.join(c2.to(tl.int32, bitcast=True), c3.to(tl.int32, bitcast=True))).reshape(words.shape)
-    elif ARITH == 3:
-        w0, w1, w2, w3 = _words4(words)
+    elif ARITH == IMMA:
+        w0, w1, w2, w3 = split4(words)
         z = tl.zeros(w0.shape, dtype=tl.int32)
         c0, c1, c2, c3 = tl.inline_asm_elementwise(
             "{ .reg .b32 a<4>, b<4>; and.b32 a0, $4, 0x0F0F0F0F; and.b32 a1, $5, 0x0F0F0F0F; "
@@ -190,15 +209,6 @@ def _arith(words, ARITH: tl.constexpr):
             dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
         words = tl.join(tl.join(c0, c1), tl.join(c2, c3)).reshape(words.shape)
     return words
-
-
-@triton.jit
-def _dp4a_word(acc, w):
-    """acc + the word's even and odd nibbles (as bytes) dotted with constant int8 activations: two dp4a."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b32 l, h; and.b32 l, $1, 0x0F0F0F0F; shr.u32 h, $1, 4; and.b32 h, h, 0x0F0F0F0F; "
-        "dp4a.u32.s32 $0, l, 0x05FD0307, $2; dp4a.u32.s32 $0, h, 0x7F81FE02, $0; }", "=r,r,r", [w, acc],
-        dtype=tl.int32, is_pure=True, pack=1)
 
 
 @triton.jit
@@ -227,11 +237,11 @@ def _dp4a_rows(words, wscale, x_ptr, k, QUANT: tl.constexpr):
         x_lo, x_hi = tl.split(tl.reshape(xw, [L, 4, 2]))
         xs = tl.load(x_ptr + (chunk * 7 + 1) % k).to(tl.float32)  # the chunk's scale and sum (stand-ins, in x)
         zsum = tl.load(x32 + (chunk * 3 + 5) % (k // 2)) & 0xFFFF
-    w0, w1, w2, w3 = _words4(words)
-    l0, l1, l2, l3 = _quads(x_lo)
-    h0, h1, h2, h3 = _quads(x_hi)
+    w0, w1, w2, w3 = split4(words)
+    l0, l1, l2, l3 = split4(tl.broadcast_to(x_lo[:, None, :], [L, P, 4]))  # the lane's x, for each of its rows
+    h0, h1, h2, h3 = split4(tl.broadcast_to(x_hi[:, None, :], [L, P, 4]))
     acc = tl.broadcast_to((-8 * zsum)[:, None], [L, P])
-    acc = _dp4a2(_dp4a2(_dp4a2(_dp4a2(acc, w0, l0, h0), w1, l1, h1), w2, l2, h2), w3, l3, h3)
+    acc = _dp4a_pair(_dp4a_pair(_dp4a_pair(_dp4a_pair(acc, w0, l0, h0), w1, l1, h1), w2, l2, h2), w3, l3, h3)
     f = acc.to(tl.float32) * wscale * xs[:, None]
     rows = tl.sum(tl.reshape(f, [L // 128, 128, P]), axis=1)
     return tl.xor_sum(tl.xor_sum(rows.to(tl.int32, bitcast=True), axis=1), axis=0)
@@ -248,9 +258,9 @@ def _dp4a_runs(words, wscale, x_ptr, k):
     x32 = x_ptr.to(tl.pointer_type(tl.int32), bitcast=True)
     xw = tl.load(x32 + chunk[:, :, None] * 8 + tl.arange(0, 8)[None, None, :])  # [L, P, 8] (chunk < K / 32)
     x_lo, x_hi = tl.split(tl.reshape(xw, [L, P, 4, 2]))
-    w0, w1, w2, w3 = _words4(words)
-    l0, l1, l2, l3 = _words4(x_lo)
-    h0, h1, h2, h3 = _words4(x_hi)
+    w0, w1, w2, w3 = split4(words)
+    l0, l1, l2, l3 = split4(x_lo)
+    h0, h1, h2, h3 = split4(x_hi)
     acc = -8 * (tl.load(x32 + chunk) & 0xFFFF)  # the zero point (a stand-in sum)
     acc = _dp4a_pair(_dp4a_pair(_dp4a_pair(_dp4a_pair(acc, w0, l0, h0), w1, l1, h1), w2, l2, h2), w3, l3, h3)
     groups = tl.sum(tl.reshape(acc, [L, P // 4, 4]), axis=2)  # [L, P / 4]: one x scale and one w scale each
@@ -270,23 +280,6 @@ def _dp4a_pair(acc, w, x_lo, x_hi):
 
 
 @triton.jit
-def _quads(t):
-    """t [L, 4] as 4 [L] (in _words4's order)."""
-    a, b = tl.split(tl.reshape(t, [t.shape[0], 2, 2]))
-    return tl.split(a) + tl.split(b)
-
-
-@triton.jit
-def _dp4a2(acc, w, x_lo, x_hi):
-    """acc [L, P] + a word's even nibbles (bytes) . x_lo [L] + its odd nibbles . x_hi [L]: two dp4a."""
-    return tl.inline_asm_elementwise(
-        "{ .reg .b32 l, h; and.b32 l, $1, 0x0F0F0F0F; shr.u32 h, $1, 4; and.b32 h, h, 0x0F0F0F0F; "
-        "dp4a.u32.s32 $0, l, $2, $4; dp4a.u32.s32 $0, h, $3, $0; }", "=r,r,r,r,r",
-        [w, tl.broadcast_to(x_lo[:, None], w.shape), tl.broadcast_to(x_hi[:, None], w.shape), acc], dtype=tl.int32,
-        is_pure=True, pack=1)
-
-
-@triton.jit
 def _hmma_word(d, w):
     """d + one mma.sync.m16n8k16 (bf16, float32 sums) of a word as the mma-fragment layout's A (one shift, four
     masks: exp_int4_fragments.py's arithmetic) against constant x pairs."""
@@ -296,13 +289,6 @@ def _hmma_word(d, w):
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {$0,$1,$2,$3}, {a0,a1,a2,a3}, {$5,$5}, {$0,$1,$2,$3}; }",
         "=f,=f,=f,=f,r,r,0,1,2,3", [w, w * 0 + 0x71807180, d[0], d[1], d[2], d[3]],
         dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
-
-
-@triton.jit
-def _words4(words):
-    """A load's 4 words, each [lanes, loads]."""
-    a, b = tl.split(tl.reshape(words, [words.shape[0], words.shape[1], 2, 2]))
-    return tl.split(a) + tl.split(b)
 
 
 @triton.jit
@@ -348,7 +334,29 @@ def _read_matvec(self, x, out, config, act, partial, rows=None, cols=None, scale
     return config.split
 
 
+def sass_counts() -> None:
+    """Compile the read kernel for sm_90 once with each --arith (sass_budget.py's stand-in driver, no GPU) and print
+    its SASS instructions, and those added to the kernel without arithmetic per weight a lane (16 loads of 8 int4
+    weights a word, 4 words each)."""
+    from sass_budget import ADDRESS, _Sm90, disassemble
+    from triton.runtime import driver
+
+    driver.set_active(_Sm90())
+    words, scales = torch.empty(1 << 20, dtype=torch.int32), torch.empty(1 << 14, dtype=torch.int32)
+    out, x = torch.empty(4096, dtype=torch.bfloat16), torch.empty(8192, dtype=torch.bfloat16)
+    counts = []
+    for arith in range(len(ARITHMETIC)):
+        kernel = _read_zero.warmup(words, words.numel(), scales, scales.numel(), out, out.numel(), 16, 10, x, 4096,
+                                   16, NW, 16, True, 0, 0, False, 0, arith, num_warps=NW, grid=(11,))
+        counts.append(sum(1 for line in disassemble(kernel).splitlines() if ADDRESS.match(line)))
+    print("| --arith | sm_90 instructions | added a weight |\n| --- | ---: | ---: |")
+    for name, count in zip(ARITHMETIC, counts, strict=True):
+        print(f"| {name} | {count} | {(count - counts[0]) / (16 * 4 * 8):.2f} |")
+
+
 def main() -> None:
+    if "--sass" in sys.argv:
+        return sass_counts()
     args = [a for a in sys.argv[1:] if a not in ("--with-x", "--plain", "--l2")]
     if not args:
         raise SystemExit(__doc__)

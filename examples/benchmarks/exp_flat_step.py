@@ -32,7 +32,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from exp_int4_fragments import _threads, _tile_loads, _tile_sums, repack  # noqa: E402
+from exp_int4_fragments import _tile_loads, _tile_sums, repack  # noqa: E402
+from int4_lanes import threads  # noqa: E402
 
 from thin.runtime.kernels.deferred_norm import deferred_epilogue, deferred_reads  # noqa: E402
 from thin.runtime.kernels.tiles import store_tile  # noqa: E402
@@ -47,7 +48,7 @@ def _flat_op(w_ptr, s_ptr, x_ptr, out_ptr, bias_ptr, n, K: tl.constexpr, NW: tl.
     ACT >= 0 of gate rows 16i.. and up rows n + 16i.. (the weight [gate; up]). Every weight load is issued before
     the wait for the kernel before (PDL). DEFER: a deferred norm's producer (the slots its consumers read past
     this launch's own, up to all_slots, zeroed); SCALED: its consumer."""
-    e = _threads(NW, ASM)
+    e = threads(NW, ASM)
     warp = e // 32
     lane = e % 32
     steps: tl.constexpr = K // 64

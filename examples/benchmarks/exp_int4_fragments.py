@@ -48,19 +48,13 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from int4_lanes import chosen_shapes, load_run, pick, run_mode, shipped_weights, threads, warps_sum  # noqa: E402
+
 from thin.runtime.kernels.pairs import HIGH_NIBBLES as ROW_H  # w & ROW_H: row g + 8's pair
 from thin.runtime.kernels.pairs import LOW_NIBBLES as ROW_G  # w & ROW_G: row g's pair
 from thin.runtime.kernels.pairs import X_UP_PAIR, _high, _low, pair_fma  # bf16 pairs
-
-
-@triton.jit
-def _threads(NW: tl.constexpr, ASM: tl.constexpr):
-    """[32 * NW]: the thread that holds each element. ASM: read from %tid.x (the mma reads registers by lane, so
-    the lane must be the thread's own); in the interpreter's twin, the element's index."""
-    e = tl.arange(0, 32 * NW)
-    if ASM:
-        e = tl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r,r", [e], dtype=tl.int32, is_pure=True, pack=1)
-    return e
 
 
 @triton.jit
@@ -164,7 +158,7 @@ def _frag_matvec(w_ptr, s_ptr, x_ptr, out_ptr, N, K: tl.constexpr, SPLIT_K: tl.c
     into equal runs (whole groups), their sums added across the warps at the end; out [splits, N] float32.
     w_ptr: int32 fragment words [N/16, K/64, 32, 4] (`repack`); s_ptr: float16 scales [N, K/128]; x_ptr: bf16
     x [K] as it is (int32 pairs). AHEAD: the next group's words and x are loaded before this group's mma."""
-    e = _threads(NW, ASM)
+    e = threads(NW, ASM)
     warp = e // 32
     lane = e % 32
     g = lane // 4
@@ -226,75 +220,11 @@ def _frag_matvec(w_ptr, s_ptr, x_ptr, out_ptr, N, K: tl.constexpr, SPLIT_K: tl.c
     lane = tl.arange(0, 32)
     row_g = tile * 16 + lane // 4
     store = (lane % 4 == 0) & (row_g < N)
-    tl.store(base + row_g, _warps_sum(acc_g, NW) * 8589934592.0, mask=store)  # 2^33
-    tl.store(base + row_g + 8, _warps_sum(acc_h, NW) * 536870912.0, mask=store)  # 2^29
+    tl.store(base + row_g, warps_sum(acc_g, NW) * 8589934592.0, mask=store)  # 2^33
+    tl.store(base + row_g + 8, warps_sum(acc_h, NW) * 536870912.0, mask=store)  # 2^29
     if MT == 2:
-        tl.store(base + row_g + 16, _warps_sum(acc_g1, NW) * 8589934592.0, mask=store)
-        tl.store(base + row_g + 24, _warps_sum(acc_h1, NW) * 536870912.0, mask=store)
-
-
-@triton.jit
-def _step(ptrs, first, s: tl.constexpr, RUN: tl.constexpr, STEPS: tl.constexpr, STRIDE: tl.constexpr):
-    """A lane's words (or scales) of step (group) s of its run, masked past the run and the row."""
-    ok = (first + s < STEPS) & (s < RUN)
-    if len(ptrs.shape) == 2:
-        out = tl.load(ptrs + s * STRIDE, mask=ok[:, None], other=0)
-    else:
-        out = tl.load(ptrs + s * STRIDE, mask=ok, other=0)
-    return out
-
-
-# _run2 .. _run16: one rung a power of two, each joining two of the rung below. Triton's JIT has no recursion, and a
-# loop cannot grow a tensor's shape, so the ladder is written out.
-@triton.jit
-def _run2(ptrs, first, s: tl.constexpr, RUN: tl.constexpr, STEPS: tl.constexpr, STRIDE: tl.constexpr):
-    return tl.join(_step(ptrs, first, s, RUN, STEPS, STRIDE), _step(ptrs, first, s + 1, RUN, STEPS, STRIDE))
-
-
-@triton.jit
-def _run4(ptrs, first, s: tl.constexpr, RUN: tl.constexpr, STEPS: tl.constexpr, STRIDE: tl.constexpr):
-    return tl.join(_run2(ptrs, first, s, RUN, STEPS, STRIDE), _run2(ptrs, first, s + 2, RUN, STEPS, STRIDE))
-
-
-@triton.jit
-def _run8(ptrs, first, s: tl.constexpr, RUN: tl.constexpr, STEPS: tl.constexpr, STRIDE: tl.constexpr):
-    return tl.join(_run4(ptrs, first, s, RUN, STEPS, STRIDE), _run4(ptrs, first, s + 4, RUN, STEPS, STRIDE))
-
-
-@triton.jit
-def _run16(ptrs, first, s: tl.constexpr, RUN: tl.constexpr, STEPS: tl.constexpr, STRIDE: tl.constexpr):
-    return tl.join(_run8(ptrs, first, s, RUN, STEPS, STRIDE), _run8(ptrs, first, s + 8, RUN, STEPS, STRIDE))
-
-
-@triton.jit
-def _run(ptrs, first, S: tl.constexpr, RUN: tl.constexpr, STEPS: tl.constexpr, STRIDE: tl.constexpr):
-    """Every step s < S of a lane's run loaded at once (`_step`), each a load of its own, held in registers as one
-    tensor [*ptrs.shape, 2, ..., 2] whose last axis is the step's highest bit (tl.join: nothing moves)."""
-    if S == 1:
-        out = _step(ptrs, first, 0, RUN, STEPS, STRIDE)
-    elif S == 2:
-        out = _run2(ptrs, first, 0, RUN, STEPS, STRIDE)
-    elif S == 4:
-        out = _run4(ptrs, first, 0, RUN, STEPS, STRIDE)
-    elif S == 8:
-        out = _run8(ptrs, first, 0, RUN, STEPS, STRIDE)
-    else:
-        out = _run16(ptrs, first, 0, RUN, STEPS, STRIDE)
-    return out
-
-
-@triton.jit
-def _pick(t, s: tl.constexpr, S: tl.constexpr):
-    """Step s of a `_run` tensor of S steps: its last axes split from the highest bit down."""
-    if S >= 16:
-        t = tl.split(t)[(s >> 3) & 1]
-    if S >= 8:
-        t = tl.split(t)[(s >> 2) & 1]
-    if S >= 4:
-        t = tl.split(t)[(s >> 1) & 1]
-    if S >= 2:
-        t = tl.split(t)[s & 1]
-    return t
+        tl.store(base + row_g + 16, warps_sum(acc_g1, NW) * 8589934592.0, mask=store)
+        tl.store(base + row_g + 24, warps_sum(acc_h1, NW) * 536870912.0, mask=store)
 
 
 @triton.jit
@@ -309,19 +239,19 @@ def _flat_x(x_ptr, step, t, ok, ASM: tl.constexpr):
 def _tile_loads(w_ptr, s_ptr, tile, first, lane, g, steps: tl.constexpr, groups: tl.constexpr, RUN: tl.constexpr,
                 S: tl.constexpr):
     """Row tile `tile`'s words of each warp's run of RUN steps and their group scales (rows g and g + 8), all
-    loaded at once (`_run`)."""
+    loaded at once (`load_run`)."""
     lane_ptrs = w_ptr + ((tile * steps + first) * 32 + lane)[:, None] * 4 + tl.arange(0, 4)[None, :]
     s_ptrs = s_ptr + (tile * 16 + g) * groups + first // 2
-    return (_run(lane_ptrs, first, S, RUN, steps, 128), _run(s_ptrs, first // 2, S // 2, RUN // 2, groups, 1),
-            _run(s_ptrs + 8 * groups, first // 2, S // 2, RUN // 2, groups, 1))
+    return (load_run(lane_ptrs, first, S, RUN, steps, 128), load_run(s_ptrs, first // 2, S // 2, RUN // 2, groups, 1),
+            load_run(s_ptrs + 8 * groups, first // 2, S // 2, RUN // 2, groups, 1))
 
 
 @triton.jit
 def _rows(acc_g, acc_h, NW: tl.constexpr):
     """A tile's [16] row sums from its lanes' accumulators: lane 4g + t holds rows g and g + 8 (equal over t);
     the warps' runs added, one value a row, the units put back (codes 2^-133 and 2^-129, x 2^100)."""
-    rows_g = tl.max(tl.reshape(_warps_sum(acc_g, NW), [8, 4]), axis=1) * 8589934592.0  # 2^33
-    rows_h = tl.max(tl.reshape(_warps_sum(acc_h, NW), [8, 4]), axis=1) * 536870912.0  # 2^29
+    rows_g = tl.max(tl.reshape(warps_sum(acc_g, NW), [8, 4]), axis=1) * 8589934592.0  # 2^33
+    rows_h = tl.max(tl.reshape(warps_sum(acc_h, NW), [8, 4]), axis=1) * 536870912.0  # 2^29
     return tl.reshape(tl.permute(tl.join(rows_g, rows_h), [1, 0]), [16])
 
 
@@ -341,13 +271,13 @@ def _tile_sums(a, b, x32, first, t, steps: tl.constexpr, RUN: tl.constexpr, S: t
             x_lo = _flat_x(x32, first + 2 * grp, t, ok, ASM)
             x_hi = _flat_x(x32, first + 2 * grp + 1, t, ok, ASM)
             z = _zero(x_lo, x_hi, ASM)
-            d = _group(_pick(a[0], 2 * grp, S), _pick(a[0], 2 * grp + 1, S), x_lo, x_hi, ASM)
-            acc_g += (d[0] + z[0]) * _pick(a[1], grp, G2).to(tl.float32)
-            acc_h += (d[2] + z[2]) * _pick(a[2], grp, G2).to(tl.float32)
+            d = _group(pick(a[0], 2 * grp, S), pick(a[0], 2 * grp + 1, S), x_lo, x_hi, ASM)
+            acc_g += (d[0] + z[0]) * pick(a[1], grp, G2).to(tl.float32)
+            acc_h += (d[2] + z[2]) * pick(a[2], grp, G2).to(tl.float32)
             if TWO:
-                d1 = _group(_pick(b[0], 2 * grp, S), _pick(b[0], 2 * grp + 1, S), x_lo, x_hi, ASM)
-                acc_g1 += (d1[0] + z[0]) * _pick(b[1], grp, G2).to(tl.float32)
-                acc_h1 += (d1[2] + z[2]) * _pick(b[2], grp, G2).to(tl.float32)
+                d1 = _group(pick(b[0], 2 * grp, S), pick(b[0], 2 * grp + 1, S), x_lo, x_hi, ASM)
+                acc_g1 += (d1[0] + z[0]) * pick(b[1], grp, G2).to(tl.float32)
+                acc_h1 += (d1[2] + z[2]) * pick(b[2], grp, G2).to(tl.float32)
     return _rows(acc_g, acc_h, NW), _rows(acc_g1, acc_h1, NW)
 
 
@@ -358,7 +288,7 @@ def _flat_matvec(w_ptr, s_ptr, x_ptr, out_ptr, N, K: tl.constexpr, NW: tl.conste
     word of a warp's run is loaded at once, before anything else (S >= RUN steps of registers, a power of 2,
     masked past the run), then (PDL: after the wait for the kernel before) x and the sums group by group; out
     [K / (NW * RUN * 64), N] float32, the warps' sums added."""
-    e = _threads(NW, ASM)
+    e = threads(NW, ASM)
     warp = e // 32
     lane = e % 32
     tile = tl.program_id(0) * MT
@@ -391,12 +321,6 @@ def flat_matvec(words, scales, x, n, k, nw, run, asm, mt: int = 1, pdl: int = 0)
     _flat_matvec[(n // (16 * mt), out.shape[0])](words, scales, x, out, n, k, nw, run, triton.next_power_of_2(run),
                                                  asm, mt, pdl, num_warps=nw, **extra)
     return out
-
-
-@triton.jit
-def _warps_sum(acc, NW: tl.constexpr):
-    """[32 * NW] lane values -> [32]: the sum over the warps, lane by lane."""
-    return tl.sum(tl.reshape(acc, [NW, 32]), axis=0)
 
 
 def repack(codes: torch.Tensor) -> torch.Tensor:
@@ -474,21 +398,6 @@ def check(device: str) -> None:
         assert err < 1e-5, err
 
 
-def shipped_weights(n, k):
-    """[(shipped op, its raw bytes)] of enough random int4 weights [n, k] (encoded on the GPU) that they do not fit
-    in L2."""
-    from thin.ir import Encoding, Tensor, formats
-    from thin.runtime.linear import make_linear
-
-    params = formats.get("int4").normalize({})
-    out = []
-    for _ in range(max(2, min(24, 256 * 2**20 // (n * k // 2)))):
-        raw = formats.encode("int4", 0.02 * torch.randn(n, k, device="cuda"), params)
-        record = Tensor("w", "ffn.down", 0, (n, k), Encoding("int4", params), "bf16")
-        out.append((make_linear(record, raw.cpu(), None, torch.device("cuda"), torch.bfloat16), raw))
-    return out
-
-
 def _weights(n, k):
     """(shipped ops, (fragment words, scales)) of `shipped_weights`, the same weights in both layouts."""
     from thin.ir import formats
@@ -503,18 +412,8 @@ def _weights(n, k):
     return ops, frags
 
 
-SHAPES = [("qkv", 6144, 4096), ("o", 4096, 4096), ("gate_up", 28672, 4096), ("down", 4096, 14336)]  # llama-8b's
-
-
-def chosen_shapes() -> list[tuple[str, int, int]]:
-    """SHAPES, or those of them named (comma-separated) after the mode on the command line."""
-    only = sys.argv[2].split(",") if len(sys.argv) > 2 else None
-    return [shape for shape in SHAPES if only is None or shape[0] in only]
-
-
 def bench() -> None:
     """`_frag_matvec` against the shipped matvec (plain launches)."""
-    sys.path.insert(0, os.path.dirname(__file__))
     from bench_kernels import time_graph
 
     for name, n, k in chosen_shapes():
@@ -546,10 +445,9 @@ FLAT_GRID = {  # (warps, steps a warp, row tiles) a shape: one split where warps
 
 def bench_flat() -> None:
     """`_flat_matvec` against the shipped matvec, each launched plainly and as programmatic dependents."""
-    from thin.runtime.kernels import dependent
-
-    sys.path.insert(0, os.path.dirname(__file__))
     from bench_kernels import time_graph
+
+    from thin.runtime.kernels import dependent
 
     shapes = [("o", 4096, 4096), ("qkv", 6144, 4096), ("down", 4096, 14336), ("gate_up", 28672, 4096)]
     only = sys.argv[2].split(",") if len(sys.argv) > 2 else None
@@ -583,10 +481,8 @@ def sass(n: int = 6144, k: int = 4096, split_k: int = 4096, nw: int = 8, mt: int
     """Compile the mma path for sm_90 on this machine (sass_budget.py's stand-in driver) and count its loop."""
     import collections
 
-    from triton.runtime import driver
-
-    sys.path.insert(0, os.path.dirname(__file__))
     from sass_budget import _Sm90, disassemble, hot_loop, opcode
+    from triton.runtime import driver
 
     driver.set_active(_Sm90())
     words = torch.zeros(n // 16, k // 64, 32, 4, dtype=torch.int32)
@@ -605,12 +501,5 @@ def sass(n: int = 6144, k: int = 4096, split_k: int = 4096, nw: int = 8, mt: int
 
 
 if __name__ == "__main__":
-    what = sys.argv[1] if len(sys.argv) > 1 else "check"
-    if what == "check":
-        check("cuda" if torch.cuda.is_available() else "cpu")
-    elif what == "bench":
-        bench()
-    elif what == "flat":
-        bench_flat()
-    elif what == "sass":  # sass [split_k warps row_tiles ahead unroll]
-        sass(6144, 4096, *[int(a) for a in sys.argv[2:]])
+    run_mode({"check": lambda: check("cuda" if torch.cuda.is_available() else "cpu"), "bench": bench,
+              "flat": bench_flat, "sass": lambda: sass(6144, 4096, *[int(a) for a in sys.argv[2:]])}, __doc__)

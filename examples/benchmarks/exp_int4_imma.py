@@ -3,6 +3,7 @@ with the activations as int8 (one scale and one sum of the codes a group of 128)
 
     python3 examples/benchmarks/exp_int4_imma.py check                 # CPU (TRITON_INTERPRET=1) or GPU
     python3 examples/benchmarks/exp_int4_imma.py bench [qkv,o,gate_up,down]    # GPU: alone, plain and dependent
+    python3 examples/benchmarks/exp_int4_imma.py sass                  # sm_90 instructions after the wait, no GPU
 
 Why (BENCHMARKS Round 21): in the step floor, after the wait, the shipped bf16 pairs' arithmetic took a dependent
 matvec's step from 801 to 647 tok/s, dp4a's to 746 and two int8 mma.sync a 16-byte chunk to 735, and the whole
@@ -25,7 +26,8 @@ shapes, the warps' sums included).
 A program: NW warps splitting K (GPW groups each, past K masked), T row tiles of 16 rows; every weight word and
 scale of a lane is loaded before the wait (PDL), x's codes, scales and sums after it. Not in the runtime: the
 kernels before a matvec would write its int8 activations (here `quantize_x`, in torch), and the activations' int8
-rounding adds about 5e-3 (Gaussian) to 1e-2 (with outliers) of relative error to each row's sum. Or (QX) the
+rounding adds 6.2e-3 to 7.6e-3 of relative error to each row's sum on Gaussian x (`check`; activations with
+outliers not measured). Or (QX) the
 kernel takes x as bfloat16 and each warp rounds its groups itself (`_quantized_x`: a lane 4 values, the group's
 max and code sum over the warp, 8 shuffles a lane for its chunk's words): no kernel before changes, at 0.45-1.0
 more instructions a weight after the wait on sm_90 (1.15-1.95 in all, against 0.70-1.00).
@@ -44,29 +46,32 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from exp_int4_fragments import _pick, _run, _threads, chosen_shapes, shipped_weights  # noqa: E402
+from int4_lanes import chosen_shapes, load_run, pick, run_mode, shipped_weights, split4, threads  # noqa: E402
 
 
 def quantize_x(x: torch.Tensor):
     """x [K] -> (codes int32 [K / 4] in the B order above: a chunk's words e0, e1, o0, o1, e2, e3, o2, o3; scales
-    float32 [K / 128]; code sums int32 [K / 128]): symmetric int8 a group of 128, scale = max |x| / 127."""
+    float32 [K / 128]; code sums int32 [K / 128])."""
     k = x.numel()
-    xg = x.float().reshape(k // 128, 128)
-    amax = xg.abs().amax(1).clamp_min(1e-30)
-    scale = amax / 127
-    q = torch.round(xg * _inverse(amax)[:, None]).clamp(-127, 127).to(torch.int32)
-    sums = q.sum(1).to(torch.int32)
+    q, scale = _codes(x)
     # [chunk, octet pair j // 2, octet j % 2, byte m, column parity p] -> words [chunk, j // 2, p, j % 2] of bytes m
     b = q.to(torch.int64).reshape(k // 32, 2, 2, 4, 2).permute(0, 1, 4, 2, 3).reshape(k // 4, 4) & 0xFF
     words = b[:, 0] | b[:, 1] << 8 | b[:, 2] << 16 | b[:, 3] << 24
-    return ((words + 2**31) % 2**32 - 2**31).to(torch.int32), scale.contiguous(), sums.contiguous()
+    return ((words + 2**31) % 2**32 - 2**31).to(torch.int32), scale.contiguous(), q.sum(1).to(torch.int32)
 
 
 def dequantized_x(x: torch.Tensor) -> torch.Tensor:
     """What the kernel multiplies by: x rounded to its int8 codes times their group's scale."""
+    q, scale = _codes(x)
+    return (q * scale[:, None]).reshape(-1)
+
+
+def _codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [K] -> (int8 codes as float32 [K / 128, 128], scales float32 [K / 128]): symmetric a group of 128,
+    scale = max |x| / 127, codes x * (127 / max |x|) rounded to nearest even."""
     xg = x.float().reshape(-1, 128)
     amax = xg.abs().amax(1).clamp_min(1e-30)
-    return (torch.round(xg * _inverse(amax)[:, None]).clamp(-127, 127) * (amax / 127)[:, None]).reshape(-1)
+    return torch.round(xg * _inverse(amax)[:, None]).clamp(-127, 127), amax / 127
 
 
 def _inverse(amax: torch.Tensor) -> torch.Tensor:
@@ -86,10 +91,10 @@ def _dot4(a, b):
 
 @triton.jit
 def _imma(a0, a1, a2, a3, b0, b1, c, ASM: tl.constexpr):
-    """(cg, ch) + rows g and g + 8 of A @ B for one mma.sync.m16n8k32 (A u8: a0, a2 row g's k = 4t.., 16 + 4t..,
-    a1, a3 row g + 8's; B s8, every column x: b0, b1), int32 [L, ...] (L a multiple of 32 along the first axis,
-    the lanes). ASM: the mma, its accumulators in place; otherwise each lane's products and the sum over its quad
-    (plain Triton, the interpreter's)."""
+    """c + this lane's D fragment of A @ B for one mma.sync.m16n8k32 (A u8: a0, a2 row g's k = 4t.., 16 + 4t..,
+    a1, a3 row g + 8's; B s8, every column x: b0, b1); c and the result (rows g, g, g + 8, g + 8), int32 [L]
+    (L a multiple of 32, the lanes). ASM: the mma, its accumulators in place; otherwise each lane's products and
+    the sum over its quad (plain Triton, the interpreter's)."""
     b0 = tl.broadcast_to(b0, a0.shape)
     b1 = tl.broadcast_to(b1, a0.shape)
     cg, cg2, ch, ch2 = c
@@ -114,22 +119,13 @@ def _quad_sum(p):
 
 
 @triton.jit
-def _split4(t):
-    """[L, 4] (a lane's 4 words, in its registers) -> the 4 words, each [L]."""
-    a, b = tl.split(tl.reshape(t, [t.shape[0], 2, 2]))
-    a0, a1 = tl.split(a)
-    b0, b1 = tl.split(b)
-    return a0, b0, a1, b1
-
-
-@triton.jit
 def _tile_runs(w_ptr, s_ptr, row, q0, t, GPW: tl.constexpr, S: tl.constexpr, groups: tl.constexpr, K: tl.constexpr):
     """A lane's words (16 bytes a group: chunk 4q + t) and scales of rows `row` (g) and row + 8 over its warp's
-    groups q0 .. q0 + GPW - 1, all loaded at once (exp_int4_fragments._run: one load each, held as one tensor)."""
+    groups q0 .. q0 + GPW - 1, all loaded at once (int4_lanes.load_run: one load each, held as one tensor)."""
     ptrs = w_ptr + (row * (K // 8) + (q0 * 4 + t) * 4)[:, None] + tl.arange(0, 4)[None, :]
     s_ptrs = s_ptr + row * groups + q0
-    return (_run(ptrs, q0, S, GPW, groups, 16), _run(ptrs + 8 * (K // 8), q0, S, GPW, groups, 16),
-            _run(s_ptrs, q0, S, GPW, groups, 1), _run(s_ptrs + 8 * groups, q0, S, GPW, groups, 1))
+    return (load_run(ptrs, q0, S, GPW, groups, 16), load_run(ptrs + 8 * (K // 8), q0, S, GPW, groups, 16),
+            load_run(s_ptrs, q0, S, GPW, groups, 1), load_run(s_ptrs + 8 * groups, q0, S, GPW, groups, 1))
 
 
 @triton.jit
@@ -138,8 +134,8 @@ def _group_sums(tile, q: tl.constexpr, S: tl.constexpr, x, zero, ASM: tl.constex
     B words x (e0, e1, o0, o1, e2, e3, o2, o3: octet j's even / odd columns): two mma on the even columns and two
     on the odd (16 times the codes), each chain from zero, the odd sums shifted back exactly, then the zero point
     (`zero`: -8 times the sum of the group's codes)."""
-    g0, g1, g2, g3 = _split4(_pick(tile[0], q, S))
-    h0, h1, h2, h3 = _split4(_pick(tile[1], q, S))
+    g0, g1, g2, g3 = split4(pick(tile[0], q, S))
+    h0, h1, h2, h3 = split4(pick(tile[1], q, S))
     x0, x1, x2, x3, x4, x5, x6, x7 = x
     lo = 0x0F0F0F0F
     hi = -252645136  # 0xF0F0F0F0
@@ -207,7 +203,7 @@ def _imma_matvec(w_ptr, s_ptr, xq_ptr, xs_ptr, xz_ptr, out_ptr, n, K: tl.constex
     """out[rows] = W[rows] @ x over program_id(0)'s T (1 or 2) tiles of 16 rows (see the module docstring). QX: x
     comes as bfloat16 at xq_ptr and each warp rounds its groups to int8 itself (`_quantized_x`)."""
     groups: tl.constexpr = K // 128
-    e = _threads(NW, ASM)
+    e = threads(NW, ASM)
     lane = e % 32
     g = lane // 4
     t = lane % 4
@@ -232,17 +228,17 @@ def _imma_matvec(w_ptr, s_ptr, xq_ptr, xs_ptr, xz_ptr, out_ptr, n, K: tl.constex
             xw, xs, zero = _quantized_x(xq_ptr, q0 + q, g, t, ok, NW, ASM)
             x0, x1, x2, x3, x4, x5, x6, x7 = xw
         else:
-            x0, x1, x2, x3 = _split4(tl.load(x_base + 32 * q, mask=ok[:, None], other=0))  # e0, e1, o0, o1
-            x4, x5, x6, x7 = _split4(tl.load(x_base + (32 * q + 4), mask=ok[:, None], other=0))  # e2, e3, o2, o3
+            x0, x1, x2, x3 = split4(tl.load(x_base + 32 * q, mask=ok[:, None], other=0))  # e0, e1, o0, o1
+            x4, x5, x6, x7 = split4(tl.load(x_base + (32 * q + 4), mask=ok[:, None], other=0))  # e2, e3, o2, o3
             xs = tl.load(xs_ptr + q0 + q, mask=ok, other=0.0)
             zero = -8 * tl.load(xz_ptr + q0 + q, mask=ok, other=0)
         sum_g, sum_h = _group_sums(a, q, GPW, (x0, x1, x2, x3, x4, x5, x6, x7), zero, ASM)
-        acc_ag += sum_g.to(tl.float32) * (_pick(a[2], q, GPW).to(tl.float32) * xs)
-        acc_ah += sum_h.to(tl.float32) * (_pick(a[3], q, GPW).to(tl.float32) * xs)
+        acc_ag += sum_g.to(tl.float32) * (pick(a[2], q, GPW).to(tl.float32) * xs)
+        acc_ah += sum_h.to(tl.float32) * (pick(a[3], q, GPW).to(tl.float32) * xs)
         if T == 2:
             sum_g, sum_h = _group_sums(b, q, GPW, (x0, x1, x2, x3, x4, x5, x6, x7), zero, ASM)
-            acc_bg += sum_g.to(tl.float32) * (_pick(b[2], q, GPW).to(tl.float32) * xs)
-            acc_bh += sum_h.to(tl.float32) * (_pick(b[3], q, GPW).to(tl.float32) * xs)
+            acc_bg += sum_g.to(tl.float32) * (pick(b[2], q, GPW).to(tl.float32) * xs)
+            acc_bh += sum_h.to(tl.float32) * (pick(b[3], q, GPW).to(tl.float32) * xs)
     rows = tile0 * 16 + tl.arange(0, 16)
     tl.store(out_ptr + rows, _tile_rows(acc_ag, acc_ah, NW))
     if T == 2:
@@ -342,11 +338,30 @@ def bench() -> None:
                       f"{times[1] * 1e6:.2f} us, error against shipped {err:.1e}", flush=True)
 
 
+def sass() -> None:
+    """Compile the kernel for sm_90 (sass_budget.py's stand-in driver, no GPU) as a dependent at llama-8b's qkv
+    and down shapes, and print its SASS instructions after the wait (griddepcontrol.wait), a weight and lane."""
+    from sass_budget import ADDRESS, _Sm90, disassemble
+    from triton.runtime import driver
+
+    driver.set_active(_Sm90())
+    print("| shape | warps | row tiles | x | instructions after the wait | a weight |")
+    print("| --- | ---: | ---: | --- | ---: | ---: |")
+    for name, n, k, nw, t in [("qkv", 6144, 4096, 8, 1), ("qkv", 6144, 4096, 8, 2), ("qkv", 6144, 4096, 4, 2),
+                              ("down", 4096, 14336, 16, 1), ("down", 4096, 14336, 8, 1)]:
+        gpw = triton.next_power_of_2(-(-(k // 128) // nw))
+        for qx in (False, True):
+            xq = torch.empty(k, dtype=torch.bfloat16) if qx else torch.empty(k // 4, dtype=torch.int32)
+            xs, xz = (xq, xq) if qx else (torch.empty(k // 128), torch.empty(k // 128, dtype=torch.int32))
+            kernel = _imma_matvec.warmup(torch.empty(n, k // 8, dtype=torch.int32),
+                                         torch.empty(n, k // 128, dtype=torch.float16), xq, xs, xz, torch.empty(n), n,
+                                         k, nw, gpw, t, True, 1, qx, num_warps=nw, grid=(n // (16 * t),))
+            code = [found.group(2) for found in map(ADDRESS.match, disassemble(kernel).splitlines()) if found]
+            after = len(code) - next(i for i, text in enumerate(code) if "ACQBULK" in text)
+            print(f"| {name} | {nw} | {t} | {'bf16, rounded here' if qx else 'int8'} | {after} | "
+                  f"{after / (16 * t * gpw * 4):.2f} |")
+
+
 if __name__ == "__main__":
-    mode = sys.argv[1] if len(sys.argv) > 1 else "check"
-    if mode == "check":
-        check("cuda" if torch.cuda.is_available() else "cpu")
-    elif mode == "bench":
-        bench()
-    else:
-        raise SystemExit(__doc__)
+    run_mode({"check": lambda: check("cuda" if torch.cuda.is_available() else "cpu"), "bench": bench, "sass": sass},
+             __doc__)
