@@ -16,12 +16,15 @@ after the wait on what was loaded before it), and --l2: the loads after the wait
 loads only part of its share early and streams the rest while it works). --arith NAME: after the wait, a
 matvec's arithmetic on the loaded words against constant activations (sm_90 inline assembly; `_arith`,
 `_dp4a_rows`, `_dp4a_runs` say what each does): pairs (the shipped bf16 pairs), dp4a, imma (int8 activations,
-mma.sync.m16n8k32), hmma (the mma-fragment layout's bf16 mma.sync.m16n8k16), and whole-matvec models of dp4a
+mma.sync.m16n8k32), hmma (the mma-fragment layout's bf16 mma.sync.m16n8k16), fp8mma (x as e4m3, no scales:
+a word's nibbles masked to bytes are e4m3 subnormals, code times 2^-9, into two mma.sync.m16n8k32 e4m3 a chunk,
+the odd nibbles shifted down first), and whole-matvec models of dp4a
 with the activations quantized in the kernel (dp4a-rows) or already int8 (dp4a-rows-q8, dp4a-runs-q8), sums
-over rows included.
+over rows included. --imma: each matvec is exp_int4_imma.py's whole int8 mma kernel (its weight loaded before the
+wait, a constant int8 x after it; symmetric int4 only), the step a real-arithmetic bound for int8 activations.
 
     python examples/benchmarks/bench_step_floor.py MODEL.thin [--runs 5] [--with-x] [--plain] [--loads N] [--chain N]
-        [--work N] [--post N] [--l2] [--arith NAME]
+        [--work N] [--post N] [--l2] [--arith NAME] [--imma]
     python examples/benchmarks/bench_step_floor.py --sass      # each --arith's sm_90 instructions, no GPU needed
 
 The attention, the embedding, the sampler and every other kernel of the step run as shipped; every matvec's output
@@ -71,9 +74,9 @@ NW = 8  # bench_read_floor.py's best for every int4 matvec size of llama-8b (BEN
 PER = _option("--loads", 16)  # 16-byte loads a lane (16: that best; 32: twice the registers, half the programs)
 CHAIN = _option("--chain", 0)  # dependent float multiply-adds after the wait (a matvec's post-wait work, stood in)
 WORK = _option("--work", 0)  # independent float multiply-adds a loaded word after the wait (a matvec's arithmetic)
-ARITHMETIC = ("none", "pairs", "dp4a", "imma", "dp4a-rows", "dp4a-rows-q8", "dp4a-runs-q8", "hmma")
+ARITHMETIC = ("none", "pairs", "dp4a", "imma", "dp4a-rows", "dp4a-rows-q8", "dp4a-runs-q8", "hmma", "fp8mma")
 # --arith's values inside the kernel (constexpr globals)
-PAIRS, DP4A, IMMA, DP4A_ROWS, DP4A_ROWS_Q8, DP4A_RUNS_Q8, HMMA = (tl.constexpr(i) for i in range(1, 8))
+PAIRS, DP4A, IMMA, DP4A_ROWS, DP4A_ROWS_Q8, DP4A_RUNS_Q8, HMMA, FP8MMA = (tl.constexpr(i) for i in range(1, 9))
 
 
 def _arith_option() -> int:
@@ -92,6 +95,7 @@ ARITH = _arith_option()  # int4 arithmetic on the words after the wait (sm_90 in
 POST = _option("--post", 0)  # 16-byte loads a lane issued after the wait, before the work on those before it
 if POST and ARITHMETIC[ARITH].startswith("dp4a-"):
     raise SystemExit(f"--arith {ARITHMETIC[ARITH]} models a whole matvec on the loads before the wait: not with --post")
+IMMA_STEP = "--imma" in sys.argv  # every matvec is exp_int4_imma.py's whole kernel (int8 x, constant), not the reads
 L2 = "--l2" in sys.argv  # before the wait, ask L2 for the program's bytes (one bulk prefetch a lane); load after it
 CHUNK = 32 * NW * (PER + POST) * 4  # int32 words a program reads
 WITH_X = "--with-x" in sys.argv  # every program also loads the matvec's x after its wait
@@ -194,6 +198,21 @@ def _arith(words, ARITH: tl.constexpr):
         d = (z, z, z, z)
         d = _hmma_word(_hmma_word(_hmma_word(_hmma_word(d, w0), w1), w2), w3)
         c0, c1, c2, c3 = d
+        words = tl.join(tl.join(c0.to(tl.int32, bitcast=True), c1.to(tl.int32, bitcast=True)),
+                        tl.join(c2.to(tl.int32, bitcast=True), c3.to(tl.int32, bitcast=True))).reshape(words.shape)
+    elif ARITH == FP8MMA:
+        w0, w1, w2, w3 = split4(words)
+        z = tl.zeros(w0.shape, dtype=tl.float32)
+        c0, c1, c2, c3 = tl.inline_asm_elementwise(
+            "{ .reg .b32 a<4>, b<4>; and.b32 a0, $4, 0x0F0F0F0F; and.b32 a1, $5, 0x0F0F0F0F; "
+            "and.b32 a2, $6, 0x0F0F0F0F; and.b32 a3, $7, 0x0F0F0F0F; shr.u32 b0, $4, 4; shr.u32 b1, $5, 4; "
+            "shr.u32 b2, $6, 4; shr.u32 b3, $7, 4; and.b32 b0, b0, 0x0F0F0F0F; and.b32 b1, b1, 0x0F0F0F0F; "
+            "and.b32 b2, b2, 0x0F0F0F0F; and.b32 b3, b3, 0x0F0F0F0F; "
+            "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {$0,$1,$2,$3}, {a0,a1,a2,a3}, {$8,$8}, {$0,$1,$2,$3}; "
+            "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {$0,$1,$2,$3}, {b0,b1,b2,b3}, {$8,$8}, "
+            "{$0,$1,$2,$3}; }",
+            "=f,=f,=f,=f,r,r,r,r,r,0,1,2,3", [w0, w1, w2, w3, w0 * 0 + 0x38403C44, z, z, z, z],
+            dtype=(tl.float32, tl.float32, tl.float32, tl.float32), is_pure=True, pack=1)
         words = tl.join(tl.join(c0.to(tl.int32, bitcast=True), c1.to(tl.int32, bitcast=True)),
                         tl.join(c2.to(tl.int32, bitcast=True), c3.to(tl.int32, bitcast=True))).reshape(words.shape)
     elif ARITH == IMMA:
@@ -334,6 +353,36 @@ def _read_matvec(self, x, out, config, act, partial, rows=None, cols=None, scale
     return config.split
 
 
+_IMMA_STATE: dict[int, tuple] = {}
+# --imma's tiling a weight shape, "N:K:WARPS:TILES,..." in IMMA_TILES (warps and 16-row tiles a program); else 4
+# warps and one tile at K <= 4096, 8 warps beyond (exp_int4_imma.py bench's best alone at llama-8b's shapes)
+# IMMA_CHUNKS=1: --imma with x's scales a chunk of 32 (exp_int4_imma.py CHUNKS, the plane re-laid chunk-major)
+IMMA_CHUNKS = os.environ.get("IMMA_CHUNKS") == "1"
+IMMA_TILES = {(int(n), int(k)): (int(w), int(t)) for n, k, w, t in
+              (item.split(":") for item in os.environ.get("IMMA_TILES", "").split(",") if item)}
+
+
+def _imma_step_matvec(self, x, out, config, act, partial, rows=None, cols=None, scale=None, finish=None, defer=None,
+                      rstd=None):
+    """GroupedIntLinear._matvec's signature: exp_int4_imma.py's int8 mma matvec over the whole weight, against a
+    constant int8 x (random, quantized once an op) loaded after its wait, into a float32 scratch of the op's rows;
+    `out` is left as it was (zeros: the engine's buffers start so), so the tokens are meaningless."""
+    from exp_int4_imma import chunk_major, matvec, padded_chunks, quantize_x, quantize_x_chunks
+
+    n, k = self.out_features, self.in_features
+    if id(self) not in _IMMA_STATE:
+        gen = torch.Generator(device=x.device).manual_seed(n + k)
+        x = torch.randn(k, generator=gen, device=x.device)
+        nw, t = IMMA_TILES.get((n, k), (4, 1) if k <= 4096 else (8, 1))
+        words = self.low32.reshape(n, k // 8)
+        xq = padded_chunks(quantize_x_chunks(x), k, nw) if IMMA_CHUNKS else quantize_x(x)
+        _IMMA_STATE[id(self)] = (chunk_major(words) if IMMA_CHUNKS else words, self.scales.reshape(n, k // 128), xq,
+                                 nw, t, torch.empty(n, dtype=torch.float32, device=x.device))
+    words, scales, xq, nw, t, scratch = _IMMA_STATE[id(self)]
+    matvec(words, scales, *xq, n, k, nw, t, True, 0 if PLAIN else 1, scratch, IMMA_CHUNKS)
+    return config.split
+
+
 def sass_counts() -> None:
     """Compile the read kernel for sm_90 once with each --arith (sass_budget.py's stand-in driver, no GPU) and print
     its SASS instructions, and those added to the kernel without arithmetic per weight a lane (16 loads of 8 int4
@@ -357,13 +406,13 @@ def sass_counts() -> None:
 def main() -> None:
     if "--sass" in sys.argv:
         return sass_counts()
-    args = [a for a in sys.argv[1:] if a not in ("--with-x", "--plain", "--l2")]
+    args = [a for a in sys.argv[1:] if a not in ("--with-x", "--plain", "--l2", "--imma")]
     if not args:
         raise SystemExit(__doc__)
     import thin.runtime.kernels.grouped_int as grouped_int
     from thin.runtime.cli import main as thin_exec
 
-    grouped_int.GroupedIntLinear._matvec = _read_matvec
+    grouped_int.GroupedIntLinear._matvec = _imma_step_matvec if IMMA_STEP else _read_matvec
     sys.argv = ["thin-exec", "bench", *args, "--json"]
     thin_exec()
 

@@ -31,6 +31,15 @@ outliers not measured). Or (QX) the
 kernel takes x as bfloat16 and each warp rounds its groups itself (`_quantized_x`: a lane 4 values, the group's
 max and code sum over the warp, 8 shuffles a lane for its chunk's words): no kernel before changes, at 0.45-1.0
 more instructions a weight after the wait on sm_90 (1.15-1.95 in all, against 0.70-1.00).
+
+CHUNKS: x's int8 scale a chunk of 32 columns instead of a group of 128, so that a kernel before that owns 32 of its
+outputs (a tile of o's or down's rows with the deferred norm, 32 of gate/up's activations) can quantize them
+alone. A chunk must then be one mma: the plane is re-laid (`chunk_major`, once at load) so that lane t's 16 bytes
+are its word t of each of the group's 4 chunks; the mma takes a word's even columns as A's first k half and its odd
+ones shifted down as the second, from zero, and each chunk's sums go to float times its scale; the zero point is
+one float a group for every row (the chunks' scale times -8 times their code sum, written with the scales). x's
+buffers are padded to every warp's run so its loads need no masks (sm_90: 1.05-1.16 instructions a weight after
+the wait, against 0.78-0.89 with groups of 128; `sass`).
 """
 
 from __future__ import annotations
@@ -66,10 +75,47 @@ def dequantized_x(x: torch.Tensor) -> torch.Tensor:
     return (q * scale[:, None]).reshape(-1)
 
 
-def _codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [K] -> (int8 codes as float32 [K / 128, 128], scales float32 [K / 128]): symmetric a group of 128,
+def quantize_x_chunks(x: torch.Tensor):
+    """x [K] -> CHUNKS' int8 activations, one scale a chunk of 32 columns (what a producer owning 32 of its output
+    rows can write alone): (codes int32 [K / 4]: group q's 32 words at 32q, lane t's 8 at 32q + 8t, chunk j's two
+    at 32q + 8t + 2j, the columns 128q + 32j + 8t + 2m and then 128q + 32j + 8t + 2m + 1, m = 0..3, one a byte;
+    float32 [K / 128, 8]: group q's 4 chunk scales, then each chunk's zero point term, its scale times -8 times the
+    sum of its codes)."""
+    k = x.numel()
+    q, scale = _codes(x, 32)
+    # [group, chunk j, lane t, byte m, column parity p] -> words [group, t, j, p] of bytes m
+    b = q.to(torch.int64).reshape(k // 128, 4, 4, 4, 2).permute(0, 2, 1, 4, 3).reshape(k // 4, 4) & 0xFF
+    words = b[:, 0] | b[:, 1] << 8 | b[:, 2] << 16 | b[:, 3] << 24
+    zero = -8.0 * scale * q.sum(1)
+    return ((words + 2**31) % 2**32 - 2**31).to(torch.int32), torch.cat([scale.reshape(-1, 4),
+                                                                         zero.reshape(-1, 4)], 1).contiguous(), None
+
+
+def padded_chunks(x, k: int, nw: int):
+    """`quantize_x_chunks`' buffers padded with zeros to nw warps' runs over k (what CHUNKS loads without masks)."""
+    gpw = triton.next_power_of_2(-(-(k // 128) // nw))
+    xq, xs, _ = x
+    return (torch.nn.functional.pad(xq, (0, gpw * nw * 32 - xq.numel())),
+            torch.nn.functional.pad(xs.reshape(-1), (0, gpw * nw * 8 - xs.numel())), None)
+
+
+def dequantized_x_chunks(x: torch.Tensor) -> torch.Tensor:
+    """What the CHUNKS kernel multiplies by: x rounded to int8 codes, one scale a chunk of 32 columns."""
+    q, scale = _codes(x, 32)
+    return (q * scale[:, None]).reshape(-1)
+
+
+def chunk_major(words: torch.Tensor) -> torch.Tensor:
+    """The low plane [n, K / 8] (int32) re-laid for CHUNKS: in each group of 4 chunks (16 words), word t of chunk
+    j moves to 4t + j, so lane t's 16 bytes hold its word of each chunk (one mma a chunk, its columns contiguous)."""
+    n, w = words.shape
+    return words.reshape(n, w // 16, 4, 4).transpose(2, 3).reshape(n, w).contiguous()
+
+
+def _codes(x: torch.Tensor, size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [K] -> (int8 codes as float32 [K / size, size], scales float32 [K / size]): symmetric a group of `size`,
     scale = max |x| / 127, codes x * (127 / max |x|) rounded to nearest even."""
-    xg = x.float().reshape(-1, 128)
+    xg = x.float().reshape(-1, size)
     amax = xg.abs().amax(1).clamp_min(1e-30)
     return torch.round(xg * _inverse(amax)[:, None]).clamp(-127, 127), amax / 127
 
@@ -148,6 +194,60 @@ def _group_sums(tile, q: tl.constexpr, S: tl.constexpr, x, zero, ASM: tl.constex
 
 
 @triton.jit
+def _imma0(a0, a1, a2, a3, b0, b1, ASM: tl.constexpr):
+    """Rows g and g + 8 of this lane's D fragment of one mma.sync.m16n8k32 (u8 x s8) from zero (`_imma`'s
+    operands; the zero accumulator is the register file's zero register, no moves)."""
+    if ASM:
+        b0 = tl.broadcast_to(b0, a0.shape)
+        b1 = tl.broadcast_to(b1, a0.shape)
+        d0, _, d2, _ = tl.inline_asm_elementwise(
+            "{ .reg .b32 z; mov.b32 z, 0; mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {$0,$1,$2,$3}, "
+            "{$4,$5,$6,$7}, {$8,$9}, {z,z,z,z}; }", "=r,=r,=r,=r,r,r,r,r,r,r", [a0, a1, a2, a3, b0, b1],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    else:
+        z = a0 * 0
+        d0, _, d2, _ = _imma(a0, a1, a2, a3, b0, b1, (z, z, z, z), False)
+    return d0, d2
+
+
+@triton.jit
+def _chunk_group_sums(tile, q: tl.constexpr, S: tl.constexpr, x, xs, zero, ASM: tl.constexpr):
+    """CHUNKS: a group's float sums of rows g and g + 8 (before the weight's scale) from a `_tile_runs` tile of the
+    chunk-major plane (`chunk_major`: word j of the lane's 16 bytes is its word of chunk j) and the group's x: 8 B
+    words (chunk j's at 2j, 2j + 1), 4 chunk scales, and `zero` (the group's zero point, the same for every row:
+    the sum over its chunks of scale times -8 times the chunk's code sum). One mma a chunk, even columns
+    (w & 0x0F0F0F0F) in A's first k half and odd ((w >> 4) & 0x0F0F0F0F) in its second, from zero, then int to
+    float times the chunk's scale."""
+    lo = 0x0F0F0F0F
+    g = split4(pick(tile[0], q, S))
+    h = split4(pick(tile[1], q, S))
+    fg = zero
+    fh = zero
+    for j in tl.static_range(4):
+        dg, dh = _imma0(g[j] & lo, h[j] & lo, (g[j] >> 4) & lo, (h[j] >> 4) & lo, x[2 * j], x[2 * j + 1], ASM)
+        fg += dg.to(tl.float32) * xs[j]
+        fh += dh.to(tl.float32) * xs[j]
+    return fg, fh
+
+
+@triton.jit
+def _load(ptrs, ok, other, EXACT: tl.constexpr):
+    """tl.load, masked by ok unless EXACT (every pointer in bounds: no registers zeroed before the load)."""
+    return tl.load(ptrs) if EXACT else tl.load(ptrs, mask=ok, other=other)
+
+
+@triton.jit
+def _scaled_sums(tile, q: tl.constexpr, S: tl.constexpr, x, xs, zero, CHUNKS: tl.constexpr, ASM: tl.constexpr):
+    """A group's sums of rows g and g + 8 times x's scales (float32, the weight's scale still to come)."""
+    if CHUNKS:
+        fg, fh = _chunk_group_sums(tile, q, S, x, xs, zero, ASM)
+    else:
+        sum_g, sum_h = _group_sums(tile, q, S, x, zero, ASM)
+        fg, fh = sum_g.to(tl.float32) * xs, sum_h.to(tl.float32) * xs
+    return fg, fh
+
+
+@triton.jit
 def _tile_rows(acc_g, acc_h, NW: tl.constexpr):
     """A tile's [16] row sums: the warps' sums lane by lane, then rows g (and g + 8) from any lane of quad g."""
     rows_g = tl.max(tl.reshape(tl.sum(tl.reshape(acc_g, [NW, 32]), axis=0), [8, 4]), axis=1)
@@ -199,9 +299,11 @@ def _quantized_x(x_ptr, group, g, t, ok, NW: tl.constexpr, ASM: tl.constexpr):
 
 @triton.jit
 def _imma_matvec(w_ptr, s_ptr, xq_ptr, xs_ptr, xz_ptr, out_ptr, n, K: tl.constexpr, NW: tl.constexpr,
-                 GPW: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, QX: tl.constexpr = False):
+                 GPW: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, QX: tl.constexpr = False,
+                 CHUNKS: tl.constexpr = False):
     """out[rows] = W[rows] @ x over program_id(0)'s T (1 or 2) tiles of 16 rows (see the module docstring). QX: x
-    comes as bfloat16 at xq_ptr and each warp rounds its groups to int8 itself (`_quantized_x`)."""
+    comes as bfloat16 at xq_ptr and each warp rounds its groups to int8 itself (`_quantized_x`). CHUNKS: the plane
+    is `chunk_major` and x `quantize_x_chunks` (a scale and a code sum a chunk of 32; `_chunk_group_sums`)."""
     groups: tl.constexpr = K // 128
     e = threads(NW, ASM)
     lane = e % 32
@@ -222,9 +324,20 @@ def _imma_matvec(w_ptr, s_ptr, xq_ptr, xs_ptr, xz_ptr, out_ptr, n, K: tl.constex
     acc_bh = tl.zeros([32 * NW], dtype=tl.float32)
     x_base = (xq_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (q0 * 4 + t) * 8)[:, None] + \
         tl.arange(0, 4)[None, :]
+    x_chunks = (xq_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + q0 * 32 + t * 8)[:, None] + \
+        tl.arange(0, 4)[None, :]
+    s_chunks = (xs_ptr + q0 * 8)[:, None] + tl.arange(0, 4)[None, :]
+    # no warp's run passes K, or (CHUNKS) x's buffers are padded with zeros to every warp's run: no masks on x
+    EXACT: tl.constexpr = groups == GPW * NW or CHUNKS
     for q in tl.static_range(GPW):
         ok = q0 + q < groups
-        if QX:
+        if CHUNKS:
+            x0, x1, x2, x3 = split4(_load(x_chunks + 32 * q, ok[:, None], 0, EXACT))  # chunks 0, 1: e, o
+            x4, x5, x6, x7 = split4(_load(x_chunks + (32 * q + 4), ok[:, None], 0, EXACT))  # chunks 2, 3
+            xs = split4(_load(s_chunks + 8 * q, ok[:, None], 0.0, EXACT))
+            z0, z1, z2, z3 = split4(_load(s_chunks + (8 * q + 4), ok[:, None], 0.0, EXACT))
+            zero = (z0 + z1) + (z2 + z3)
+        elif QX:
             xw, xs, zero = _quantized_x(xq_ptr, q0 + q, g, t, ok, NW, ASM)
             x0, x1, x2, x3, x4, x5, x6, x7 = xw
         else:
@@ -232,31 +345,36 @@ def _imma_matvec(w_ptr, s_ptr, xq_ptr, xs_ptr, xz_ptr, out_ptr, n, K: tl.constex
             x4, x5, x6, x7 = split4(tl.load(x_base + (32 * q + 4), mask=ok[:, None], other=0))  # e2, e3, o2, o3
             xs = tl.load(xs_ptr + q0 + q, mask=ok, other=0.0)
             zero = -8 * tl.load(xz_ptr + q0 + q, mask=ok, other=0)
-        sum_g, sum_h = _group_sums(a, q, GPW, (x0, x1, x2, x3, x4, x5, x6, x7), zero, ASM)
-        acc_ag += sum_g.to(tl.float32) * (pick(a[2], q, GPW).to(tl.float32) * xs)
-        acc_ah += sum_h.to(tl.float32) * (pick(a[3], q, GPW).to(tl.float32) * xs)
+        xw = (x0, x1, x2, x3, x4, x5, x6, x7)
+        sum_g, sum_h = _scaled_sums(a, q, GPW, xw, xs, zero, CHUNKS, ASM)
+        acc_ag += sum_g * pick(a[2], q, GPW).to(tl.float32)
+        acc_ah += sum_h * pick(a[3], q, GPW).to(tl.float32)
         if T == 2:
-            sum_g, sum_h = _group_sums(b, q, GPW, (x0, x1, x2, x3, x4, x5, x6, x7), zero, ASM)
-            acc_bg += sum_g.to(tl.float32) * (pick(b[2], q, GPW).to(tl.float32) * xs)
-            acc_bh += sum_h.to(tl.float32) * (pick(b[3], q, GPW).to(tl.float32) * xs)
+            sum_g, sum_h = _scaled_sums(b, q, GPW, xw, xs, zero, CHUNKS, ASM)
+            acc_bg += sum_g * pick(b[2], q, GPW).to(tl.float32)
+            acc_bh += sum_h * pick(b[3], q, GPW).to(tl.float32)
     rows = tile0 * 16 + tl.arange(0, 16)
     tl.store(out_ptr + rows, _tile_rows(acc_ag, acc_ah, NW))
     if T == 2:
         tl.store(out_ptr + rows + 16, _tile_rows(acc_bg, acc_bh, NW))
 
 
-def matvec(words, scales, xq, xs, xz, n, k, nw, t, asm, pdl=0, out=None):
+def matvec(words, scales, xq, xs, xz, n, k, nw, t, asm, pdl=0, out=None, chunks=False):
     """float32 [n]: the weight's (packed low plane as int32 [n, k / 8], float16 scales [n, k / 128]) product with
     the int8 activations (`quantize_x`: xq, xs, xz), or with xq bfloat16 x [k] (xs, xz None) rounded to them in the
-    kernel; nw warps split k, t row tiles of 16 a program."""
+    kernel; nw warps split k, t row tiles of 16 a program. chunks: the plane `chunk_major` and xq, xs, xz from
+    `quantize_x_chunks`."""
     gpw = triton.next_power_of_2(-(-(k // 128) // nw))
     if n % (16 * t) or k % 128 or t not in (1, 2) or gpw > 16:
         raise ValueError(f"the int8 mma matvec tiles rows by 16 * t (t 1 or 2), columns by 128, at most 16 groups "
                          f"a warp: not [{n}, {k}] with {nw} warps, t={t}")
     out = torch.empty(n, dtype=torch.float32, device=words.device) if out is None else out
     qx = xs is None
-    _imma_matvec[(n // (16 * t),)](words, scales, xq, xq if qx else xs, xq if qx else xz, out, n, k, nw, gpw, t,
-                                   asm, pdl, qx, num_warps=nw, **({"launch_pdl": True} if pdl else {}))
+    if chunks and xq.numel() < gpw * nw * 32:  # x's buffers padded with zeros to every warp's run (loaded unmasked)
+        xq, xs, _ = padded_chunks((xq, xs, None), k, nw)
+    xz = xq if qx else (xs if chunks else xz)  # CHUNKS: the zero points are in xs
+    _imma_matvec[(n // (16 * t),)](words, scales, xq, xq if qx else xs, xz, out, n, k, nw, gpw, t, asm, pdl, qx,
+                                   chunks, num_warps=nw, **({"launch_pdl": True} if pdl else {}))
     return out
 
 
@@ -273,32 +391,44 @@ def _case(n, k, seed):
     decoded = formats.get("int4").decode(raw, (n, k), params, torch.float32)
     x = torch.randn(k, generator=gen).bfloat16()
     words = parts["codes"].contiguous().view(torch.int32).reshape(n, k // 8)
-    return words, parts["scales"].contiguous(), x, decoded @ dequantized_x(x), decoded @ x.float()
+    return words, parts["scales"].contiguous(), x, decoded, decoded @ x.float()
+
+
+# How x reaches the kernel: int8 with a scale a group of 128 (quantize_x), bfloat16 rounded in the kernel (QX),
+# int8 with a scale a chunk of 32 and the plane chunk-major (CHUNKS)
+X_WAYS = ("groups", "kernel", "chunks")
 
 
 # (n, k, warps, row tiles): groups a warp past K (1792: 14 groups) included.
 CASES = [(32, 256, 1, 1), (64, 512, 2, 2), (48, 384, 2, 1), (64, 1792, 4, 2), (32, 1792, 2, 1)]
 
 
-def relative_errors(n, k, nw, t, device, seed: int = 0, qx: bool = False) -> tuple[float, float]:
+def relative_errors(n, k, nw, t, device, seed: int = 0, way: str = "groups") -> tuple[float, float]:
     """|kernel - reference| / |reference| on a random case (`_case`), the reference the format's decode times x
-    rounded to int8 (what the kernel computes) and times x itself: the mma path on a GPU, the interpreter twin
-    on the CPU. qx: x given as bfloat16, rounded in the kernel."""
-    words, scales, x, want, exact = _case(n, k, seed)
-    xq = (x.to(device), None, None) if qx else tuple(a.to(device) for a in quantize_x(x))
-    got = matvec(words.to(device), scales.to(device), *xq, n, k, nw, t, torch.device(device).type == "cuda").cpu()
+    rounded to int8 as `way` (one of X_WAYS) rounds it (what the kernel computes) and times x itself: the mma path
+    on a GPU, the interpreter twin on the CPU."""
+    words, scales, x, decoded, exact = _case(n, k, seed)
+    chunks = way == "chunks"
+    want = decoded @ (dequantized_x_chunks(x) if chunks else dequantized_x(x))
+    if way == "kernel":
+        xq = (x.to(device), None, None)
+    else:
+        xq = tuple(None if a is None else a.to(device) for a in (quantize_x_chunks(x) if chunks else quantize_x(x)))
+    plane = chunk_major(words) if chunks else words
+    got = matvec(plane.to(device), scales.to(device), *xq, n, k, nw, t, torch.device(device).type == "cuda",
+                 chunks=chunks).cpu()
     return ((got - want).norm() / want.norm()).item(), ((got - exact).norm() / exact.norm()).item()
 
 
 def check(device: str) -> None:
     for n, k, nw, t in CASES:
-        for qx in (False, True):
-            err, err_x = relative_errors(n, k, nw, t, device, n + k, qx)
-            print(f"n={n} k={k} warps={nw} row tiles {t}{', x rounded in the kernel' if qx else ''}: relative "
-                  f"error {err:.1e} against the int8 x ({err_x:.1e} against x)")
+        for way in X_WAYS:
+            err, err_x = relative_errors(n, k, nw, t, device, n + k, way)
+            print(f"n={n} k={k} warps={nw} row tiles {t}, x {way}: relative error {err:.1e} against the int8 x "
+                  f"({err_x:.1e} against x)")
             # On the GPU the rounding's multiply-add is fused: a value at a half may round the other way than
             # torch's, one code of one column (about 1e-3 of these small sums).
-            assert err < (3e-3 if qx and device != "cpu" else 1e-5), err
+            assert err < (3e-3 if way == "kernel" and device != "cpu" else 1e-5), err
 
 
 def _weights(n, k):
@@ -317,7 +447,8 @@ def bench() -> None:
         ops, planes = _weights(n, k)
         reps = max(1, 20 // len(ops))
         x = torch.randn(k, device="cuda").bfloat16()
-        xq = quantize_x(x)
+        ways = {"groups": quantize_x(x), "kernel": (x, None, None), "chunks": quantize_x_chunks(x)}
+        chunk_planes = [(chunk_major(w), sc) for w, sc in planes]
         want = ops[0](x[None])[0].float()
         line = f"{name}: shipped ({ops[0].config('direct')})"
         for pdl in (0, 1):
@@ -325,16 +456,18 @@ def bench() -> None:
                 took = time_graph([partial(op.matvec, x) for op in ops] * reps)
             line += f" {'dependent' if pdl else 'plain'} {took * 1e6:.2f}"
         print(line + " us", flush=True)
-        for nw, t in ([(8, 1), (8, 2), (4, 1), (4, 2)] if k <= 4096 else [(16, 1), (8, 1)]):
+        for nw, t in ([(4, 1), (4, 2), (8, 1)] if k <= 4096 else [(8, 1), (16, 1)]):
             if n % (16 * t):
                 continue
             out = torch.empty(n, device="cuda")
-            for xs, how in ((xq, "x int8"), ((x, None, None), "x rounded in the kernel")):
-                got = matvec(*planes[0], *xs, n, k, nw, t, True, 0, out)
+            for how, xs in ways.items():
+                chunks = how == "chunks"
+                use = chunk_planes if chunks else planes
+                got = matvec(*use[0], *xs, n, k, nw, t, True, 0, out, chunks)
                 err = ((got - want).norm() / want.norm()).item()
-                times = [time_graph([partial(matvec, *p, *xs, n, k, nw, t, True, pdl, out) for p in planes] * reps)
-                         for pdl in (0, 1)]
-                print(f"  int8 mma warps={nw} row tiles {t}, {how}: plain {times[0] * 1e6:.2f} us, dependent "
+                times = [time_graph([partial(matvec, *p, *xs, n, k, nw, t, True, pdl, out, chunks) for p in use]
+                                    * reps) for pdl in (0, 1)]
+                print(f"  int8 mma warps={nw} row tiles {t}, x {how}: plain {times[0] * 1e6:.2f} us, dependent "
                       f"{times[1] * 1e6:.2f} us, error against shipped {err:.1e}", flush=True)
 
 
@@ -347,19 +480,23 @@ def sass() -> None:
     driver.set_active(_Sm90())
     print("| shape | warps | row tiles | x | instructions after the wait | a weight |")
     print("| --- | ---: | ---: | --- | ---: | ---: |")
-    for name, n, k, nw, t in [("qkv", 6144, 4096, 8, 1), ("qkv", 6144, 4096, 8, 2), ("qkv", 6144, 4096, 4, 2),
+    for name, n, k, nw, t in [("qkv", 6144, 4096, 4, 1), ("qkv", 6144, 4096, 8, 2), ("qkv", 6144, 4096, 4, 2),
                               ("down", 4096, 14336, 16, 1), ("down", 4096, 14336, 8, 1)]:
         gpw = triton.next_power_of_2(-(-(k // 128) // nw))
-        for qx in (False, True):
+        for way in X_WAYS:
+            qx = way == "kernel"
             xq = torch.empty(k, dtype=torch.bfloat16) if qx else torch.empty(k // 4, dtype=torch.int32)
             xs, xz = (xq, xq) if qx else (torch.empty(k // 128), torch.empty(k // 128, dtype=torch.int32))
+            if way == "chunks":
+                xq, xs = torch.empty(gpw * nw * 32, dtype=torch.int32), torch.empty(gpw * nw * 8)
+                xz = xs
             kernel = _imma_matvec.warmup(torch.empty(n, k // 8, dtype=torch.int32),
                                          torch.empty(n, k // 128, dtype=torch.float16), xq, xs, xz, torch.empty(n), n,
-                                         k, nw, gpw, t, True, 1, qx, num_warps=nw, grid=(n // (16 * t),))
+                                         k, nw, gpw, t, True, 1, qx, way == "chunks", num_warps=nw,
+                                         grid=(n // (16 * t),))
             code = [found.group(2) for found in map(ADDRESS.match, disassemble(kernel).splitlines()) if found]
             after = len(code) - next(i for i, text in enumerate(code) if "ACQBULK" in text)
-            print(f"| {name} | {nw} | {t} | {'bf16, rounded here' if qx else 'int8'} | {after} | "
-                  f"{after / (16 * t * gpw * 4):.2f} |")
+            print(f"| {name} | {nw} | {t} | {way} | {after} | {after / (16 * t * gpw * 4):.2f} |")
 
 
 if __name__ == "__main__":
