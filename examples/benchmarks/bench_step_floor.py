@@ -358,6 +358,10 @@ _IMMA_STATE: dict[int, tuple] = {}
 # warps and one tile at K <= 4096, 8 warps beyond (exp_int4_imma.py bench's best alone at llama-8b's shapes)
 # IMMA_CHUNKS=1: --imma with x's scales a chunk of 32 (exp_int4_imma.py CHUNKS, the plane re-laid chunk-major)
 IMMA_CHUNKS = os.environ.get("IMMA_CHUNKS") == "1"
+# IMMA_MAX=1: --imma with x as bfloat16 and its groups' max, rounded in the kernel (exp_int4_imma_max.py)
+IMMA_MAX = os.environ.get("IMMA_MAX") == "1"
+# IMMA_COLS=1: --imma with x's scales a chunk of 16, each chunk in its own column of B (exp_int4_imma_cols.py)
+IMMA_COLS = os.environ.get("IMMA_COLS") == "1"
 IMMA_TILES = {(int(n), int(k)): (int(w), int(t)) for n, k, w, t in
               (item.split(":") for item in os.environ.get("IMMA_TILES", "").split(",") if item)}
 
@@ -368,6 +372,10 @@ def _imma_step_matvec(self, x, out, config, act, partial, rows=None, cols=None, 
     constant int8 x (random, quantized once an op) loaded after its wait, into a float32 scratch of the op's rows;
     `out` is left as it was (zeros: the engine's buffers start so), so the tokens are meaningless."""
     from exp_int4_imma import chunk_major, matvec, padded_chunks, quantize_x, quantize_x_chunks
+    from exp_int4_imma_cols import matvec as cols_matvec
+    from exp_int4_imma_cols import quantize_x_cols
+    from exp_int4_imma_max import group_max
+    from exp_int4_imma_max import matvec as max_matvec
 
     n, k = self.out_features, self.in_features
     if id(self) not in _IMMA_STATE:
@@ -378,8 +386,19 @@ def _imma_step_matvec(self, x, out, config, act, partial, rows=None, cols=None, 
         xq = padded_chunks(quantize_x_chunks(x), k, nw) if IMMA_CHUNKS else quantize_x(x)
         _IMMA_STATE[id(self)] = (chunk_major(words) if IMMA_CHUNKS else words, self.scales.reshape(n, k // 128), xq,
                                  nw, t, torch.empty(n, dtype=torch.float32, device=x.device))
+        if IMMA_MAX:  # bfloat16 x and its groups' max (exp_int4_imma_max.py)
+            _IMMA_STATE[id(self)] = (words, self.scales.reshape(n, k // 128), (x.bfloat16(), group_max(x)), nw, t,
+                                     _IMMA_STATE[id(self)][-1])
+        if IMMA_COLS:  # int8 codes and a scale a chunk of 16 (exp_int4_imma_cols.py)
+            _IMMA_STATE[id(self)] = (words, self.scales.reshape(n, k // 128), quantize_x_cols(x), nw, t,
+                                     _IMMA_STATE[id(self)][-1])
     words, scales, xq, nw, t, scratch = _IMMA_STATE[id(self)]
-    matvec(words, scales, *xq, n, k, nw, t, True, 0 if PLAIN else 1, scratch, IMMA_CHUNKS)
+    if IMMA_COLS:
+        cols_matvec(words, scales, *xq, n, k, nw, t, True, 0 if PLAIN else 1, scratch)
+    elif IMMA_MAX:
+        max_matvec(words, scales, *xq, n, k, nw, t, True, 0 if PLAIN else 1, scratch)
+    else:
+        matvec(words, scales, *xq, n, k, nw, t, True, 0 if PLAIN else 1, scratch, IMMA_CHUNKS)
     return config.split
 
 

@@ -1,0 +1,245 @@
+"""Experiment: the int8 tensor-core int4 matvec with x's int8 scale a chunk of 16 columns, each chunk's sums kept
+apart in its own column of the mma's B (so the producer of 16 of x's values can quantize them alone).
+
+    python3 examples/benchmarks/exp_int4_imma_cols.py check          # CPU (TRITON_INTERPRET=1) or GPU
+    python3 examples/benchmarks/exp_int4_imma_cols.py bench [qkv,o,gate_up,down]   # GPU: alone, plain and dependent
+    python3 examples/benchmarks/exp_int4_imma_cols.py sass           # sm_90 instructions after the wait, no GPU
+
+Why (BENCHMARKS Round 22): with x's int8 codes and a scale a group of 128 given, the step on the int8 mma ran 707
+tok/s, over the bar; but the kernels before the matvecs own 16 or 32 of x's values, not a group of 128. A scale a
+chunk of 32 (exp_int4_imma.py CHUNKS: one mma a chunk, its int32 sums to float each) ran 621, and x rounded in
+the consumer by its group's max (exp_int4_imma_max.py) 654.
+
+Here the mma's unused columns carry the chunks. In exp_int4_imma's layout lane 4g + t loads chunk 4q + t (32
+columns, words 0..3) of rows g and g + 8, and an mma's k rows 4t .. 4t + 3 and 16 + 4t .. come from lane t's words
+0 and 1 (or 2 and 3): columns 0..15 (or 16..31) of chunk 4q + t. So B's column 2t takes x's codes of chunk 4q + t's
+first 16 columns, column 2t + 1 those of its last 16, and zeros everywhere else: B is nonzero only in the lanes
+g = 2t (for the mma on words 0 and 1) and g = 2t + 1 (words 2 and 3), and each of those lanes loads its 16 bytes
+of x, the others 16 bytes of a zero row (a second pointer, no selects). The group's four mma (s8 x s8, the signed
+codes of exp_int4_imma_max) stay one chain, and lane 4g + t ends with D[g][2t], D[g][2t + 1] (and g + 8's): its
+chunk's two halves, each times its own scale (one 8-byte load of two floats), then times the weight's scale; the
+row sums are the quad's and the warps' at the end.
+
+x is given (`quantize_x_cols`): int8 codes, one scale a chunk of 16 columns (max |x| / 127), the words in
+exp_int4_imma's order (a chunk's e0, e1, o0, o1 its first 16 columns, e2, e3, o2, o3 its last), followed by as many
+zero words. Not in the runtime: the producers would write these codes and scales.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from functools import partial
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from exp_int4_imma import CASES, _case, _codes, _load, _tile_runs  # noqa: E402
+from exp_int4_imma_max import _dot4s, _even, _odd  # noqa: E402
+from int4_lanes import chosen_shapes, pick, run_mode, split4, threads  # noqa: E402
+
+
+def quantize_x_cols(x: torch.Tensor):
+    """x [K] -> (codes int32 [2 * K / 4]: the words in exp_int4_imma.quantize_x's order, then K / 4 zero words;
+    scales float32 [K / 16], one a chunk of 16 columns)."""
+    k = x.numel()
+    q, scale = _codes(x, 16)
+    # [chunk, octet pair j // 2, octet j % 2, byte m, column parity p] -> words [chunk, j // 2, p, j % 2] of bytes m
+    b = q.to(torch.int64).reshape(k // 32, 2, 2, 4, 2).permute(0, 1, 4, 2, 3).reshape(k // 4, 4) & 0xFF
+    words = b[:, 0] | b[:, 1] << 8 | b[:, 2] << 16 | b[:, 3] << 24
+    words = ((words + 2**31) % 2**32 - 2**31).to(torch.int32)
+    return torch.cat([words, torch.zeros_like(words)]), scale.contiguous()
+
+
+def dequantized_x_cols(x: torch.Tensor) -> torch.Tensor:
+    """What the kernel multiplies by: x rounded to int8 codes, one scale a chunk of 16 columns."""
+    q, scale = _codes(x, 16)
+    return (q * scale[:, None]).reshape(-1)
+
+
+@triton.jit
+def _mma_cols(a0, a1, a2, a3, b0, b1, c, NW: tl.constexpr, ASM: tl.constexpr):
+    """c + this lane's D fragment (D[g][2t], D[g][2t + 1], D[g + 8][2t], D[g + 8][2t + 1]) of one
+    mma.sync.m16n8k32, s8 x s8, B any 32 x 8 (b0: B[4t ..][g], b1: B[16 + 4t ..][g]). Otherwise the mma's
+    interpreter twin: every column's products from the quad's A and B registers."""
+    cg, cg2, ch, ch2 = c
+    if ASM:
+        out = tl.inline_asm_elementwise(
+            "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, "
+            "{$10,$11,$12,$13};", "=r,=r,=r,=r,r,r,r,r,r,r,0,1,2,3", [a0, a1, a2, a3, b0, b1, cg, cg2, ch, ch2],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    else:
+        bb0 = tl.reshape(b0, [NW, 1, 8, 4])  # [warp, ., column n = the lane's g, k block = the lane's t]
+        bb1 = tl.reshape(b1, [NW, 1, 8, 4])
+        dg = tl.sum(_dot4s(tl.reshape(a0, [NW, 8, 1, 4]), bb0) + _dot4s(tl.reshape(a2, [NW, 8, 1, 4]), bb1), axis=3)
+        dh = tl.sum(_dot4s(tl.reshape(a1, [NW, 8, 1, 4]), bb0) + _dot4s(tl.reshape(a3, [NW, 8, 1, 4]), bb1), axis=3)
+        g0, g1 = tl.split(tl.reshape(dg, [NW, 8, 4, 2]))  # [warp, row g, t, column parity]: columns 2t, 2t + 1
+        h0, h1 = tl.split(tl.reshape(dh, [NW, 8, 4, 2]))
+        out = (cg + tl.reshape(g0, [32 * NW]), cg2 + tl.reshape(g1, [32 * NW]), ch + tl.reshape(h0, [32 * NW]),
+               ch2 + tl.reshape(h1, [32 * NW]))
+    return out
+
+
+@triton.jit
+def _group_cols(tile, q: tl.constexpr, S: tl.constexpr, lo, hi, NW: tl.constexpr, ASM: tl.constexpr):
+    """16 times a group's sums of rows g and g + 8 over this lane's chunk's two halves (int32 D fragment), from a
+    `_tile_runs` tile and the lane's B words: `lo` (e0, e1, o0, o1 of its chunk where g = 2t, else zeros) and `hi`
+    (e2, e3, o2, o3 where g = 2t + 1). Four s8 mma in one chain."""
+    g0, g1, g2, g3 = split4(pick(tile[0], q, S))
+    h0, h1, h2, h3 = split4(pick(tile[1], q, S))
+    e0, e1, o0, o1 = lo
+    e2, e3, o2, o3 = hi
+    z = g0 * 0
+    d = _mma_cols(_even(g0, ASM), _even(h0, ASM), _even(g1, ASM), _even(h1, ASM), e0, e1, (z, z, z, z), NW, ASM)
+    d = _mma_cols(_even(g2, ASM), _even(h2, ASM), _even(g3, ASM), _even(h3, ASM), e2, e3, d, NW, ASM)
+    d = _mma_cols(_odd(g0, ASM), _odd(h0, ASM), _odd(g1, ASM), _odd(h1, ASM), o0, o1, d, NW, ASM)
+    return _mma_cols(_odd(g2, ASM), _odd(h2, ASM), _odd(g3, ASM), _odd(h3, ASM), o2, o3, d, NW, ASM)
+
+
+@triton.jit
+def _cols_matvec(w_ptr, s_ptr, xq_ptr, xs_ptr, out_ptr, n, K: tl.constexpr, NW: tl.constexpr, GPW: tl.constexpr,
+                 T: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+    """out[rows] = W[rows] @ x over program_id(0)'s T (1 or 2) tiles of 16 rows: every weight word and scale of a
+    lane loaded before the wait (PDL), x's codes and chunk scales after it (see the module docstring)."""
+    groups: tl.constexpr = K // 128
+    EXACT: tl.constexpr = groups == GPW * NW  # no warp's run passes K: x's loads need no mask
+    e = threads(NW, ASM)
+    lane = e % 32
+    g = lane // 4
+    t = lane % 4
+    q0 = e // 32 * GPW  # the warp's first group
+    tile0 = tl.program_id(0) * T
+    a = _tile_runs(w_ptr, s_ptr, tile0 * 16 + g, q0, t, GPW, GPW, groups, K)
+    b = a
+    if T == 2:
+        b = _tile_runs(w_ptr, s_ptr, tile0 * 16 + 16 + g, q0, t, GPW, GPW, groups, K)
+    # B's column g holds a chunk half: lanes g = 2t load their chunk's first half, g = 2t + 1 its second, the
+    # rest read the zero words after the codes (K / 4 further on)
+    x_words = xq_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (q0 * 4 + t) * 8
+    # (products, not tl.where: Triton keeps their divisibility, so each lane's 16 bytes are one load)
+    lo_ptr = (x_words + (g != 2 * t).to(tl.int32) * (K // 4))[:, None] + tl.arange(0, 4)[None, :]
+    hi_ptr = (x_words + 4 + (g != 2 * t + 1).to(tl.int32) * (K // 4))[:, None] + tl.arange(0, 4)[None, :]
+    s_ptrs = (xs_ptr + (q0 * 4 + t) * 2)[:, None] + tl.arange(0, 2)[None, :]
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    acc_ag = tl.zeros([32 * NW], dtype=tl.float32)
+    acc_ah = tl.zeros([32 * NW], dtype=tl.float32)
+    acc_bg = tl.zeros([32 * NW], dtype=tl.float32)
+    acc_bh = tl.zeros([32 * NW], dtype=tl.float32)
+    for q in tl.static_range(GPW):
+        ok = q0 + q < groups
+        lo = split4(_load(lo_ptr + 32 * q, ok[:, None], 0, EXACT))
+        hi = split4(_load(hi_ptr + 32 * q, ok[:, None], 0, EXACT))
+        s0, s1 = tl.split(_load(s_ptrs + 8 * q, ok[:, None], 0.0, EXACT))
+        d = _group_cols(a, q, GPW, lo, hi, NW, ASM)
+        acc_ag += (d[0].to(tl.float32) * s0 + d[1].to(tl.float32) * s1) * pick(a[2], q, GPW).to(tl.float32)
+        acc_ah += (d[2].to(tl.float32) * s0 + d[3].to(tl.float32) * s1) * pick(a[3], q, GPW).to(tl.float32)
+        if T == 2:
+            d = _group_cols(b, q, GPW, lo, hi, NW, ASM)
+            acc_bg += (d[0].to(tl.float32) * s0 + d[1].to(tl.float32) * s1) * pick(b[2], q, GPW).to(tl.float32)
+            acc_bh += (d[2].to(tl.float32) * s0 + d[3].to(tl.float32) * s1) * pick(b[3], q, GPW).to(tl.float32)
+    rows = tile0 * 16 + tl.arange(0, 16)
+    tl.store(out_ptr + rows, _quad_rows(acc_ag, acc_ah, NW))
+    if T == 2:
+        tl.store(out_ptr + rows + 16, _quad_rows(acc_bg, acc_bh, NW))
+
+
+@triton.jit
+def _quad_rows(acc_g, acc_h, NW: tl.constexpr):
+    """A tile's [16] row sums (the 16 of the codes' sums taken off): each lane's over the warps, then over quad g's
+    four lanes (four chunks each) for rows g and g + 8."""
+    rows_g = tl.sum(tl.reshape(tl.sum(tl.reshape(acc_g, [NW, 32]), axis=0), [8, 4]), axis=1)
+    rows_h = tl.sum(tl.reshape(tl.sum(tl.reshape(acc_h, [NW, 32]), axis=0), [8, 4]), axis=1)
+    return tl.reshape(tl.permute(tl.join(rows_g, rows_h), [1, 0]), [16]) * (1.0 / 16.0)
+
+
+def matvec(words, scales, xq, xs, n, k, nw, t, asm, pdl=0, out=None):
+    """float32 [n]: the weight's (packed low plane int32 [n, k / 8], float16 scales [n, k / 128]) product with x's
+    int8 codes and chunk scales (`quantize_x_cols`); nw warps split k, t row tiles of 16 a program."""
+    gpw = triton.next_power_of_2(-(-(k // 128) // nw))
+    if n % (16 * t) or k % 128 or t not in (1, 2) or gpw > 16:
+        raise ValueError(f"the int8 mma matvec tiles rows by 16 * t (t 1 or 2), columns by 128, at most 16 groups "
+                         f"a warp: not [{n}, {k}] with {nw} warps, t={t}")
+    if xq.numel() != k // 2 or xs.numel() != k // 16:
+        raise ValueError(f"x's codes and zeros are {k // 2} words and its scales {k // 16} (quantize_x_cols), got "
+                         f"{xq.numel()} and {xs.numel()}")
+    out = torch.empty(n, dtype=torch.float32, device=words.device) if out is None else out
+    _cols_matvec[(n // (16 * t),)](words, scales, xq, xs, out, n, k, nw, gpw, t, asm, pdl, num_warps=nw,
+                                   **({"launch_pdl": True} if pdl else {}))
+    return out
+
+
+def relative_errors(n, k, nw, t, device, seed: int = 0) -> tuple[float, float]:
+    """|kernel - reference| / |reference| on exp_int4_imma's random case, the reference the format's decode times
+    x rounded to int8 a chunk of 16 (what the kernel computes), and times x itself."""
+    words, scales, x, decoded, exact = _case(n, k, seed)
+    want = decoded @ dequantized_x_cols(x)
+    xq, xs = (a.to(device) for a in quantize_x_cols(x))
+    got = matvec(words.to(device), scales.to(device), xq, xs, n, k, nw, t, torch.device(device).type == "cuda").cpu()
+    return ((got - want).norm() / want.norm()).item(), ((got - exact).norm() / exact.norm()).item()
+
+
+def check(device: str) -> None:
+    for n, k, nw, t in CASES:
+        err, err_x = relative_errors(n, k, nw, t, device, n + k)
+        print(f"n={n} k={k} warps={nw} row tiles {t}: relative error {err:.1e} against the int8 x ({err_x:.1e} "
+              f"against x)")
+        assert err < 1e-5, err
+
+
+def bench() -> None:
+    """The kernel against the shipped matvec, each timed alone (plain and as programmatic dependents)."""
+    from bench_kernels import time_graph
+    from exp_int4_imma import _weights
+
+    from thin.runtime.kernels import dependent
+
+    for name, n, k in chosen_shapes():
+        ops, planes = _weights(n, k)
+        reps = max(1, 20 // len(ops))
+        x = torch.randn(k, device="cuda").bfloat16()
+        xq = quantize_x_cols(x)
+        want = ops[0](x[None])[0].float()
+        line = f"{name}: shipped ({ops[0].config('direct')})"
+        for pdl in (0, 1):
+            with dependent.launching(bool(pdl)):
+                took = time_graph([partial(op.matvec, x) for op in ops] * reps)
+            line += f" {'dependent' if pdl else 'plain'} {took * 1e6:.2f}"
+        print(line + " us", flush=True)
+        for nw, t in ([(4, 1), (4, 2), (8, 1)] if k <= 4096 else [(8, 1), (16, 1)]):
+            out = torch.empty(n, device="cuda")
+            err = ((matvec(*planes[0], *xq, n, k, nw, t, True, 0, out) - want).norm() / want.norm()).item()
+            times = [time_graph([partial(matvec, *p, *xq, n, k, nw, t, True, pdl, out) for p in planes] * reps)
+                     for pdl in (0, 1)]
+            print(f"  int8 mma, x's chunks of 16 in B's columns, warps={nw} row tiles {t}: plain "
+                  f"{times[0] * 1e6:.2f} us, dependent {times[1] * 1e6:.2f} us, error against shipped {err:.1e}",
+                  flush=True)
+
+
+def sass() -> None:
+    """sm_90 instructions after the wait (sass_budget.py's stand-in driver, no GPU), a weight and lane."""
+    from sass_budget import ADDRESS, _Sm90, disassemble
+    from triton.runtime import driver
+
+    driver.set_active(_Sm90())
+    print("| shape | warps | row tiles | instructions after the wait | a weight |\n| --- | ---: | ---: | ---: | ---: |")
+    for name, n, k, nw, t in [("qkv", 6144, 4096, 4, 1), ("qkv", 6144, 4096, 4, 2), ("qkv", 6144, 4096, 8, 2),
+                              ("down", 4096, 14336, 16, 1), ("down", 4096, 14336, 8, 1)]:
+        gpw = triton.next_power_of_2(-(-(k // 128) // nw))
+        kernel = _cols_matvec.warmup(torch.empty(n, k // 8, dtype=torch.int32),
+                                     torch.empty(n, k // 128, dtype=torch.float16),
+                                     torch.empty(k // 2, dtype=torch.int32), torch.empty(k // 16), torch.empty(n), n,
+                                     k, nw, gpw, t, True, 1, num_warps=nw, grid=(n // (16 * t),))
+        code = [found.group(2) for found in map(ADDRESS.match, disassemble(kernel).splitlines()) if found]
+        after = len(code) - next(i for i, text in enumerate(code) if "ACQBULK" in text)
+        print(f"| {name} | {nw} | {t} | {after} | {after / (16 * t * gpw * 4):.2f} |")
+
+
+if __name__ == "__main__":
+    run_mode({"check": lambda: check("cuda" if torch.cuda.is_available() else "cpu"), "bench": bench, "sass": sass},
+             __doc__)

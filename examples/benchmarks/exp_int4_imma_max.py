@@ -1,0 +1,254 @@
+"""Experiment: exp_int4_imma.py's int8 tensor-core int4 matvec with x given as bfloat16 plus each group's max |x|,
+the codes rounded in the kernel and no sums of them.
+
+    python3 examples/benchmarks/exp_int4_imma_max.py check          # CPU (TRITON_INTERPRET=1) or GPU
+    python3 examples/benchmarks/exp_int4_imma_max.py bench [qkv,o,gate_up,down]   # GPU: alone, plain and dependent
+    python3 examples/benchmarks/exp_int4_imma_max.py sass           # sm_90 instructions after the wait, no GPU
+
+Why (BENCHMARKS Round 22): the step with every int4 matvec on the int8 mma and x's int8 codes, scales and code sums
+given (a group of 128) ran 707 tok/s, over the bar; but the kernels before the matvecs own 16 or 32 of its x's
+values (a tile of o's or down's rows, of gate/up's activations), not a group of 128, so none can write that
+group's scale alone, and a scale a chunk of 32 (exp_int4_imma.py CHUNKS) ran 621. What such a producer can give
+is its values and its share of the group's max: an integer atomic max on the bits of |x| (the same result in any
+order). The consumer then rounds x itself, knowing the scale (QX without the warp's max and code sums).
+
+Two changes from exp_int4_imma.py:
+- the codes as signed: `((w << 4) & 0xF0F0F0F0) ^ 0x80808080` is each even nibble's code minus 8 times 16 as an
+  int8 byte, and `(w & 0xF0F0F0F0) ^ 0x80808080` the odd one's (one logic op each, and one shift for the even),
+  so the zero point is in A, the four mma of a group (s8 x s8) are one chain, and no code sums of x are needed;
+  the sum is 16 times the group's, taken off in the float scale;
+- B rounded in the kernel from bfloat16 x and the group's max (`_rounded_x`: a lane 4 values of word g of its
+  chunk, then 8 shuffles; no reductions over the warp).
+
+The layouts are exp_int4_imma.py's (the shipped low plane as stored; x's words e0, e1, o0, o1, e2, e3, o2, o3 a
+chunk). Not in the runtime: the producers' atomic max (and its reset each step) are not written.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from functools import partial
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from exp_int4_imma import CASES, _case, _load, _quad_sum, _shfl, _tile_rows, _tile_runs, dequantized_x  # noqa: E402
+from int4_lanes import chosen_shapes, pick, run_mode, split4, threads  # noqa: E402
+
+
+def group_max(x: torch.Tensor) -> torch.Tensor:
+    """float32 [K / 128]: each group's max |x|, what the producers' atomic max leaves."""
+    return x.float().reshape(-1, 128).abs().amax(1).clamp_min(1e-30).contiguous()
+
+
+@triton.jit
+def _dot4s(a, b):
+    """sum over the 4 bytes of a times those of b, both signed."""
+    s = ((a << 24) >> 24) * ((b << 24) >> 24)
+    s += ((a << 16) >> 24) * ((b << 16) >> 24)
+    s += ((a << 8) >> 24) * ((b << 8) >> 24)
+    return s + (a >> 24) * (b >> 24)
+
+
+@triton.jit
+def _imma_s8(a0, a1, a2, a3, b0, b1, c, ASM: tl.constexpr):
+    """c + this lane's D fragment of one mma.sync.m16n8k32, s8 x s8 (exp_int4_imma._imma's operands and layout)."""
+    b0 = tl.broadcast_to(b0, a0.shape)
+    b1 = tl.broadcast_to(b1, a0.shape)
+    cg, cg2, ch, ch2 = c
+    if ASM:
+        out = tl.inline_asm_elementwise(
+            "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, "
+            "{$10,$11,$12,$13};", "=r,=r,=r,=r,r,r,r,r,r,r,0,1,2,3", [a0, a1, a2, a3, b0, b1, cg, cg2, ch, ch2],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    else:
+        sg = cg + _quad_sum(_dot4s(a0, b0) + _dot4s(a2, b1))
+        sh = ch + _quad_sum(_dot4s(a1, b0) + _dot4s(a3, b1))
+        out = sg, sg, sh, sh
+    return out
+
+
+@triton.jit
+def _flip_high(w, ASM: tl.constexpr):
+    """(w & 0xF0F0F0F0) ^ 0x80808080: one lop3 (ptxas keeps the and and the xor apart when written in Triton)."""
+    if ASM:
+        out = tl.inline_asm_elementwise("lop3.b32 $0, $1, 0xF0F0F0F0, 0x80808080, 0x6A;", "=r,r", [w],
+                                        dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        out = (w & -252645136) ^ -2139062144
+    return out
+
+
+@triton.jit
+def _even(w, ASM: tl.constexpr):
+    """The even nibbles' codes minus 8, times 16, as signed bytes."""
+    return _flip_high(w << 4, ASM)
+
+
+@triton.jit
+def _odd(w, ASM: tl.constexpr):
+    """The odd nibbles' codes minus 8, times 16, as signed bytes."""
+    return _flip_high(w, ASM)
+
+
+@triton.jit
+def _group_sums_s8(tile, q: tl.constexpr, S: tl.constexpr, x, ASM: tl.constexpr):
+    """16 times a group's sums of rows g and g + 8 (int32, zero point included) from a `_tile_runs` tile and the
+    group's 8 B words: four s8 mma in one chain."""
+    g0, g1, g2, g3 = split4(pick(tile[0], q, S))
+    h0, h1, h2, h3 = split4(pick(tile[1], q, S))
+    x0, x1, x2, x3, x4, x5, x6, x7 = x
+    z = g0 * 0
+    d = _imma_s8(_even(g0, ASM), _even(h0, ASM), _even(g1, ASM), _even(h1, ASM), x0, x1, (z, z, z, z), ASM)
+    d = _imma_s8(_even(g2, ASM), _even(h2, ASM), _even(g3, ASM), _even(h3, ASM), x4, x5, d, ASM)
+    d = _imma_s8(_odd(g0, ASM), _odd(h0, ASM), _odd(g1, ASM), _odd(h1, ASM), x2, x3, d, ASM)
+    d = _imma_s8(_odd(g2, ASM), _odd(h2, ASM), _odd(g3, ASM), _odd(h3, ASM), x6, x7, d, ASM)
+    return d[0], d[2]
+
+
+@triton.jit
+def _rounded_x(x_ptr, m_ptr, group, g, t, ok, NW: tl.constexpr, ASM: tl.constexpr, EXACT: tl.constexpr):
+    """A group's 8 B words of each lane's chunk and the group's scale, from bf16 x and the group's max: lane 4g + t
+    rounds the 4 values of word g of chunk 4 * group + t (x * 127 / max, to nearest even), 8 shuffles give each
+    lane its chunk's words."""
+    j = (g // 4) * 2 + g % 2  # word g is octet j's even (p 0) or odd (p 1) columns
+    p = (g // 2) % 2
+    cols = (group * 4 + t) * 32 + j * 8
+    v8 = _load(x_ptr + cols[:, None] + tl.arange(0, 8)[None, :], ok[:, None], 0.0, EXACT).to(tl.float32)
+    even, odd = tl.split(tl.reshape(v8, [32 * NW, 4, 2]))
+    v = tl.where((p == 0)[:, None], even, odd)  # [L, 4]: columns 8j + p + 2m
+    amax = _load(m_ptr + group, ok, 1.0, EXACT)
+    codes = (v * (127.0 / amax)[:, None] + 12582912.0).to(tl.int32, bitcast=True) & 0xFF  # round to even, int8 bits
+    word = tl.sum(codes << (8 * tl.arange(0, 4))[None, :], axis=1)
+    return ((_shfl(word, t, NW, ASM), _shfl(word, 4 + t, NW, ASM), _shfl(word, 8 + t, NW, ASM),
+             _shfl(word, 12 + t, NW, ASM), _shfl(word, 16 + t, NW, ASM), _shfl(word, 20 + t, NW, ASM),
+             _shfl(word, 24 + t, NW, ASM), _shfl(word, 28 + t, NW, ASM)), amax * (1.0 / (127.0 * 16.0)))
+
+
+@triton.jit
+def _max_matvec(w_ptr, s_ptr, x_ptr, m_ptr, out_ptr, n, K: tl.constexpr, NW: tl.constexpr, GPW: tl.constexpr,
+                T: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+    """out[rows] = W[rows] @ x over program_id(0)'s T (1 or 2) tiles of 16 rows: every weight word and scale of a
+    lane loaded before the wait (PDL), x and the groups' max after it."""
+    groups: tl.constexpr = K // 128
+    EXACT: tl.constexpr = groups == GPW * NW  # no warp's run passes K: x's loads need no mask
+    e = threads(NW, ASM)
+    lane = e % 32
+    g = lane // 4
+    t = lane % 4
+    q0 = e // 32 * GPW  # the warp's first group
+    tile0 = tl.program_id(0) * T
+    a = _tile_runs(w_ptr, s_ptr, tile0 * 16 + g, q0, t, GPW, GPW, groups, K)
+    b = a
+    if T == 2:
+        b = _tile_runs(w_ptr, s_ptr, tile0 * 16 + 16 + g, q0, t, GPW, GPW, groups, K)
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    acc_ag = tl.zeros([32 * NW], dtype=tl.float32)
+    acc_ah = tl.zeros([32 * NW], dtype=tl.float32)
+    acc_bg = tl.zeros([32 * NW], dtype=tl.float32)
+    acc_bh = tl.zeros([32 * NW], dtype=tl.float32)
+    for q in tl.static_range(GPW):
+        ok = q0 + q < groups
+        xw, xs = _rounded_x(x_ptr, m_ptr, q0 + q, g, t, ok, NW, ASM, EXACT)
+        sum_g, sum_h = _group_sums_s8(a, q, GPW, xw, ASM)
+        acc_ag += sum_g.to(tl.float32) * (pick(a[2], q, GPW).to(tl.float32) * xs)
+        acc_ah += sum_h.to(tl.float32) * (pick(a[3], q, GPW).to(tl.float32) * xs)
+        if T == 2:
+            sum_g, sum_h = _group_sums_s8(b, q, GPW, xw, ASM)
+            acc_bg += sum_g.to(tl.float32) * (pick(b[2], q, GPW).to(tl.float32) * xs)
+            acc_bh += sum_h.to(tl.float32) * (pick(b[3], q, GPW).to(tl.float32) * xs)
+    rows = tile0 * 16 + tl.arange(0, 16)
+    tl.store(out_ptr + rows, _tile_rows(acc_ag, acc_ah, NW))
+    if T == 2:
+        tl.store(out_ptr + rows + 16, _tile_rows(acc_bg, acc_bh, NW))
+
+
+def matvec(words, scales, x, gmax, n, k, nw, t, asm, pdl=0, out=None):
+    """float32 [n]: the weight's (packed low plane int32 [n, k / 8], float16 scales [n, k / 128]) product with
+    bfloat16 x [k] rounded to int8 a group of 128 by its max (`group_max`); nw warps split k, t row tiles of 16."""
+    gpw = triton.next_power_of_2(-(-(k // 128) // nw))
+    if n % (16 * t) or k % 128 or t not in (1, 2) or gpw > 16:
+        raise ValueError(f"the int8 mma matvec tiles rows by 16 * t (t 1 or 2), columns by 128, at most 16 groups "
+                         f"a warp: not [{n}, {k}] with {nw} warps, t={t}")
+    out = torch.empty(n, dtype=torch.float32, device=words.device) if out is None else out
+    _max_matvec[(n // (16 * t),)](words, scales, x, gmax, out, n, k, nw, gpw, t, asm, pdl, num_warps=nw,
+                                  **({"launch_pdl": True} if pdl else {}))
+    return out
+
+
+def relative_errors(n, k, nw, t, device, seed: int = 0) -> tuple[float, float]:
+    """|kernel - reference| / |reference| on exp_int4_imma's random case, the reference the format's decode times
+    x rounded to int8 by its groups' max, and times x itself."""
+    words, scales, x, decoded, exact = _case(n, k, seed)
+    want = decoded @ dequantized_x(x)
+    got = matvec(words.to(device), scales.to(device), x.to(device), group_max(x).to(device), n, k, nw, t,
+                 torch.device(device).type == "cuda").cpu()
+    return ((got - want).norm() / want.norm()).item(), ((got - exact).norm() / exact.norm()).item()
+
+
+def check(device: str) -> None:
+    for n, k, nw, t in CASES:
+        err, err_x = relative_errors(n, k, nw, t, device, n + k)
+        print(f"n={n} k={k} warps={nw} row tiles {t}: relative error {err:.1e} against the int8 x ({err_x:.1e} "
+              f"against x)")
+        # On the GPU the division and the rounding's multiply-add may round a value at a half the other way.
+        assert err < (3e-3 if device != "cpu" else 1e-5), err
+
+
+def bench() -> None:
+    """The kernel against the shipped matvec, each timed alone (plain and as programmatic dependents)."""
+    from bench_kernels import time_graph
+    from exp_int4_imma import _weights
+
+    from thin.runtime.kernels import dependent
+
+    for name, n, k in chosen_shapes():
+        ops, planes = _weights(n, k)
+        reps = max(1, 20 // len(ops))
+        x = torch.randn(k, device="cuda").bfloat16()
+        gmax = group_max(x)
+        want = ops[0](x[None])[0].float()
+        line = f"{name}: shipped ({ops[0].config('direct')})"
+        for pdl in (0, 1):
+            with dependent.launching(bool(pdl)):
+                took = time_graph([partial(op.matvec, x) for op in ops] * reps)
+            line += f" {'dependent' if pdl else 'plain'} {took * 1e6:.2f}"
+        print(line + " us", flush=True)
+        for nw, t in ([(4, 1), (4, 2), (8, 1), (8, 2)] if k <= 4096 else [(8, 1), (16, 1)]):
+            out = torch.empty(n, device="cuda")
+            err = ((matvec(*planes[0], x, gmax, n, k, nw, t, True, 0, out) - want).norm() / want.norm()).item()
+            times = [time_graph([partial(matvec, *p, x, gmax, n, k, nw, t, True, pdl, out) for p in planes] * reps)
+                     for pdl in (0, 1)]
+            print(f"  int8 mma, x rounded by its groups' max, warps={nw} row tiles {t}: plain {times[0] * 1e6:.2f} "
+                  f"us, dependent {times[1] * 1e6:.2f} us, error against shipped {err:.1e}", flush=True)
+
+
+def sass() -> None:
+    """sm_90 instructions after the wait (sass_budget.py's stand-in driver, no GPU), a weight and lane."""
+    from sass_budget import ADDRESS, _Sm90, disassemble
+    from triton.runtime import driver
+
+    driver.set_active(_Sm90())
+    print("| shape | warps | row tiles | instructions after the wait | a weight |\n| --- | ---: | ---: | ---: | ---: |")
+    for name, n, k, nw, t in [("qkv", 6144, 4096, 4, 1), ("qkv", 6144, 4096, 4, 2), ("qkv", 6144, 4096, 8, 2),
+                              ("down", 4096, 14336, 16, 1), ("down", 4096, 14336, 8, 1)]:
+        gpw = triton.next_power_of_2(-(-(k // 128) // nw))
+        kernel = _max_matvec.warmup(torch.empty(n, k // 8, dtype=torch.int32),
+                                    torch.empty(n, k // 128, dtype=torch.float16), torch.empty(k, dtype=torch.bfloat16),
+                                    torch.empty(k // 128), torch.empty(n), n, k, nw, gpw, t, True, 1, num_warps=nw,
+                                    grid=(n // (16 * t),))
+        code = [found.group(2) for found in map(ADDRESS.match, disassemble(kernel).splitlines()) if found]
+        after = len(code) - next(i for i, text in enumerate(code) if "ACQBULK" in text)
+        print(f"| {name} | {nw} | {t} | {after} | {after / (16 * t * gpw * 4):.2f} |")
+
+
+if __name__ == "__main__":
+    run_mode({"check": lambda: check("cuda" if torch.cuda.is_available() else "cpu"), "bench": bench, "sass": sass},
+             __doc__)
