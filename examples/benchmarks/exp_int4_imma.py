@@ -61,12 +61,17 @@ from int4_lanes import chosen_shapes, load_run, pick, run_mode, shipped_weights,
 def quantize_x(x: torch.Tensor):
     """x [K] -> (codes int32 [K / 4] in the B order above: a chunk's words e0, e1, o0, o1, e2, e3, o2, o3; scales
     float32 [K / 128]; code sums int32 [K / 128])."""
-    k = x.numel()
     q, scale = _codes(x)
+    return fragment_words(q), scale.contiguous(), q.sum(1).to(torch.int32)
+
+
+def fragment_words(q: torch.Tensor) -> torch.Tensor:
+    """int8 codes (any shape, K in all) -> int32 [K / 4] in the B order above, 4 codes a word."""
+    k = q.numel()
     # [chunk, octet pair j // 2, octet j % 2, byte m, column parity p] -> words [chunk, j // 2, p, j % 2] of bytes m
     b = q.to(torch.int64).reshape(k // 32, 2, 2, 4, 2).permute(0, 1, 4, 2, 3).reshape(k // 4, 4) & 0xFF
     words = b[:, 0] | b[:, 1] << 8 | b[:, 2] << 16 | b[:, 3] << 24
-    return ((words + 2**31) % 2**32 - 2**31).to(torch.int32), scale.contiguous(), q.sum(1).to(torch.int32)
+    return ((words + 2**31) % 2**32 - 2**31).to(torch.int32)
 
 
 def dequantized_x(x: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from exp_int4_imma import CASES, _case, _codes, _load, _tile_runs  # noqa: E402
+from exp_int4_imma import CASES, _case, _codes, _load, _tile_runs, fragment_words  # noqa: E402
 from exp_int4_imma_max import _dot4s, _even, _odd  # noqa: E402
 from int4_lanes import chosen_shapes, pick, run_mode, split4, threads  # noqa: E402
 
@@ -46,12 +46,8 @@ from int4_lanes import chosen_shapes, pick, run_mode, split4, threads  # noqa: E
 def quantize_x_cols(x: torch.Tensor):
     """x [K] -> (codes int32 [2 * K / 4]: the words in exp_int4_imma.quantize_x's order, then K / 4 zero words;
     scales float32 [K / 16], one a chunk of 16 columns)."""
-    k = x.numel()
     q, scale = _codes(x, 16)
-    # [chunk, octet pair j // 2, octet j % 2, byte m, column parity p] -> words [chunk, j // 2, p, j % 2] of bytes m
-    b = q.to(torch.int64).reshape(k // 32, 2, 2, 4, 2).permute(0, 1, 4, 2, 3).reshape(k // 4, 4) & 0xFF
-    words = b[:, 0] | b[:, 1] << 8 | b[:, 2] << 16 | b[:, 3] << 24
-    words = ((words + 2**31) % 2**32 - 2**31).to(torch.int32)
+    words = fragment_words(q)
     return torch.cat([words, torch.zeros_like(words)]), scale.contiguous()
 
 
