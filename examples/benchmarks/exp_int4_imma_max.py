@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import os
 import sys
-from functools import partial
 
 import torch
 import triton
@@ -38,7 +37,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from exp_int4_imma import CASES, _case, _load, _quad_sum, _shfl, _tile_rows, _tile_runs, dequantized_x  # noqa: E402
-from int4_lanes import chosen_shapes, pick, run_mode, split4, threads  # noqa: E402
+from int4_lanes import bench_alone, pick, print_sass_counts, run_mode, split4, threads  # noqa: E402
 
 
 def group_max(x: torch.Tensor) -> torch.Tensor:
@@ -204,49 +203,15 @@ def check(device: str) -> None:
 
 def bench() -> None:
     """The kernel against the shipped matvec, each timed alone (plain and as programmatic dependents)."""
-    from bench_kernels import time_graph
-    from exp_int4_imma import _weights
-
-    from thin.runtime.kernels import dependent
-
-    for name, n, k in chosen_shapes():
-        ops, planes = _weights(n, k)
-        reps = max(1, 20 // len(ops))
-        x = torch.randn(k, device="cuda").bfloat16()
-        gmax = group_max(x)
-        want = ops[0](x[None])[0].float()
-        line = f"{name}: shipped ({ops[0].config('direct')})"
-        for pdl in (0, 1):
-            with dependent.launching(bool(pdl)):
-                took = time_graph([partial(op.matvec, x) for op in ops] * reps)
-            line += f" {'dependent' if pdl else 'plain'} {took * 1e6:.2f}"
-        print(line + " us", flush=True)
-        for nw, t in ([(4, 1), (4, 2), (8, 1), (8, 2)] if k <= 4096 else [(8, 1), (16, 1)]):
-            out = torch.empty(n, device="cuda")
-            err = ((matvec(*planes[0], x, gmax, n, k, nw, t, True, 0, out) - want).norm() / want.norm()).item()
-            times = [time_graph([partial(matvec, *p, x, gmax, n, k, nw, t, True, pdl, out) for p in planes] * reps)
-                     for pdl in (0, 1)]
-            print(f"  int8 mma, x rounded by its groups' max, warps={nw} row tiles {t}: plain {times[0] * 1e6:.2f} "
-                  f"us, dependent {times[1] * 1e6:.2f} us, error against shipped {err:.1e}", flush=True)
+    bench_alone("int8 mma, x rounded by its groups' max", lambda x: (x, group_max(x)), matvec)
 
 
 def sass() -> None:
-    """sm_90 instructions after the wait (sass_budget.py's stand-in driver, no GPU), a weight and lane."""
-    from sass_budget import ADDRESS, _Sm90, disassemble
-    from triton.runtime import driver
-
-    driver.set_active(_Sm90())
-    print("| shape | warps | row tiles | instructions after the wait | a weight |\n| --- | ---: | ---: | ---: | ---: |")
-    for name, n, k, nw, t in [("qkv", 6144, 4096, 4, 1), ("qkv", 6144, 4096, 4, 2), ("qkv", 6144, 4096, 8, 2),
-                              ("down", 4096, 14336, 16, 1), ("down", 4096, 14336, 8, 1)]:
-        gpw = triton.next_power_of_2(-(-(k // 128) // nw))
-        kernel = _max_matvec.warmup(torch.empty(n, k // 8, dtype=torch.int32),
-                                    torch.empty(n, k // 128, dtype=torch.float16), torch.empty(k, dtype=torch.bfloat16),
-                                    torch.empty(k // 128), torch.empty(n), n, k, nw, gpw, t, True, 1, num_warps=nw,
-                                    grid=(n // (16 * t),))
-        code = [found.group(2) for found in map(ADDRESS.match, disassemble(kernel).splitlines()) if found]
-        after = len(code) - next(i for i, text in enumerate(code) if "ACQBULK" in text)
-        print(f"| {name} | {nw} | {t} | {after} | {after / (16 * t * gpw * 4):.2f} |")
+    """sm_90 instructions after the wait (no GPU), a weight and lane."""
+    print_sass_counts(lambda n, k, nw, gpw, t: _max_matvec.warmup(
+        torch.empty(n, k // 8, dtype=torch.int32), torch.empty(n, k // 128, dtype=torch.float16),
+        torch.empty(k, dtype=torch.bfloat16), torch.empty(k // 128), torch.empty(n), n, k, nw, gpw, t, True, 1,
+        num_warps=nw, grid=(n // (16 * t),)))
 
 
 if __name__ == "__main__":
