@@ -180,6 +180,24 @@ def _tile_runs(w_ptr, s_ptr, row, q0, t, GPW: tl.constexpr, S: tl.constexpr, gro
 
 
 @triton.jit
+def lane_tiles(w_ptr, s_ptr, K: tl.constexpr, NW: tl.constexpr, GPW: tl.constexpr, T: tl.constexpr,
+               ASM: tl.constexpr):
+    """A 16-row-tile program's lanes and its weight: (g, t of lane 4g + t, the warp's first group q0, the first
+    tile, `_tile_runs` of its T (1 or 2) tiles, the second the first again where T is 1)."""
+    e = threads(NW, ASM)
+    lane = e % 32
+    g = lane // 4
+    t = lane % 4
+    q0 = e // 32 * GPW  # the warp's first group
+    tile0 = tl.program_id(0) * T
+    a = _tile_runs(w_ptr, s_ptr, tile0 * 16 + g, q0, t, GPW, GPW, K // 128, K)
+    b = a
+    if T == 2:
+        b = _tile_runs(w_ptr, s_ptr, tile0 * 16 + 16 + g, q0, t, GPW, GPW, K // 128, K)
+    return g, t, q0, tile0, a, b
+
+
+@triton.jit
 def _group_sums(tile, q: tl.constexpr, S: tl.constexpr, x, zero, ASM: tl.constexpr):
     """A group's int32 sums of rows g and g + 8 (a lane's D fragment) from a `_tile_runs` tile and the group's 8
     B words x (e0, e1, o0, o1, e2, e3, o2, o3: octet j's even / odd columns): two mma on the even columns and two
@@ -310,16 +328,7 @@ def _imma_matvec(w_ptr, s_ptr, xq_ptr, xs_ptr, xz_ptr, out_ptr, n, K: tl.constex
     comes as bfloat16 at xq_ptr and each warp rounds its groups to int8 itself (`_quantized_x`). CHUNKS: the plane
     is `chunk_major` and x `quantize_x_chunks` (a scale and a code sum a chunk of 32; `_chunk_group_sums`)."""
     groups: tl.constexpr = K // 128
-    e = threads(NW, ASM)
-    lane = e % 32
-    g = lane // 4
-    t = lane % 4
-    q0 = e // 32 * GPW  # the warp's first group
-    tile0 = tl.program_id(0) * T
-    a = _tile_runs(w_ptr, s_ptr, tile0 * 16 + g, q0, t, GPW, GPW, groups, K)
-    b = a
-    if T == 2:
-        b = _tile_runs(w_ptr, s_ptr, tile0 * 16 + 16 + g, q0, t, GPW, GPW, groups, K)
+    g, t, q0, tile0, a, b = lane_tiles(w_ptr, s_ptr, K, NW, GPW, T, ASM)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()

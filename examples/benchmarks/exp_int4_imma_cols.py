@@ -37,9 +37,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from exp_int4_imma import CASES, _case, _codes, _load, _tile_runs, fragment_words  # noqa: E402
+from exp_int4_imma import CASES, _case, _codes, _load, fragment_words, lane_tiles  # noqa: E402
 from exp_int4_imma_max import _dot4s, _even, _odd  # noqa: E402
-from int4_lanes import bench_alone, pick, print_sass_counts, run_mode, split4, threads  # noqa: E402
+from int4_lanes import bench_alone, pick, print_sass_counts, run_mode, split4  # noqa: E402
 
 
 def quantize_x_cols(x: torch.Tensor):
@@ -82,7 +82,7 @@ def _mma_cols(a0, a1, a2, a3, b0, b1, c, NW: tl.constexpr, ASM: tl.constexpr):
 @triton.jit
 def _group_cols(tile, q: tl.constexpr, S: tl.constexpr, lo, hi, NW: tl.constexpr, ASM: tl.constexpr):
     """16 times a group's sums of rows g and g + 8 over this lane's chunk's two halves (int32 D fragment), from a
-    `_tile_runs` tile and the lane's B words: `lo` (e0, e1, o0, o1 of its chunk where g = 2t, else zeros) and `hi`
+    `lane_tiles` tile and the lane's B words: `lo` (e0, e1, o0, o1 of its chunk where g = 2t, else zeros) and `hi`
     (e2, e3, o2, o3 where g = 2t + 1). Four s8 mma in one chain."""
     g0, g1, g2, g3 = split4(pick(tile[0], q, S))
     h0, h1, h2, h3 = split4(pick(tile[1], q, S))
@@ -102,16 +102,7 @@ def _cols_matvec(w_ptr, s_ptr, xq_ptr, xs_ptr, out_ptr, n, K: tl.constexpr, NW: 
     lane loaded before the wait (PDL), x's codes and chunk scales after it (see the module docstring)."""
     groups: tl.constexpr = K // 128
     EXACT: tl.constexpr = groups == GPW * NW  # no warp's run passes K: x's loads need no mask
-    e = threads(NW, ASM)
-    lane = e % 32
-    g = lane // 4
-    t = lane % 4
-    q0 = e // 32 * GPW  # the warp's first group
-    tile0 = tl.program_id(0) * T
-    a = _tile_runs(w_ptr, s_ptr, tile0 * 16 + g, q0, t, GPW, GPW, groups, K)
-    b = a
-    if T == 2:
-        b = _tile_runs(w_ptr, s_ptr, tile0 * 16 + 16 + g, q0, t, GPW, GPW, groups, K)
+    g, t, q0, tile0, a, b = lane_tiles(w_ptr, s_ptr, K, NW, GPW, T, ASM)
     # B's column g holds a chunk half: lanes g = 2t load their chunk's first half, g = 2t + 1 its second, the
     # rest read the zero words after the codes (K / 4 further on)
     x_words = xq_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (q0 * 4 + t) * 8

@@ -36,8 +36,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from exp_int4_imma import CASES, _case, _load, _quad_sum, _shfl, _tile_rows, _tile_runs, dequantized_x  # noqa: E402
-from int4_lanes import bench_alone, pick, print_sass_counts, run_mode, split4, threads  # noqa: E402
+from exp_int4_imma import CASES, _case, _load, _quad_sum, _shfl, _tile_rows, dequantized_x, lane_tiles  # noqa: E402
+from int4_lanes import bench_alone, pick, print_sass_counts, run_mode, split4  # noqa: E402
 
 
 def group_max(x: torch.Tensor) -> torch.Tensor:
@@ -97,7 +97,7 @@ def _odd(w, ASM: tl.constexpr):
 
 @triton.jit
 def _group_sums_s8(tile, q: tl.constexpr, S: tl.constexpr, x, ASM: tl.constexpr):
-    """16 times a group's sums of rows g and g + 8 (int32, zero point included) from a `_tile_runs` tile and the
+    """16 times a group's sums of rows g and g + 8 (int32, zero point included) from a `lane_tiles` tile and the
     group's 8 B words: four s8 mma in one chain."""
     g0, g1, g2, g3 = split4(pick(tile[0], q, S))
     h0, h1, h2, h3 = split4(pick(tile[1], q, S))
@@ -136,16 +136,7 @@ def _max_matvec(w_ptr, s_ptr, x_ptr, m_ptr, out_ptr, n, K: tl.constexpr, NW: tl.
     lane loaded before the wait (PDL), x and the groups' max after it."""
     groups: tl.constexpr = K // 128
     EXACT: tl.constexpr = groups == GPW * NW  # no warp's run passes K: x's loads need no mask
-    e = threads(NW, ASM)
-    lane = e % 32
-    g = lane // 4
-    t = lane % 4
-    q0 = e // 32 * GPW  # the warp's first group
-    tile0 = tl.program_id(0) * T
-    a = _tile_runs(w_ptr, s_ptr, tile0 * 16 + g, q0, t, GPW, GPW, groups, K)
-    b = a
-    if T == 2:
-        b = _tile_runs(w_ptr, s_ptr, tile0 * 16 + 16 + g, q0, t, GPW, GPW, groups, K)
+    g, t, q0, tile0, a, b = lane_tiles(w_ptr, s_ptr, K, NW, GPW, T, ASM)
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
