@@ -141,6 +141,24 @@ def _dot4(a, b):
 
 
 @triton.jit
+def mma_asm(a0, a1, a2, a3, b0, b1, c, SIGNED_A: tl.constexpr):
+    """c + this lane's D fragment of one mma.sync.m16n8k32 with int32 sums (A u8, or s8 where SIGNED_A; B s8), its
+    accumulators in place: sm_80 and later."""
+    cg, cg2, ch, ch2 = c
+    if SIGNED_A:
+        out = tl.inline_asm_elementwise(
+            "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, "
+            "{$10,$11,$12,$13};", "=r,=r,=r,=r,r,r,r,r,r,r,0,1,2,3", [a0, a1, a2, a3, b0, b1, cg, cg2, ch, ch2],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    else:
+        out = tl.inline_asm_elementwise(
+            "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, "
+            "{$10,$11,$12,$13};", "=r,=r,=r,=r,r,r,r,r,r,r,0,1,2,3", [a0, a1, a2, a3, b0, b1, cg, cg2, ch, ch2],
+            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+    return out
+
+
+@triton.jit
 def _imma(a0, a1, a2, a3, b0, b1, c, ASM: tl.constexpr):
     """c + this lane's D fragment of A @ B for one mma.sync.m16n8k32 (A u8: a0, a2 row g's k = 4t.., 16 + 4t..,
     a1, a3 row g + 8's; B s8, every column x: b0, b1); c and the result (rows g, g, g + 8, g + 8), int32 [L]
@@ -150,10 +168,7 @@ def _imma(a0, a1, a2, a3, b0, b1, c, ASM: tl.constexpr):
     b1 = tl.broadcast_to(b1, a0.shape)
     cg, cg2, ch, ch2 = c
     if ASM:
-        out = tl.inline_asm_elementwise(
-            "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, "
-            "{$10,$11,$12,$13};", "=r,=r,=r,=r,r,r,r,r,r,r,0,1,2,3", [a0, a1, a2, a3, b0, b1, cg, cg2, ch, ch2],
-            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+        out = mma_asm(a0, a1, a2, a3, b0, b1, c, False)
     else:
         sg = cg + _quad_sum(_dot4(a0, b0) + _dot4(a2, b1))
         sh = ch + _quad_sum(_dot4(a1, b0) + _dot4(a3, b1))

@@ -37,7 +37,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from exp_int4_imma import CASES, _case, _codes, _load, fragment_words, lane_tiles  # noqa: E402
+from exp_int4_imma import CASES, _case, _codes, _load, fragment_words, lane_tiles, mma_asm  # noqa: E402
 from exp_int4_imma_max import _dot4s, _even, _odd  # noqa: E402
 from int4_lanes import bench_alone, pick, print_sass_counts, run_mode, split4  # noqa: E402
 
@@ -63,10 +63,7 @@ def _mma_cols(a0, a1, a2, a3, b0, b1, c, NW: tl.constexpr, ASM: tl.constexpr):
     interpreter twin: every column's products from the quad's A and B registers."""
     cg, cg2, ch, ch2 = c
     if ASM:
-        out = tl.inline_asm_elementwise(
-            "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, "
-            "{$10,$11,$12,$13};", "=r,=r,=r,=r,r,r,r,r,r,r,0,1,2,3", [a0, a1, a2, a3, b0, b1, cg, cg2, ch, ch2],
-            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+        out = mma_asm(a0, a1, a2, a3, b0, b1, c, True)
     else:
         bb0 = tl.reshape(b0, [NW, 1, 8, 4])  # [warp, ., column n = the lane's g, k block = the lane's t]
         bb1 = tl.reshape(b1, [NW, 1, 8, 4])

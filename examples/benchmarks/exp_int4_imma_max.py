@@ -36,7 +36,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from exp_int4_imma import CASES, _case, _load, _quad_sum, _shfl, _tile_rows, dequantized_x, lane_tiles  # noqa: E402
+from exp_int4_imma import CASES, _case, _load, _quad_sum, _shfl, _tile_rows, dequantized_x, lane_tiles, mma_asm  # noqa: E402
 from int4_lanes import bench_alone, pick, print_sass_counts, run_mode, split4  # noqa: E402
 
 
@@ -61,10 +61,7 @@ def _imma_s8(a0, a1, a2, a3, b0, b1, c, ASM: tl.constexpr):
     b1 = tl.broadcast_to(b1, a0.shape)
     cg, cg2, ch, ch2 = c
     if ASM:
-        out = tl.inline_asm_elementwise(
-            "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, "
-            "{$10,$11,$12,$13};", "=r,=r,=r,=r,r,r,r,r,r,r,0,1,2,3", [a0, a1, a2, a3, b0, b1, cg, cg2, ch, ch2],
-            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
+        out = mma_asm(a0, a1, a2, a3, b0, b1, c, True)
     else:
         sg = cg + _quad_sum(_dot4s(a0, b0) + _dot4s(a2, b1))
         sh = ch + _quad_sum(_dot4s(a1, b0) + _dot4s(a3, b1))
