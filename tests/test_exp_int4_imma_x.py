@@ -35,6 +35,13 @@ def test_chunks_in_columns_match_the_decode(case):
     assert err_x < 1e-2  # x's own int8 rounding, a scale a chunk of 16
 
 
+@pytest.mark.parametrize("case", [imma.CASES[0], imma.CASES[1]], ids=["one tile", "two tiles"])
+def test_emitted_rows_are_the_next_matvecs_x(case):
+    """EMIT (a producer's share of the work): the rows go out as quantize_x_cols lays them."""
+    codes, scales = cols.emitted(*case, DEVICE, seed=case[1])
+    assert codes and scales
+
+
 def test_chunk_codes_lie_in_the_fragments_order_then_zeros():
     x = torch.randn(256, generator=torch.Generator().manual_seed(7))
     words, scales = cols.quantize_x_cols(x)

@@ -362,6 +362,8 @@ IMMA_CHUNKS = os.environ.get("IMMA_CHUNKS") == "1"
 IMMA_MAX = os.environ.get("IMMA_MAX") == "1"
 # IMMA_COLS=1: --imma with x's scales a chunk of 16, each chunk in its own column of B (exp_int4_imma_cols.py)
 IMMA_COLS = os.environ.get("IMMA_COLS") == "1"
+# IMMA_EMIT=1 (with IMMA_COLS): each matvec also writes its rows as int8 codes and chunk scales (a producer's work)
+IMMA_EMIT = os.environ.get("IMMA_EMIT") == "1"
 IMMA_TILES = {(int(n), int(k)): (int(w), int(t)) for n, k, w, t in
               (item.split(":") for item in os.environ.get("IMMA_TILES", "").split(",") if item)}
 
@@ -390,11 +392,12 @@ def _imma_step_matvec(self, x, out, config, act, partial, rows=None, cols=None, 
             _IMMA_STATE[id(self)] = (words, self.scales.reshape(n, k // 128), (x.bfloat16(), group_max(x)), nw, t,
                                      _IMMA_STATE[id(self)][-1])
         if IMMA_COLS:  # int8 codes and a scale a chunk of 16 (exp_int4_imma_cols.py)
+            emit = (torch.empty(n // 4, dtype=torch.int32, device=x.device), torch.empty(n // 16, device=x.device))
             _IMMA_STATE[id(self)] = (words, self.scales.reshape(n, k // 128), quantize_x_cols(x), nw, t,
-                                     _IMMA_STATE[id(self)][-1])
-    words, scales, xq, nw, t, scratch = _IMMA_STATE[id(self)]
+                                     _IMMA_STATE[id(self)][-1], emit if IMMA_EMIT else None)
+    words, scales, xq, nw, t, scratch = _IMMA_STATE[id(self)][:6]
     if IMMA_COLS:
-        cols_matvec(words, scales, *xq, n, k, nw, t, True, 0 if PLAIN else 1, scratch)
+        cols_matvec(words, scales, *xq, n, k, nw, t, True, 0 if PLAIN else 1, scratch, _IMMA_STATE[id(self)][6])
     elif IMMA_MAX:
         max_matvec(words, scales, *xq, n, k, nw, t, True, 0 if PLAIN else 1, scratch)
     else:

@@ -93,10 +93,11 @@ def _group_cols(tile, q: tl.constexpr, S: tl.constexpr, lo, hi, NW: tl.constexpr
 
 
 @triton.jit
-def _cols_matvec(w_ptr, s_ptr, xq_ptr, xs_ptr, out_ptr, n, K: tl.constexpr, NW: tl.constexpr, GPW: tl.constexpr,
-                 T: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr):
+def _cols_matvec(w_ptr, s_ptr, xq_ptr, xs_ptr, out_ptr, eq_ptr, es_ptr, n, K: tl.constexpr, NW: tl.constexpr,
+                 GPW: tl.constexpr, T: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr, EMIT: tl.constexpr = False):
     """out[rows] = W[rows] @ x over program_id(0)'s T (1 or 2) tiles of 16 rows: every weight word and scale of a
-    lane loaded before the wait (PDL), x's codes and chunk scales after it (see the module docstring)."""
+    lane loaded before the wait (PDL), x's codes and chunk scales after it (see the module docstring). EMIT: the
+    rows also go out as the next matvec's x (`_emit`: a producer's share of the work)."""
     groups: tl.constexpr = K // 128
     EXACT: tl.constexpr = groups == GPW * NW  # no warp's run passes K: x's loads need no mask
     g, t, q0, tile0, a, b = lane_tiles(w_ptr, s_ptr, K, NW, GPW, T, ASM)
@@ -127,9 +128,27 @@ def _cols_matvec(w_ptr, s_ptr, xq_ptr, xs_ptr, out_ptr, n, K: tl.constexpr, NW: 
             acc_bg += (d[0].to(tl.float32) * s0 + d[1].to(tl.float32) * s1) * pick(b[2], q, GPW).to(tl.float32)
             acc_bh += (d[2].to(tl.float32) * s0 + d[3].to(tl.float32) * s1) * pick(b[3], q, GPW).to(tl.float32)
     rows = tile0 * 16 + tl.arange(0, 16)
-    tl.store(out_ptr + rows, _quad_rows(acc_ag, acc_ah, NW))
+    first = _quad_rows(acc_ag, acc_ah, NW)
+    tl.store(out_ptr + rows, first)
+    if EMIT:
+        _emit(first, tile0, eq_ptr, es_ptr)
     if T == 2:
-        tl.store(out_ptr + rows + 16, _quad_rows(acc_bg, acc_bh, NW))
+        second = _quad_rows(acc_bg, acc_bh, NW)
+        tl.store(out_ptr + rows + 16, second)
+        if EMIT:
+            _emit(second, tile0 + 1, eq_ptr, es_ptr)
+
+
+@triton.jit
+def _emit(v, tile, eq_ptr, es_ptr):
+    """A tile's 16 outputs v as the next matvec's x (`quantize_x_cols`' layout: they are its chunk tile // 2's
+    first or second half): int8 codes by their max (to nearest even), 4 words at 4 * tile, the scale at tile."""
+    amax = tl.maximum(tl.max(tl.abs(v), axis=0), 1e-30)
+    codes = (v * (127.0 / amax) + 12582912.0).to(tl.int32, bitcast=True) & 0xFF  # int8 bits
+    # v's index 8o + 2m + p (octet o, byte m, column parity p) -> word 2p + o of bytes m
+    words = tl.sum(tl.reshape(codes, [2, 4, 2]) << (8 * tl.arange(0, 4))[None, :, None], axis=1)  # [o, p]
+    tl.store(eq_ptr + 4 * tile + tl.arange(0, 4), tl.reshape(tl.permute(words, [1, 0]), [4]))
+    tl.store(es_ptr + tile, amax / 127.0)
 
 
 @triton.jit
@@ -141,9 +160,10 @@ def _quad_rows(acc_g, acc_h, NW: tl.constexpr):
     return tl.reshape(tl.permute(tl.join(rows_g, rows_h), [1, 0]), [16]) * (1.0 / 16.0)
 
 
-def matvec(words, scales, xq, xs, n, k, nw, t, asm, pdl=0, out=None):
+def matvec(words, scales, xq, xs, n, k, nw, t, asm, pdl=0, out=None, emit=None):
     """float32 [n]: the weight's (packed low plane int32 [n, k / 8], float16 scales [n, k / 128]) product with x's
-    int8 codes and chunk scales (`quantize_x_cols`); nw warps split k, t row tiles of 16 a program."""
+    int8 codes and chunk scales (`quantize_x_cols`); nw warps split k, t row tiles of 16 a program. emit: (int32
+    [>= n / 4], float32 [n / 16]) that also take the product as `quantize_x_cols` lays a next matvec's x."""
     gpw = triton.next_power_of_2(-(-(k // 128) // nw))
     if n % (16 * t) or k % 128 or t not in (1, 2) or gpw > 16:
         raise ValueError(f"the int8 mma matvec tiles rows by 16 * t (t 1 or 2), columns by 128, at most 16 groups "
@@ -152,9 +172,22 @@ def matvec(words, scales, xq, xs, n, k, nw, t, asm, pdl=0, out=None):
         raise ValueError(f"x's codes and zeros are {k // 2} words and its scales {k // 16} (quantize_x_cols), got "
                          f"{xq.numel()} and {xs.numel()}")
     out = torch.empty(n, dtype=torch.float32, device=words.device) if out is None else out
-    _cols_matvec[(n // (16 * t),)](words, scales, xq, xs, out, n, k, nw, gpw, t, asm, pdl, num_warps=nw,
-                                   **({"launch_pdl": True} if pdl else {}))
+    eq, es = emit if emit is not None else (xq, xs)
+    _cols_matvec[(n // (16 * t),)](words, scales, xq, xs, out, eq, es, n, k, nw, gpw, t, asm, pdl, emit is not None,
+                                   num_warps=nw, **({"launch_pdl": True} if pdl else {}))
     return out
+
+
+def emitted(n, k, nw, t, device, seed: int = 0) -> tuple[bool, bool]:
+    """Whether the codes and scales the kernel emits (EMIT) are `quantize_x_cols` of the rows it computed (n a
+    multiple of 32, a chunk)."""
+    words, scales, x, _, _ = _case(n, k, seed)
+    xq, xs = (a.to(device) for a in quantize_x_cols(x))
+    emit = (torch.empty(n // 4, dtype=torch.int32, device=device), torch.empty(n // 16, device=device))
+    got = matvec(words.to(device), scales.to(device), xq, xs, n, k, nw, t, torch.device(device).type == "cuda",
+                 emit=emit).cpu()
+    want_q, want_s = quantize_x_cols(got)
+    return torch.equal(emit[0].cpu(), want_q[:n // 4]), torch.allclose(emit[1].cpu(), want_s)
 
 
 def relative_errors(n, k, nw, t, device, seed: int = 0) -> tuple[float, float]:
@@ -181,11 +214,13 @@ def bench() -> None:
 
 
 def sass() -> None:
-    """sm_90 instructions after the wait (no GPU), a weight and lane."""
+    """sm_90 instructions after the wait (no GPU), a weight and lane; `sass emit`: with the rows emitted as x."""
+    EMIT = sys.argv[2:3] == ["emit"]
     print_sass_counts(lambda n, k, nw, gpw, t: _cols_matvec.warmup(
         torch.empty(n, k // 8, dtype=torch.int32), torch.empty(n, k // 128, dtype=torch.float16),
-        torch.empty(k // 2, dtype=torch.int32), torch.empty(k // 16), torch.empty(n), n, k, nw, gpw, t, True, 1,
-        num_warps=nw, grid=(n // (16 * t),)))
+        torch.empty(k // 2, dtype=torch.int32), torch.empty(k // 16), torch.empty(n),
+        torch.empty(n // 2, dtype=torch.int32), torch.empty(n // 16), n, k, nw, gpw, t, True, 1, EMIT, num_warps=nw,
+        grid=(n // (16 * t),)))
 
 
 if __name__ == "__main__":
