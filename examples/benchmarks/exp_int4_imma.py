@@ -55,7 +55,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from int4_lanes import chosen_shapes, load_run, pick, run_mode, shipped_weights, split4, threads  # noqa: E402
+from int4_lanes import chosen_shapes, load_run, pick, print_shipped, run_mode, shipped_weights, split4, threads  # noqa: E402
 
 
 def quantize_x(x: torch.Tensor):
@@ -132,12 +132,18 @@ def _inverse(amax: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _dot4(a, b):
-    """sum over the 4 bytes of a (unsigned) times those of b (signed)."""
-    s = (a & 0xFF) * ((b << 24) >> 24)
-    s += ((a >> 8) & 0xFF) * ((b << 16) >> 24)
-    s += ((a >> 16) & 0xFF) * ((b << 8) >> 24)
-    return s + ((a >> 24) & 0xFF) * (b >> 24)
+def _dot4(a, b, SIGNED_A: tl.constexpr = False):
+    """sum over the 4 bytes of a (unsigned, or signed where SIGNED_A) times those of b (signed)."""
+    s = _byte(a, 0, SIGNED_A) * ((b << 24) >> 24)
+    for m in tl.static_range(1, 4):
+        s += _byte(a, m, SIGNED_A) * ((b << (24 - 8 * m)) >> 24)
+    return s
+
+
+@triton.jit
+def _byte(a, m: tl.constexpr, SIGNED: tl.constexpr):
+    """Byte m of each word of a, signed (SIGNED) or not."""
+    return (a << (24 - 8 * m)) >> 24 if SIGNED else (a >> (8 * m)) & 0xFF
 
 
 @triton.jit
@@ -159,19 +165,19 @@ def mma_asm(a0, a1, a2, a3, b0, b1, c, SIGNED_A: tl.constexpr):
 
 
 @triton.jit
-def _imma(a0, a1, a2, a3, b0, b1, c, ASM: tl.constexpr):
-    """c + this lane's D fragment of A @ B for one mma.sync.m16n8k32 (A u8: a0, a2 row g's k = 4t.., 16 + 4t..,
-    a1, a3 row g + 8's; B s8, every column x: b0, b1); c and the result (rows g, g, g + 8, g + 8), int32 [L]
-    (L a multiple of 32, the lanes). ASM: the mma, its accumulators in place; otherwise each lane's products and
-    the sum over its quad (plain Triton, the interpreter's)."""
+def _imma(a0, a1, a2, a3, b0, b1, c, ASM: tl.constexpr, SIGNED_A: tl.constexpr = False):
+    """c + this lane's D fragment of A @ B for one mma.sync.m16n8k32 (A u8, or s8 where SIGNED_A: a0, a2 row g's
+    k = 4t.., 16 + 4t.., a1, a3 row g + 8's; B s8, every column x: b0, b1); c and the result (rows g, g, g + 8,
+    g + 8), int32 [L] (L a multiple of 32, the lanes). ASM: the mma, its accumulators in place; otherwise each
+    lane's products and the sum over its quad (plain Triton, the interpreter's)."""
     b0 = tl.broadcast_to(b0, a0.shape)
     b1 = tl.broadcast_to(b1, a0.shape)
     cg, cg2, ch, ch2 = c
     if ASM:
-        out = mma_asm(a0, a1, a2, a3, b0, b1, c, False)
+        out = mma_asm(a0, a1, a2, a3, b0, b1, c, SIGNED_A)
     else:
-        sg = cg + _quad_sum(_dot4(a0, b0) + _dot4(a2, b1))
-        sh = ch + _quad_sum(_dot4(a1, b0) + _dot4(a3, b1))
+        sg = cg + _quad_sum(_dot4(a0, b0, SIGNED_A) + _dot4(a2, b1, SIGNED_A))
+        sh = ch + _quad_sum(_dot4(a1, b0, SIGNED_A) + _dot4(a3, b1, SIGNED_A))
         out = sg, sg, sh, sh
     return out
 
@@ -470,8 +476,6 @@ def bench() -> None:
     """The int8 mma matvec against the shipped one, each timed alone (plain and as programmatic dependents)."""
     from bench_kernels import time_graph
 
-    from thin.runtime.kernels import dependent
-
     for name, n, k in chosen_shapes():
         ops, planes = _weights(n, k)
         reps = max(1, 20 // len(ops))
@@ -479,12 +483,7 @@ def bench() -> None:
         ways = {"groups": quantize_x(x), "kernel": (x, None, None), "chunks": quantize_x_chunks(x)}
         chunk_planes = [(chunk_major(w), sc) for w, sc in planes]
         want = ops[0](x[None])[0].float()
-        line = f"{name}: shipped ({ops[0].config('direct')})"
-        for pdl in (0, 1):
-            with dependent.launching(bool(pdl)):
-                took = time_graph([partial(op.matvec, x) for op in ops] * reps)
-            line += f" {'dependent' if pdl else 'plain'} {took * 1e6:.2f}"
-        print(line + " us", flush=True)
+        print_shipped(name, ops, x, reps)
         for nw, t in ([(4, 1), (4, 2), (8, 1)] if k <= 4096 else [(8, 1), (16, 1)]):
             if n % (16 * t):
                 continue

@@ -37,8 +37,8 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from exp_int4_imma import CASES, _case, _codes, _load, fragment_words, lane_tiles, mma_asm  # noqa: E402
-from exp_int4_imma_max import _dot4s, _even, _odd  # noqa: E402
+from exp_int4_imma import CASES, _case, _codes, _dot4, _load, fragment_words, lane_tiles, mma_asm  # noqa: E402
+from exp_int4_imma_max import _even, _odd  # noqa: E402
 from int4_lanes import bench_alone, pick, print_sass_counts, run_mode, split4  # noqa: E402
 
 
@@ -67,8 +67,10 @@ def _mma_cols(a0, a1, a2, a3, b0, b1, c, NW: tl.constexpr, ASM: tl.constexpr):
     else:
         bb0 = tl.reshape(b0, [NW, 1, 8, 4])  # [warp, ., column n = the lane's g, k block = the lane's t]
         bb1 = tl.reshape(b1, [NW, 1, 8, 4])
-        dg = tl.sum(_dot4s(tl.reshape(a0, [NW, 8, 1, 4]), bb0) + _dot4s(tl.reshape(a2, [NW, 8, 1, 4]), bb1), axis=3)
-        dh = tl.sum(_dot4s(tl.reshape(a1, [NW, 8, 1, 4]), bb0) + _dot4s(tl.reshape(a3, [NW, 8, 1, 4]), bb1), axis=3)
+        dg = tl.sum(_dot4(tl.reshape(a0, [NW, 8, 1, 4]), bb0, True) + _dot4(tl.reshape(a2, [NW, 8, 1, 4]), bb1, True),
+                    axis=3)
+        dh = tl.sum(_dot4(tl.reshape(a1, [NW, 8, 1, 4]), bb0, True) + _dot4(tl.reshape(a3, [NW, 8, 1, 4]), bb1, True),
+                    axis=3)
         g0, g1 = tl.split(tl.reshape(dg, [NW, 8, 4, 2]))  # [warp, row g, t, column parity]: columns 2t, 2t + 1
         h0, h1 = tl.split(tl.reshape(dh, [NW, 8, 4, 2]))
         out = (cg + tl.reshape(g0, [32 * NW]), cg2 + tl.reshape(g1, [32 * NW]), ch + tl.reshape(h0, [32 * NW]),

@@ -36,7 +36,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from exp_int4_imma import CASES, _case, _load, _quad_sum, _shfl, _tile_rows, dequantized_x, lane_tiles, mma_asm  # noqa: E402
+from exp_int4_imma import CASES, _case, _imma, _load, _shfl, _tile_rows, dequantized_x, lane_tiles  # noqa: E402
 from int4_lanes import bench_alone, pick, print_sass_counts, run_mode, split4  # noqa: E402
 
 
@@ -46,27 +46,9 @@ def group_max(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _dot4s(a, b):
-    """sum over the 4 bytes of a times those of b, both signed."""
-    s = ((a << 24) >> 24) * ((b << 24) >> 24)
-    s += ((a << 16) >> 24) * ((b << 16) >> 24)
-    s += ((a << 8) >> 24) * ((b << 8) >> 24)
-    return s + (a >> 24) * (b >> 24)
-
-
-@triton.jit
 def _imma_s8(a0, a1, a2, a3, b0, b1, c, ASM: tl.constexpr):
     """c + this lane's D fragment of one mma.sync.m16n8k32, s8 x s8 (exp_int4_imma._imma's operands and layout)."""
-    b0 = tl.broadcast_to(b0, a0.shape)
-    b1 = tl.broadcast_to(b1, a0.shape)
-    cg, cg2, ch, ch2 = c
-    if ASM:
-        out = mma_asm(a0, a1, a2, a3, b0, b1, c, True)
-    else:
-        sg = cg + _quad_sum(_dot4s(a0, b0) + _dot4s(a2, b1))
-        sh = ch + _quad_sum(_dot4s(a1, b0) + _dot4s(a3, b1))
-        out = sg, sg, sh, sh
-    return out
+    return _imma(a0, a1, a2, a3, b0, b1, c, ASM, True)
 
 
 @triton.jit

@@ -148,6 +148,22 @@ def print_sass_counts(warmup: Callable) -> None:
         print(f"| {name} | {nw} | {t} | {after} | {after / (16 * t * gpw * 4):.2f} |")
 
 
+def print_shipped(name: str, ops, x, reps: int) -> None:
+    """Print the shipped matvec's time alone over `ops` (copies of one weight), plain and as a dependent."""
+    from functools import partial
+
+    from bench_kernels import time_graph
+
+    from thin.runtime.kernels import dependent
+
+    line = f"{name}: shipped ({ops[0].config('direct')})"
+    for pdl in (0, 1):
+        with dependent.launching(bool(pdl)):
+            took = time_graph([partial(op.matvec, x) for op in ops] * reps)
+        line += f" {'dependent' if pdl else 'plain'} {took * 1e6:.2f}"
+    print(line + " us", flush=True)
+
+
 def bench_alone(label: str, activations: Callable, matvec: Callable) -> None:
     """Time a 16-row-tile matvec alone against the shipped one at the shapes asked (`chosen_shapes`), each plain
     and as a programmatic dependent (bench_kernels.time_graph over enough copies not to fit in L2): `activations(x)`
@@ -156,8 +172,6 @@ def bench_alone(label: str, activations: Callable, matvec: Callable) -> None:
 
     from bench_kernels import time_graph
 
-    from thin.runtime.kernels import dependent
-
     for name, n, k in chosen_shapes():
         ops = [op for op, _ in shipped_weights(n, k)]
         planes = [(op.low32.reshape(n, k // 8), op.scales.reshape(n, k // 128)) for op in ops]
@@ -165,12 +179,7 @@ def bench_alone(label: str, activations: Callable, matvec: Callable) -> None:
         x = torch.randn(k, device="cuda").bfloat16()
         xargs = activations(x)
         want = ops[0](x[None])[0].float()
-        line = f"{name}: shipped ({ops[0].config('direct')})"
-        for pdl in (0, 1):
-            with dependent.launching(bool(pdl)):
-                took = time_graph([partial(op.matvec, x) for op in ops] * reps)
-            line += f" {'dependent' if pdl else 'plain'} {took * 1e6:.2f}"
-        print(line + " us", flush=True)
+        print_shipped(name, ops, x, reps)
         for nw, t in ([(4, 1), (4, 2), (8, 1), (8, 2)] if k <= 4096 else [(8, 1), (16, 1)]):
             out = torch.empty(n, device="cuda")
             err = ((matvec(*planes[0], *xargs, n, k, nw, t, True, 0, out) - want).norm() / want.norm()).item()
