@@ -219,6 +219,17 @@ def lane_tiles(w_ptr, s_ptr, K: tl.constexpr, NW: tl.constexpr, GPW: tl.constexp
 
 
 @triton.jit
+def waited_zeros(NW: tl.constexpr, PDL: tl.constexpr):
+    """After the wait for the kernel before (PDL: a programmatic dependent), four float32 [32 * NW] zeros: a
+    program's sums of rows g and g + 8 of its two tiles."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    z = tl.zeros([32 * NW], dtype=tl.float32)
+    return z, z, z, z
+
+
+@triton.jit
 def _group_sums(tile, q: tl.constexpr, S: tl.constexpr, x, zero, ASM: tl.constexpr):
     """A group's int32 sums of rows g and g + 8 (a lane's D fragment) from a `_tile_runs` tile and the group's 8
     B words x (e0, e1, o0, o1, e2, e3, o2, o3: octet j's even / odd columns): two mma on the even columns and two
@@ -350,13 +361,7 @@ def _imma_matvec(w_ptr, s_ptr, xq_ptr, xs_ptr, xz_ptr, out_ptr, n, K: tl.constex
     is `chunk_major` and x `quantize_x_chunks` (a scale and a code sum a chunk of 32; `_chunk_group_sums`)."""
     groups: tl.constexpr = K // 128
     g, t, q0, tile0, a, b = lane_tiles(w_ptr, s_ptr, K, NW, GPW, T, ASM)
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    acc_ag = tl.zeros([32 * NW], dtype=tl.float32)
-    acc_ah = tl.zeros([32 * NW], dtype=tl.float32)
-    acc_bg = tl.zeros([32 * NW], dtype=tl.float32)
-    acc_bh = tl.zeros([32 * NW], dtype=tl.float32)
+    acc_ag, acc_ah, acc_bg, acc_bh = waited_zeros(NW, PDL)
     x_base = (xq_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (q0 * 4 + t) * 8)[:, None] + \
         tl.arange(0, 4)[None, :]
     x_chunks = (xq_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + q0 * 32 + t * 8)[:, None] + \

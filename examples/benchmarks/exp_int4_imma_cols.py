@@ -33,11 +33,20 @@ import sys
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from exp_int4_imma import CASES, _case, _codes, _dot4, _load, fragment_words, lane_tiles, mma_asm  # noqa: E402
+from exp_int4_imma import (  # noqa: E402
+    CASES,
+    _case,
+    _codes,
+    _dot4,
+    _load,
+    fragment_words,
+    lane_tiles,
+    mma_asm,
+    waited_zeros,
+)
 from exp_int4_imma_max import _even, _odd  # noqa: E402
 from int4_lanes import bench_alone, pick, print_sass_counts, run_mode, split4  # noqa: E402
 
@@ -110,13 +119,7 @@ def _cols_matvec(w_ptr, s_ptr, xq_ptr, xs_ptr, out_ptr, eq_ptr, es_ptr, n, K: tl
     lo_ptr = (x_words + (g != 2 * t).to(tl.int32) * (K // 4))[:, None] + tl.arange(0, 4)[None, :]
     hi_ptr = (x_words + 4 + (g != 2 * t + 1).to(tl.int32) * (K // 4))[:, None] + tl.arange(0, 4)[None, :]
     s_ptrs = (xs_ptr + (q0 * 4 + t) * 2)[:, None] + tl.arange(0, 2)[None, :]
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    acc_ag = tl.zeros([32 * NW], dtype=tl.float32)
-    acc_ah = tl.zeros([32 * NW], dtype=tl.float32)
-    acc_bg = tl.zeros([32 * NW], dtype=tl.float32)
-    acc_bh = tl.zeros([32 * NW], dtype=tl.float32)
+    acc_ag, acc_ah, acc_bg, acc_bh = waited_zeros(NW, PDL)
     for q in tl.static_range(GPW):
         ok = q0 + q < groups
         lo = split4(_load(lo_ptr + 32 * q, ok[:, None], 0, EXACT))

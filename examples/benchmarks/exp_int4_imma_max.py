@@ -32,11 +32,20 @@ import sys
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from exp_int4_imma import CASES, _case, _imma, _load, _shfl, _tile_rows, dequantized_x, lane_tiles  # noqa: E402
+from exp_int4_imma import (  # noqa: E402
+    CASES,
+    _case,
+    _imma,
+    _load,
+    _shfl,
+    _tile_rows,
+    dequantized_x,
+    lane_tiles,
+    waited_zeros,
+)
 from int4_lanes import bench_alone, pick, print_sass_counts, run_mode, split4  # noqa: E402
 
 
@@ -116,13 +125,7 @@ def _max_matvec(w_ptr, s_ptr, x_ptr, m_ptr, out_ptr, n, K: tl.constexpr, NW: tl.
     groups: tl.constexpr = K // 128
     EXACT: tl.constexpr = groups == GPW * NW  # no warp's run passes K: x's loads need no mask
     g, t, q0, tile0, a, b = lane_tiles(w_ptr, s_ptr, K, NW, GPW, T, ASM)
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
-    acc_ag = tl.zeros([32 * NW], dtype=tl.float32)
-    acc_ah = tl.zeros([32 * NW], dtype=tl.float32)
-    acc_bg = tl.zeros([32 * NW], dtype=tl.float32)
-    acc_bh = tl.zeros([32 * NW], dtype=tl.float32)
+    acc_ag, acc_ah, acc_bg, acc_bh = waited_zeros(NW, PDL)
     for q in tl.static_range(GPW):
         ok = q0 + q < groups
         xw, xs = _rounded_x(x_ptr, m_ptr, q0 + q, g, t, ok, NW, ASM, EXACT)
