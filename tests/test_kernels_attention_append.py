@@ -221,3 +221,4 @@ def test_split_programs_take_a_warp_a_512_key_elements():
     assert split_warps(32, 80) == 8  # padded to 128 features
     assert split_warps(32, 256) == 8
     assert split_warps(16, 128) == 4
+    assert split_warps(32, 128, rows=16) == 4  # the server's batches: as measured

@@ -27,7 +27,7 @@ def patch(warps: str, tile: str) -> None:
     import thin.runtime.kernels.attention_append as appending
 
     if warps != "shipped":
-        appending.split_warps = lambda _tile, _head_dim: int(warps)
+        appending.split_warps = lambda _tile, _head_dim, _rows=1: int(warps)
     if tile != "shipped":
         init = attention.DecodeAttention.__init__
 

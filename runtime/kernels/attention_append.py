@@ -174,16 +174,18 @@ def append_attend(attention: DecodeAttention, qkv: torch.Tensor, k_cache: torch.
         GQ=next_power_of_2(attention.group) if repeat else gp, GP=gp, BS=k_cache.shape[2], BT=attention.tile,
         BLOCK_D=next_power_of_2(attention.head_dim), NORM=q_norm is not None, ROPE=rope is not None,
         SOFTCAP=softcap is not None, WINDOW=window is not None, IEEE=attention.ieee(qkv.dtype),
-        num_warps=split_warps(attention.tile, attention.head_dim), **dependent.kernel_args())
+        num_warps=split_warps(attention.tile, attention.head_dim, attention.rows), **dependent.kernel_args())
     attention.merge(out, sinks, log, step)
 
 
-def split_warps(tile: int, head_dim: int) -> int:
-    """Warps of an appending split program: one a 512 elements of its tile of keys (4 to 8). A program loads its
-    keys and values before its wait for qkv; more warps spread those loads and the work after the wait thinner.
-    llama-8b int4 on the H200 (tiles of 32 by 128): 8 warps 637.0-638.3 tok/s, 4 warps 629.4-630.2, 2 warps 620.1,
-    16 warps 616.8 (BENCHMARKS Round 23); the warm-up's timing alone (`choose_appending`) does not see it."""
-    return max(4, min(8, tile * next_power_of_2(head_dim) // 512))
+def split_warps(tile: int, head_dim: int, rows: int = 1) -> int:
+    """Warps of an appending split program: for one sequence, one a 512 elements of its tile of keys (4 to 8). A
+    program loads its keys and values before its wait for qkv; more warps spread those loads and the work after the
+    wait thinner. llama-8b int4 on the H200 (tiles of 32 by 128): 8 warps 637.0-638.3 tok/s, 4 warps 629.4-630.2,
+    2 warps 620.1, 16 warps 616.8 (BENCHMARKS Round 23); the warm-up's timing alone (`choose_appending`) does not
+    see it. Several sequences (`rows`, the server's batches: fewer splits, each looping over many tiles) keep the
+    4 warps they were measured with."""
+    return max(4, min(8, tile * next_power_of_2(head_dim) // 512)) if rows == 1 else 4
 
 
 VARIANTS = (False, True)  # append_attend's `repeat`
