@@ -166,28 +166,29 @@ def mma_asm(a0, a1, a2, a3, b0, b1, c, SIGNED_A: tl.constexpr):
 
 @triton.jit
 def _imma(a0, a1, a2, a3, b0, b1, c, ASM: tl.constexpr, SIGNED_A: tl.constexpr = False):
-    """c + this lane's D fragment of A @ B for one mma.sync.m16n8k32 (A u8, or s8 where SIGNED_A: a0, a2 row g's
-    k = 4t.., 16 + 4t.., a1, a3 row g + 8's; B s8, every column x: b0, b1); c and the result (rows g, g, g + 8,
-    g + 8), int32 [L] (L a multiple of 32, the lanes). ASM: the mma, its accumulators in place; otherwise each
-    lane's products and the sum over its quad (plain Triton, the interpreter's)."""
+    """c + this lane's D fragment (D[g][2t], D[g][2t + 1], D[g + 8][2t], D[g + 8][2t + 1]) of one
+    mma.sync.m16n8k32, int32 [L] each (L a multiple of 32, the lanes): A u8, or s8 where SIGNED_A (a0, a2 row g's
+    k = 4t.., 16 + 4t.., a1, a3 row g + 8's), B s8 (b0: B[4t ..][g], b1: B[16 + 4t ..][g]; with every column x,
+    as here, each lane's rows g and g + 8 in all four). ASM: the mma, its accumulators in place; otherwise its
+    interpreter twin, every column's products from the quad's A and B registers."""
     b0 = tl.broadcast_to(b0, a0.shape)
     b1 = tl.broadcast_to(b1, a0.shape)
     cg, cg2, ch, ch2 = c
     if ASM:
         out = mma_asm(a0, a1, a2, a3, b0, b1, c, SIGNED_A)
     else:
-        sg = cg + _quad_sum(_dot4(a0, b0, SIGNED_A) + _dot4(a2, b1, SIGNED_A))
-        sh = ch + _quad_sum(_dot4(a1, b0, SIGNED_A) + _dot4(a3, b1, SIGNED_A))
-        out = sg, sg, sh, sh
+        NW: tl.constexpr = a0.shape[0] // 32
+        bb0 = tl.reshape(b0, [NW, 1, 8, 4])  # [warp, ., column n = the lane's g, k block = the lane's t]
+        bb1 = tl.reshape(b1, [NW, 1, 8, 4])
+        dg = tl.sum(_dot4(tl.reshape(a0, [NW, 8, 1, 4]), bb0, SIGNED_A)
+                    + _dot4(tl.reshape(a2, [NW, 8, 1, 4]), bb1, SIGNED_A), axis=3)
+        dh = tl.sum(_dot4(tl.reshape(a1, [NW, 8, 1, 4]), bb0, SIGNED_A)
+                    + _dot4(tl.reshape(a3, [NW, 8, 1, 4]), bb1, SIGNED_A), axis=3)
+        g0, g1 = tl.split(tl.reshape(dg, [NW, 8, 4, 2]))  # [warp, row g, t, column parity]: columns 2t, 2t + 1
+        h0, h1 = tl.split(tl.reshape(dh, [NW, 8, 4, 2]))
+        out = (cg + tl.reshape(g0, [32 * NW]), cg2 + tl.reshape(g1, [32 * NW]), ch + tl.reshape(h0, [32 * NW]),
+               ch2 + tl.reshape(h1, [32 * NW]))
     return out
-
-
-@triton.jit
-def _quad_sum(p):
-    """[L] -> the sum over each quad of lanes (4g .. 4g + 3), every lane of the quad holding it."""
-    L: tl.constexpr = p.shape[0]
-    s = tl.sum(tl.reshape(p, [L // 4, 4]), axis=1)
-    return tl.reshape(tl.broadcast_to(s[:, None], [L // 4, 4]), [L])
 
 
 @triton.jit
@@ -443,6 +444,17 @@ X_WAYS = ("groups", "kernel", "chunks")
 CASES = [(32, 256, 1, 1), (64, 512, 2, 2), (48, 384, 2, 1), (64, 1792, 4, 2), (32, 1792, 2, 1)]
 
 
+def errors_against(got: torch.Tensor, want: torch.Tensor, exact: torch.Tensor) -> tuple[float, float]:
+    """|got - want| / |want| and |got - exact| / |exact|: against what the kernel computes, and against x itself."""
+    return ((got - want).norm() / want.norm()).item(), ((got - exact).norm() / exact.norm()).item()
+
+
+def print_case(n, k, nw, t, err, err_x, way: str = "") -> None:
+    """One line of a `check`: the case and its two errors (`errors_against`)."""
+    print(f"n={n} k={k} warps={nw} row tiles {t}{', x ' + way if way else ''}: relative error {err:.1e} against the "
+          f"int8 x ({err_x:.1e} against x)")
+
+
 def relative_errors(n, k, nw, t, device, seed: int = 0, way: str = "groups") -> tuple[float, float]:
     """|kernel - reference| / |reference| on a random case (`_case`), the reference the format's decode times x
     rounded to int8 as `way` (one of X_WAYS) rounds it (what the kernel computes) and times x itself: the mma path
@@ -457,15 +469,14 @@ def relative_errors(n, k, nw, t, device, seed: int = 0, way: str = "groups") -> 
     plane = chunk_major(words) if chunks else words
     got = matvec(plane.to(device), scales.to(device), *xq, n, k, nw, t, torch.device(device).type == "cuda",
                  chunks=chunks).cpu()
-    return ((got - want).norm() / want.norm()).item(), ((got - exact).norm() / exact.norm()).item()
+    return errors_against(got, want, exact)
 
 
 def check(device: str) -> None:
     for n, k, nw, t in CASES:
         for way in X_WAYS:
             err, err_x = relative_errors(n, k, nw, t, device, n + k, way)
-            print(f"n={n} k={k} warps={nw} row tiles {t}, x {way}: relative error {err:.1e} against the int8 x "
-                  f"({err_x:.1e} against x)")
+            print_case(n, k, nw, t, err, err_x, way)
             # On the GPU the rounding's multiply-add is fused: a value at a half may round the other way than
             # torch's, one code of one column (about 1e-3 of these small sums).
             assert err < (3e-3 if way == "kernel" and device != "cpu" else 1e-5), err

@@ -40,14 +40,14 @@ from exp_int4_imma import (  # noqa: E402
     CASES,
     _case,
     _codes,
-    _dot4,
     _load,
+    errors_against,
     fragment_words,
     lane_tiles,
-    mma_asm,
+    print_case,
     waited_zeros,
 )
-from exp_int4_imma_max import _even, _odd  # noqa: E402
+from exp_int4_imma_max import group_chain_s8  # noqa: E402
 from int4_lanes import bench_alone, pick, print_sass_counts, run_mode, split4  # noqa: E402
 
 
@@ -63,44 +63,6 @@ def dequantized_x_cols(x: torch.Tensor) -> torch.Tensor:
     """What the kernel multiplies by: x rounded to int8 codes, one scale a chunk of 16 columns."""
     q, scale = _codes(x, 16)
     return (q * scale[:, None]).reshape(-1)
-
-
-@triton.jit
-def _mma_cols(a0, a1, a2, a3, b0, b1, c, NW: tl.constexpr, ASM: tl.constexpr):
-    """c + this lane's D fragment (D[g][2t], D[g][2t + 1], D[g + 8][2t], D[g + 8][2t + 1]) of one
-    mma.sync.m16n8k32, s8 x s8, B any 32 x 8 (b0: B[4t ..][g], b1: B[16 + 4t ..][g]). Otherwise the mma's
-    interpreter twin: every column's products from the quad's A and B registers."""
-    cg, cg2, ch, ch2 = c
-    if ASM:
-        out = mma_asm(a0, a1, a2, a3, b0, b1, c, True)
-    else:
-        bb0 = tl.reshape(b0, [NW, 1, 8, 4])  # [warp, ., column n = the lane's g, k block = the lane's t]
-        bb1 = tl.reshape(b1, [NW, 1, 8, 4])
-        dg = tl.sum(_dot4(tl.reshape(a0, [NW, 8, 1, 4]), bb0, True) + _dot4(tl.reshape(a2, [NW, 8, 1, 4]), bb1, True),
-                    axis=3)
-        dh = tl.sum(_dot4(tl.reshape(a1, [NW, 8, 1, 4]), bb0, True) + _dot4(tl.reshape(a3, [NW, 8, 1, 4]), bb1, True),
-                    axis=3)
-        g0, g1 = tl.split(tl.reshape(dg, [NW, 8, 4, 2]))  # [warp, row g, t, column parity]: columns 2t, 2t + 1
-        h0, h1 = tl.split(tl.reshape(dh, [NW, 8, 4, 2]))
-        out = (cg + tl.reshape(g0, [32 * NW]), cg2 + tl.reshape(g1, [32 * NW]), ch + tl.reshape(h0, [32 * NW]),
-               ch2 + tl.reshape(h1, [32 * NW]))
-    return out
-
-
-@triton.jit
-def _group_cols(tile, q: tl.constexpr, S: tl.constexpr, lo, hi, NW: tl.constexpr, ASM: tl.constexpr):
-    """16 times a group's sums of rows g and g + 8 over this lane's chunk's two halves (int32 D fragment), from a
-    `lane_tiles` tile and the lane's B words: `lo` (e0, e1, o0, o1 of its chunk where g = 2t, else zeros) and `hi`
-    (e2, e3, o2, o3 where g = 2t + 1). Four s8 mma in one chain."""
-    g0, g1, g2, g3 = split4(pick(tile[0], q, S))
-    h0, h1, h2, h3 = split4(pick(tile[1], q, S))
-    e0, e1, o0, o1 = lo
-    e2, e3, o2, o3 = hi
-    z = g0 * 0
-    d = _mma_cols(_even(g0, ASM), _even(h0, ASM), _even(g1, ASM), _even(h1, ASM), e0, e1, (z, z, z, z), NW, ASM)
-    d = _mma_cols(_even(g2, ASM), _even(h2, ASM), _even(g3, ASM), _even(h3, ASM), e2, e3, d, NW, ASM)
-    d = _mma_cols(_odd(g0, ASM), _odd(h0, ASM), _odd(g1, ASM), _odd(h1, ASM), o0, o1, d, NW, ASM)
-    return _mma_cols(_odd(g2, ASM), _odd(h2, ASM), _odd(g3, ASM), _odd(h3, ASM), o2, o3, d, NW, ASM)
 
 
 @triton.jit
@@ -125,11 +87,11 @@ def _cols_matvec(w_ptr, s_ptr, xq_ptr, xs_ptr, out_ptr, eq_ptr, es_ptr, n, K: tl
         lo = split4(_load(lo_ptr + 32 * q, ok[:, None], 0, EXACT))
         hi = split4(_load(hi_ptr + 32 * q, ok[:, None], 0, EXACT))
         s0, s1 = tl.split(_load(s_ptrs + 8 * q, ok[:, None], 0.0, EXACT))
-        d = _group_cols(a, q, GPW, lo, hi, NW, ASM)
+        d = group_chain_s8(a, q, GPW, lo, hi, ASM)
         acc_ag += (d[0].to(tl.float32) * s0 + d[1].to(tl.float32) * s1) * pick(a[2], q, GPW).to(tl.float32)
         acc_ah += (d[2].to(tl.float32) * s0 + d[3].to(tl.float32) * s1) * pick(a[3], q, GPW).to(tl.float32)
         if T == 2:
-            d = _group_cols(b, q, GPW, lo, hi, NW, ASM)
+            d = group_chain_s8(b, q, GPW, lo, hi, ASM)
             acc_bg += (d[0].to(tl.float32) * s0 + d[1].to(tl.float32) * s1) * pick(b[2], q, GPW).to(tl.float32)
             acc_bh += (d[2].to(tl.float32) * s0 + d[3].to(tl.float32) * s1) * pick(b[3], q, GPW).to(tl.float32)
     rows = tile0 * 16 + tl.arange(0, 16)
@@ -202,14 +164,13 @@ def relative_errors(n, k, nw, t, device, seed: int = 0) -> tuple[float, float]:
     want = decoded @ dequantized_x_cols(x)
     xq, xs = (a.to(device) for a in quantize_x_cols(x))
     got = matvec(words.to(device), scales.to(device), xq, xs, n, k, nw, t, torch.device(device).type == "cuda").cpu()
-    return ((got - want).norm() / want.norm()).item(), ((got - exact).norm() / exact.norm()).item()
+    return errors_against(got, want, exact)
 
 
 def check(device: str) -> None:
     for n, k, nw, t in CASES:
         err, err_x = relative_errors(n, k, nw, t, device, n + k)
-        print(f"n={n} k={k} warps={nw} row tiles {t}: relative error {err:.1e} against the int8 x ({err_x:.1e} "
-              f"against x)")
+        print_case(n, k, nw, t, err, err_x)
         assert err < 1e-5, err
         if n % 32 == 0:  # on the GPU the division may round a value at a half the other way: printed, not asserted
             codes, scales = emitted(n, k, nw, t, device, n + k)

@@ -43,7 +43,9 @@ from exp_int4_imma import (  # noqa: E402
     _shfl,
     _tile_rows,
     dequantized_x,
+    errors_against,
     lane_tiles,
+    print_case,
     waited_zeros,
 )
 from int4_lanes import bench_alone, pick, print_sass_counts, run_mode, split4  # noqa: E402
@@ -52,12 +54,6 @@ from int4_lanes import bench_alone, pick, print_sass_counts, run_mode, split4  #
 def group_max(x: torch.Tensor) -> torch.Tensor:
     """float32 [K / 128]: each group's max |x|, what the producers' atomic max leaves."""
     return x.float().reshape(-1, 128).abs().amax(1).clamp_min(1e-30).contiguous()
-
-
-@triton.jit
-def _imma_s8(a0, a1, a2, a3, b0, b1, c, ASM: tl.constexpr):
-    """c + this lane's D fragment of one mma.sync.m16n8k32, s8 x s8 (exp_int4_imma._imma's operands and layout)."""
-    return _imma(a0, a1, a2, a3, b0, b1, c, ASM, True)
 
 
 @triton.jit
@@ -84,23 +80,25 @@ def _odd(w, ASM: tl.constexpr):
 
 
 @triton.jit
-def _group_sums_s8(tile, q: tl.constexpr, S: tl.constexpr, x, ASM: tl.constexpr):
-    """16 times a group's sums of rows g and g + 8 (int32, zero point included) from a `lane_tiles` tile and the
-    group's 8 B words: four s8 mma in one chain."""
+def group_chain_s8(tile, q: tl.constexpr, S: tl.constexpr, lo, hi, ASM: tl.constexpr):
+    """16 times a group's sums (the zero point included), this lane's int32 D fragment, from a `lane_tiles` tile
+    and the lane's 8 B words: `lo` (e0, e1, o0, o1) with words 0 and 1 of its chunk, `hi` (e2, e3, o2, o3) with
+    words 2 and 3. Four s8 mma in one chain."""
     g0, g1, g2, g3 = split4(pick(tile[0], q, S))
     h0, h1, h2, h3 = split4(pick(tile[1], q, S))
-    x0, x1, x2, x3, x4, x5, x6, x7 = x
+    e0, e1, o0, o1 = lo
+    e2, e3, o2, o3 = hi
     z = g0 * 0
-    d = _imma_s8(_even(g0, ASM), _even(h0, ASM), _even(g1, ASM), _even(h1, ASM), x0, x1, (z, z, z, z), ASM)
-    d = _imma_s8(_even(g2, ASM), _even(h2, ASM), _even(g3, ASM), _even(h3, ASM), x4, x5, d, ASM)
-    d = _imma_s8(_odd(g0, ASM), _odd(h0, ASM), _odd(g1, ASM), _odd(h1, ASM), x2, x3, d, ASM)
-    d = _imma_s8(_odd(g2, ASM), _odd(h2, ASM), _odd(g3, ASM), _odd(h3, ASM), x6, x7, d, ASM)
-    return d[0], d[2]
+    d = _imma(_even(g0, ASM), _even(h0, ASM), _even(g1, ASM), _even(h1, ASM), e0, e1, (z, z, z, z), ASM, True)
+    d = _imma(_even(g2, ASM), _even(h2, ASM), _even(g3, ASM), _even(h3, ASM), e2, e3, d, ASM, True)
+    d = _imma(_odd(g0, ASM), _odd(h0, ASM), _odd(g1, ASM), _odd(h1, ASM), o0, o1, d, ASM, True)
+    return _imma(_odd(g2, ASM), _odd(h2, ASM), _odd(g3, ASM), _odd(h3, ASM), o2, o3, d, ASM, True)
 
 
 @triton.jit
 def _rounded_x(x_ptr, m_ptr, group, g, t, ok, NW: tl.constexpr, ASM: tl.constexpr, EXACT: tl.constexpr):
-    """A group's 8 B words of each lane's chunk and the group's scale, from bf16 x and the group's max: lane 4g + t
+    """A group's 8 B words of each lane's chunk (as `group_chain_s8` takes them: e0, e1, o0, o1 and e2, e3, o2, o3)
+    and the group's scale, from bf16 x and the group's max: lane 4g + t
     rounds the 4 values of word g of chunk 4 * group + t (x * 127 / max, to nearest even), 8 shuffles give each
     lane its chunk's words."""
     j = (g // 4) * 2 + g % 2  # word g is octet j's even (p 0) or odd (p 1) columns
@@ -113,8 +111,8 @@ def _rounded_x(x_ptr, m_ptr, group, g, t, ok, NW: tl.constexpr, ASM: tl.constexp
     codes = (v * (127.0 / amax)[:, None] + 12582912.0).to(tl.int32, bitcast=True) & 0xFF  # round to even, int8 bits
     word = tl.sum(codes << (8 * tl.arange(0, 4))[None, :], axis=1)
     return ((_shfl(word, t, NW, ASM), _shfl(word, 4 + t, NW, ASM), _shfl(word, 8 + t, NW, ASM),
-             _shfl(word, 12 + t, NW, ASM), _shfl(word, 16 + t, NW, ASM), _shfl(word, 20 + t, NW, ASM),
-             _shfl(word, 24 + t, NW, ASM), _shfl(word, 28 + t, NW, ASM)), amax * (1.0 / (127.0 * 16.0)))
+             _shfl(word, 12 + t, NW, ASM)), (_shfl(word, 16 + t, NW, ASM), _shfl(word, 20 + t, NW, ASM),
+            _shfl(word, 24 + t, NW, ASM), _shfl(word, 28 + t, NW, ASM)), amax * (1.0 / (127.0 * 16.0)))
 
 
 @triton.jit
@@ -128,14 +126,14 @@ def _max_matvec(w_ptr, s_ptr, x_ptr, m_ptr, out_ptr, n, K: tl.constexpr, NW: tl.
     acc_ag, acc_ah, acc_bg, acc_bh = waited_zeros(NW, PDL)
     for q in tl.static_range(GPW):
         ok = q0 + q < groups
-        xw, xs = _rounded_x(x_ptr, m_ptr, q0 + q, g, t, ok, NW, ASM, EXACT)
-        sum_g, sum_h = _group_sums_s8(a, q, GPW, xw, ASM)
-        acc_ag += sum_g.to(tl.float32) * (pick(a[2], q, GPW).to(tl.float32) * xs)
-        acc_ah += sum_h.to(tl.float32) * (pick(a[3], q, GPW).to(tl.float32) * xs)
+        lo, hi, xs = _rounded_x(x_ptr, m_ptr, q0 + q, g, t, ok, NW, ASM, EXACT)
+        d = group_chain_s8(a, q, GPW, lo, hi, ASM)
+        acc_ag += d[0].to(tl.float32) * (pick(a[2], q, GPW).to(tl.float32) * xs)
+        acc_ah += d[2].to(tl.float32) * (pick(a[3], q, GPW).to(tl.float32) * xs)
         if T == 2:
-            sum_g, sum_h = _group_sums_s8(b, q, GPW, xw, ASM)
-            acc_bg += sum_g.to(tl.float32) * (pick(b[2], q, GPW).to(tl.float32) * xs)
-            acc_bh += sum_h.to(tl.float32) * (pick(b[3], q, GPW).to(tl.float32) * xs)
+            d = group_chain_s8(b, q, GPW, lo, hi, ASM)
+            acc_bg += d[0].to(tl.float32) * (pick(b[2], q, GPW).to(tl.float32) * xs)
+            acc_bh += d[2].to(tl.float32) * (pick(b[3], q, GPW).to(tl.float32) * xs)
     rows = tile0 * 16 + tl.arange(0, 16)
     tl.store(out_ptr + rows, _tile_rows(acc_ag, acc_ah, NW))
     if T == 2:
@@ -162,14 +160,13 @@ def relative_errors(n, k, nw, t, device, seed: int = 0) -> tuple[float, float]:
     want = decoded @ dequantized_x(x)
     got = matvec(words.to(device), scales.to(device), x.to(device), group_max(x).to(device), n, k, nw, t,
                  torch.device(device).type == "cuda").cpu()
-    return ((got - want).norm() / want.norm()).item(), ((got - exact).norm() / exact.norm()).item()
+    return errors_against(got, want, exact)
 
 
 def check(device: str) -> None:
     for n, k, nw, t in CASES:
         err, err_x = relative_errors(n, k, nw, t, device, n + k)
-        print(f"n={n} k={k} warps={nw} row tiles {t}: relative error {err:.1e} against the int8 x ({err_x:.1e} "
-              f"against x)")
+        print_case(n, k, nw, t, err, err_x)
         # On the GPU the division and the rounding's multiply-add may round a value at a half the other way.
         assert err < (3e-3 if device != "cpu" else 1e-5), err
 
