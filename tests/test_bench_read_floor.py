@@ -50,3 +50,33 @@ def test_step_floor_writes_zeros_over_the_whole_output(chain, work, post):
     floor._read_zero[(programs,)](words, 3000, scales, 40, out, 2500, -(-2500 // programs), programs_words, x, 300,
                                   2, 1, 16, False, chain, work, False, post, num_warps=1)
     assert torch.count_nonzero(out).item() == 0
+
+
+@pytest.mark.parametrize("way", ["groups", "IMMA_CHUNKS", "IMMA_MAX", "IMMA_COLS", "IMMA_EMIT"])
+def test_imma_step_binds_each_ways_matvec_once(way, monkeypatch):
+    """--imma: each op's launch is bound once (its x made and quantized the way's way) and then only launched."""
+    import sys
+    import types
+
+    floor = _load("bench_step_floor")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "benchmarks"))
+    import exp_int4_imma
+    import exp_int4_imma_cols
+    import exp_int4_imma_max
+
+    calls = []
+    for module in (exp_int4_imma, exp_int4_imma_cols, exp_int4_imma_max):
+        monkeypatch.setattr(module, "matvec", lambda *a, module=module, **kw: calls.append((module.__name__, a, kw)))
+    for flag in ("IMMA_CHUNKS", "IMMA_MAX", "IMMA_COLS", "IMMA_EMIT"):
+        monkeypatch.setattr(floor, flag, flag == way or (way == "IMMA_EMIT" and flag == "IMMA_COLS"))
+    n, k = 32, 256
+    op = types.SimpleNamespace(out_features=n, in_features=k, low32=torch.zeros(n * k // 8, dtype=torch.int32),
+                               scales=torch.ones(n * k // 128, dtype=torch.float16))
+    config = types.SimpleNamespace(split=1)
+    for _ in range(2):
+        assert floor._imma_step_matvec(op, torch.zeros(k), None, config, -1, False) == 1
+    module = {"groups": "exp_int4_imma", "IMMA_CHUNKS": "exp_int4_imma", "IMMA_MAX": "exp_int4_imma_max"}.get(
+        way, "exp_int4_imma_cols")
+    assert [c[0] for c in calls] == [module, module] and calls[0][1][0] is calls[1][1][0]  # bound once
+    assert all(c[2]["pdl"] == 1 for c in calls) and calls[0][2].get("chunks", False) == (way == "IMMA_CHUNKS")
+    assert (calls[0][2].get("emit") is not None) == (way == "IMMA_EMIT")

@@ -35,8 +35,10 @@ their bytes can be, their launches kept. Use a launch-configuration cache of its
 
 from __future__ import annotations
 
+import functools
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 import triton
@@ -353,7 +355,7 @@ def _read_matvec(self, x, out, config, act, partial, rows=None, cols=None, scale
     return config.split
 
 
-_IMMA_STATE: dict[int, tuple] = {}
+_IMMA_STATE: dict[int, Callable] = {}
 # --imma's tiling a weight shape, "N:K:WARPS:TILES,..." in IMMA_TILES (warps and 16-row tiles a program); else 4
 # warps and one tile at K <= 4096, 8 warps beyond (exp_int4_imma.py bench's best alone at llama-8b's shapes)
 # IMMA_CHUNKS=1: --imma with x's scales a chunk of 32 (exp_int4_imma.py CHUNKS, the plane re-laid chunk-major)
@@ -380,28 +382,26 @@ def _imma_step_matvec(self, x, out, config, act, partial, rows=None, cols=None, 
     from exp_int4_imma_max import matvec as max_matvec
 
     n, k = self.out_features, self.in_features
-    if id(self) not in _IMMA_STATE:
+    if id(self) not in _IMMA_STATE:  # the op's launch, all but its launch mode bound once
         gen = torch.Generator(device=x.device).manual_seed(n + k)
         x = torch.randn(k, generator=gen, device=x.device)
         nw, t = IMMA_TILES.get((n, k), (4, 1) if k <= 4096 else (8, 1))
-        words = self.low32.reshape(n, k // 8)
-        xq = padded_chunks(quantize_x_chunks(x), k, nw) if IMMA_CHUNKS else quantize_x(x)
-        _IMMA_STATE[id(self)] = (chunk_major(words) if IMMA_CHUNKS else words, self.scales.reshape(n, k // 128), xq,
-                                 nw, t, torch.empty(n, dtype=torch.float32, device=x.device))
-        if IMMA_MAX:  # bfloat16 x and its groups' max (exp_int4_imma_max.py)
-            _IMMA_STATE[id(self)] = (words, self.scales.reshape(n, k // 128), (x.bfloat16(), group_max(x)), nw, t,
-                                     _IMMA_STATE[id(self)][-1])
+        words, scales = self.low32.reshape(n, k // 8), self.scales.reshape(n, k // 128)
+        tiling = (n, k, nw, t, True)
+        scratch = torch.empty(n, dtype=torch.float32, device=x.device)
         if IMMA_COLS:  # int8 codes and a scale a chunk of 16 (exp_int4_imma_cols.py)
             emit = (torch.empty(n // 4, dtype=torch.int32, device=x.device), torch.empty(n // 16, device=x.device))
-            _IMMA_STATE[id(self)] = (words, self.scales.reshape(n, k // 128), quantize_x_cols(x), nw, t,
-                                     _IMMA_STATE[id(self)][-1], emit if IMMA_EMIT else None)
-    words, scales, xq, nw, t, scratch = _IMMA_STATE[id(self)][:6]
-    if IMMA_COLS:
-        cols_matvec(words, scales, *xq, n, k, nw, t, True, 0 if PLAIN else 1, scratch, _IMMA_STATE[id(self)][6])
-    elif IMMA_MAX:
-        max_matvec(words, scales, *xq, n, k, nw, t, True, 0 if PLAIN else 1, scratch)
-    else:
-        matvec(words, scales, *xq, n, k, nw, t, True, 0 if PLAIN else 1, scratch, IMMA_CHUNKS)
+            run = functools.partial(cols_matvec, words, scales, *quantize_x_cols(x), *tiling, out=scratch,
+                                    emit=emit if IMMA_EMIT else None)
+        elif IMMA_MAX:  # bfloat16 x and its groups' max (exp_int4_imma_max.py)
+            run = functools.partial(max_matvec, words, scales, x.bfloat16(), group_max(x), *tiling, out=scratch)
+        elif IMMA_CHUNKS:
+            xq = padded_chunks(quantize_x_chunks(x), k, nw)
+            run = functools.partial(matvec, chunk_major(words), scales, *xq, *tiling, out=scratch, chunks=True)
+        else:
+            run = functools.partial(matvec, words, scales, *quantize_x(x), *tiling, out=scratch)
+        _IMMA_STATE[id(self)] = run
+    _IMMA_STATE[id(self)](pdl=0 if PLAIN else 1)
     return config.split
 
 
@@ -431,6 +431,10 @@ def main() -> None:
     args = [a for a in sys.argv[1:] if a not in ("--with-x", "--plain", "--l2", "--imma")]
     if not args:
         raise SystemExit(__doc__)
+    if IMMA_CHUNKS + IMMA_MAX + IMMA_COLS > 1 or (IMMA_EMIT and not IMMA_COLS) or (
+            (IMMA_CHUNKS or IMMA_MAX or IMMA_COLS or IMMA_TILES) and not IMMA_STEP):
+        raise SystemExit("bench_step_floor.py: IMMA_CHUNKS, IMMA_MAX and IMMA_COLS are ways of --imma, one at a time; "
+                         "IMMA_EMIT goes with IMMA_COLS")
     import thin.runtime.kernels.grouped_int as grouped_int
     from thin.runtime.cli import main as thin_exec
 
