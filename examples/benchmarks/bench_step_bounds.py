@@ -1,14 +1,16 @@
-"""Bounds on what the decode attention costs a captured decode step: the step timed as shipped, without the
-attention's merge launch, and without any attention launch, in one process on one artifact.
+"""Bounds on what the decode attention costs a captured decode step: the step timed as shipped, with the appending
+split kernel rotating nothing (no RoPE of q and of the new key), without the attention's merge launch, and without any
+attention launch, in one process on one artifact.
 
     python examples/benchmarks/bench_step_bounds.py MODEL.thin [--rounds 3] [--runs 3] [--gen 128]
                                                     [--prompt-len 512]
 
-The ways without launches compute wrong tokens (o reads whatever the attention's output buffer holds), so they
-are bounds on what a faster attention could gain, never ways to run: no check is made of their tokens. Each way
-captures its own graph on a new cache and is timed as `decode_n_tokens` under that graph (the median of --runs
-runs after one untimed), the ways taking turns for --rounds rounds. Prints one row per way: tokens a second,
-the step in us, and the change per layer against the shipped step. In one process the shipped step reads a few
+The ways without launches compute wrong tokens (o reads whatever the attention's output buffer holds), and the one
+without RoPE attends with unrotated queries and stores unrotated keys, so they are bounds on what a faster attention
+could gain, never ways to run: no check is made of their tokens. Each way captures its own graph on a new cache and
+is timed as `decode_n_tokens` under that graph (the median of --runs runs after one untimed), the ways taking turns
+for --rounds rounds. Prints one row per way: tokens a second, the step in us, and the change per layer against the
+shipped step. In one process the shipped step reads a few
 percent below a fresh `thin-exec bench` (BENCHMARKS.md, Round 10's method note): compare the rows with each other.
 """
 
@@ -37,10 +39,15 @@ def main() -> None:
     def nothing(*_args, **_kwargs):
         return None
 
+    def unrotated(*args, **kwargs):
+        return shipped[0](*args, **{**kwargs, "rope": None})
+
     def use(way: str) -> None:
         appending.append_attend, attention.DecodeAttention.merge, attention.DecodeAttention.__call__, \
             rope.rope_append = shipped
-        if way != "shipped":
+        if way == "no rope":  # what RoPE costs the split kernel after its wait (were it made before, by qkv)
+            appending.append_attend = unrotated
+        if way in ("no merge launch", "no attention launch"):
             attention.DecodeAttention.merge = nothing
         if way == "no attention launch":
             appending.append_attend = attention.DecodeAttention.__call__ = rope.rope_append = nothing
@@ -65,7 +72,7 @@ def main() -> None:
                 rates.append((args.gen - 1) / (time.perf_counter() - begin))
         return statistics.median(rates)
 
-    ways = ("shipped", "no merge launch", "no attention launch")
+    ways = ("shipped", "no rope", "no merge launch", "no attention launch")
     found: dict[str, list[float]] = {way: [] for way in ways}
     try:
         for r in range(args.rounds):
