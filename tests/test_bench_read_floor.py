@@ -80,27 +80,3 @@ def test_imma_step_binds_each_ways_matvec_once(way, monkeypatch):
     assert [c[0] for c in calls] == [module, module] and calls[0][1][0] is calls[1][1][0]  # bound once
     assert all(c[2]["pdl"] == 1 for c in calls) and calls[0][2].get("chunks", False) == (way == "IMMA_CHUNKS")
     assert (calls[0][2].get("emit") is not None) == (way == "IMMA_EMIT")
-
-
-def test_imma_only_routes_other_shapes_to_the_shipped_matvec(monkeypatch):
-    """IMMA_ONLY: the listed weight shapes run the int8 mma stand-in, every other shape the shipped matvec with
-    its own arguments."""
-    import sys
-    import types
-
-    floor = _load("bench_step_floor")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples" / "benchmarks"))
-    import exp_int4_imma
-
-    calls = []
-    monkeypatch.setattr(exp_int4_imma, "matvec", lambda *a, **kw: calls.append("imma"))
-    monkeypatch.setattr(floor, "IMMA_ONLY", {(32, 256)})
-    monkeypatch.setattr(floor, "_SHIPPED", [lambda self, x, out, config, act, partial, **kw: calls.append(
-        ("shipped", self.out_features, kw["defer"])) or 3])
-    config = types.SimpleNamespace(split=1)
-    for n in (32, 64):
-        op = types.SimpleNamespace(out_features=n, in_features=256, low32=torch.zeros(n * 32, dtype=torch.int32),
-                                   scales=torch.ones(n * 2, dtype=torch.float16))
-        got = floor._imma_step_matvec(op, torch.zeros(256), None, config, -1, False, defer="d")
-        assert got == (1 if n == 32 else 3)
-    assert calls == ["imma", ("shipped", 64, "d")]

@@ -368,10 +368,6 @@ IMMA_COLS = os.environ.get("IMMA_COLS") == "1"
 IMMA_EMIT = os.environ.get("IMMA_EMIT") == "1"
 IMMA_TILES = {(int(n), int(k)): (int(w), int(t)) for n, k, w, t in
               (item.split(":") for item in os.environ.get("IMMA_TILES", "").split(",") if item)}
-# IMMA_ONLY=NxK,...: --imma for the matvecs of these weight shapes only, the others as shipped (e.g. 4096x4096, o:
-# its epilogue, the residual add and the deferred norm's slots, is skipped with the rest of its launch)
-IMMA_ONLY = {tuple(int(v) for v in item.split("x")) for item in os.environ.get("IMMA_ONLY", "").split(",") if item}
-_SHIPPED: list[Callable] = []  # GroupedIntLinear._matvec as shipped, for IMMA_ONLY's other shapes
 
 
 def _imma_step_matvec(self, x, out, config, act, partial, rows=None, cols=None, scale=None, finish=None, defer=None,
@@ -386,9 +382,6 @@ def _imma_step_matvec(self, x, out, config, act, partial, rows=None, cols=None, 
     from exp_int4_imma_max import matvec as max_matvec
 
     n, k = self.out_features, self.in_features
-    if IMMA_ONLY and (n, k) not in IMMA_ONLY:
-        return _SHIPPED[0](self, x, out, config, act, partial, rows=rows, cols=cols, scale=scale, finish=finish,
-                           defer=defer, rstd=rstd)
     if id(self) not in _IMMA_STATE:  # the op's launch, all but its launch mode bound once
         gen = torch.Generator(device=x.device).manual_seed(n + k)
         x = torch.randn(k, generator=gen, device=x.device)
@@ -439,13 +432,12 @@ def main() -> None:
     if not args:
         raise SystemExit(__doc__)
     if IMMA_CHUNKS + IMMA_MAX + IMMA_COLS > 1 or (IMMA_EMIT and not IMMA_COLS) or (
-            (IMMA_CHUNKS or IMMA_MAX or IMMA_COLS or IMMA_TILES or IMMA_ONLY) and not IMMA_STEP):
+            (IMMA_CHUNKS or IMMA_MAX or IMMA_COLS or IMMA_TILES) and not IMMA_STEP):
         raise SystemExit("bench_step_floor.py: IMMA_CHUNKS, IMMA_MAX and IMMA_COLS are ways of --imma, one at a time; "
-                         "IMMA_EMIT goes with IMMA_COLS; IMMA_TILES and IMMA_ONLY with --imma")
+                         "IMMA_EMIT goes with IMMA_COLS")
     import thin.runtime.kernels.grouped_int as grouped_int
     from thin.runtime.cli import main as thin_exec
 
-    _SHIPPED.append(grouped_int.GroupedIntLinear._matvec)
     grouped_int.GroupedIntLinear._matvec = _imma_step_matvec if IMMA_STEP else _read_matvec
     sys.argv = ["thin-exec", "bench", *args, "--json"]
     thin_exec()
