@@ -104,7 +104,8 @@ def head128_model(tmp_path_factory):
         linear.unregister(name, "cpu", "triton")
 
 
-def test_a_patched_step_stays_close_to_the_shipped_step(head128_model, monkeypatch):
+@pytest.mark.parametrize("fold", [False, True], ids=["two launches", "one launch"])
+def test_a_patched_step_stays_close_to_the_shipped_step(head128_model, monkeypatch, fold):
     from thin.runtime.engine import DecodeEngine
     from thin.runtime.kernels import attention as attention_module
     from thin.runtime.kernels.grouped_int import GroupedIntLinear
@@ -128,10 +129,13 @@ def test_a_patched_step_stays_close_to_the_shipped_step(head128_model, monkeypat
     monkeypatch.setattr(attention_module.DecodeAttention, "merge", attention_module.DecodeAttention.merge)
     monkeypatch.setattr(GroupedIntLinear, "matvec_deferred", GroupedIntLinear.matvec_deferred)
     state = {}
-    exp.patch(state)
+    exp.patch(state, fold=fold)
     calls = []
     monkeypatch.setattr(exp.OImma, "o", lambda self, *a, o=exp.OImma.o, **kw: calls.append(1) or o(self, *a, **kw))
     patched = logits(DecodeEngine(model.executor, graphs=False, defer_norm=True))
     assert len(calls) == 2 * len(model.executor.layers)  # o of every layer, both steps
+    way = next(iter(state.values()))
+    assert way.fold == fold and way.pending is None and not way.fresh
+    assert way.flag.tolist() == [0, 0]  # the folded launch's counters left for the next one
     for a, b in zip(shipped, patched, strict=True):
         assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.999

@@ -1,7 +1,7 @@
 """Experiment: the int4 decode step with o's matvec on the int8 tensor cores, its int8 activations written by the
 attention's merge, the tokens real: `thin-exec bench` in this process with two launches of each layer changed.
 
-    python3 examples/benchmarks/exp_o_imma_step.py MODEL.thin [--runs 3] [--prompt-len 512] [--gen 128]   # GPU
+    python3 examples/benchmarks/exp_o_imma_step.py MODEL.thin [--fold] [--runs 3] [--prompt-len 512] [--gen 128]
 
 Why (BENCHMARKS Rounds 22-24): the int8 mma matvec (exp_int4_imma.py) gains only with x already int8 and a scale
 a group of 128, and of the kernels before the step's matvecs only the attention's merge owns such a group (a head of
@@ -13,6 +13,13 @@ order, the scale and the code sum; o (`o_matvec`: exp_int4_imma's kernel, one ti
 rows into the residual and leaves the norm to gate/up as the shipped o does (deferred_norm.store_deferred, a slot a
 program). x's int8 rounding moves o's output by about 0.6% (exp_int4_imma's check), so the tokens may differ from
 the shipped step's; the bench's own checks (positions attended, graph against eager tokens) still hold.
+
+--fold: the merge and o in one launch (`_fold_kernel`), a programmatic dependent of the split kernel as the merge is:
+its first programs merge (one a head) and count themselves in a flag; o's tiles load their weight at once, while the
+split kernel still runs, and wait on the flag, not on a kernel boundary, before they read x (Round 24's bound: the
+merge launch costs the step 1.5 us a layer; the launches of Rounds 3 and 18 that merged in a last-arriving program
+were slower). Safe while every program of the launch fits on the GPU at once (llama-8b: 32 + 256 programs of 4
+warps); the merge programs come first in the launch order, and the interpreter runs programs in order.
 
 Applies where the model's o is symmetric int4 with groups of 128 over heads of 128 features, one sequence (the
 other layers and launches run as shipped). Checked on the CPU only, under the interpreter
@@ -30,8 +37,8 @@ import triton.language as tl
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from exp_int4_imma import _scaled_sums, _tile_rows, lane_tiles, waited_zeros  # noqa: E402
-from int4_lanes import pick, split4  # noqa: E402
+from exp_int4_imma import _scaled_sums, _tile_rows, _tile_runs  # noqa: E402
+from int4_lanes import pick, split4, threads  # noqa: E402
 
 from thin.runtime.kernels.deferred_norm import Deferred, deferred_rows, store_deferred  # noqa: E402
 from thin.runtime.kernels.dependent import release_next, wait_previous  # noqa: E402
@@ -40,15 +47,11 @@ ROUND = tl.constexpr(12582912.0)  # 1.5 * 2^23: added to a float32 below 2^22 in
 
 
 @triton.jit
-def _merge_codes_kernel(o_ptr, m_ptr, l_ptr, sink_ptr, out_ptr, codes_ptr, xs_ptr, xz_ptr, log_ptr, n_ptr,
-                        step_ptr, HQ, SPLITS, SP: tl.constexpr, D: tl.constexpr, SINKS: tl.constexpr,
-                        LOG: tl.constexpr, PDL: tl.constexpr = 0):
+def _merge_head(i, o_ptr, m_ptr, l_ptr, sink_ptr, out_ptr, codes_ptr, xs_ptr, xz_ptr, log_ptr, n_ptr, step_ptr, HQ,
+                SPLITS, SP: tl.constexpr, D: tl.constexpr, SINKS: tl.constexpr, LOG: tl.constexpr):
     """Query head i: attention.py's `_merge_kernel` for one sequence (heads of D = 128), then the head rounded to
     int8: codes (byte position ((((c * 2 + jj) * 2 + p) * 2 + jm) * 4 + m) of feature c * 32 + jj * 16 + jm * 8
     + m * 2 + p, exp_int4_imma.fragment_words' order), scale xs[i] = max |out| / 127, code sum xz[i]."""
-    wait_previous(PDL)
-    release_next(PDL)
-    i = tl.program_id(0)
     s = tl.arange(0, SP)
     d = tl.arange(0, D)
     o = tl.load(o_ptr + (s[:, None] * HQ + i) * D + d[None, :], mask=(s < SPLITS)[:, None], other=0.0)
@@ -77,14 +80,34 @@ def _merge_codes_kernel(o_ptr, m_ptr, l_ptr, sink_ptr, out_ptr, codes_ptr, xs_pt
 
 
 @triton.jit
-def _o_kernel(w_ptr, s_ptr, xq_ptr, xs_ptr, xz_ptr, res_ptr, norm_ptr, normed_ptr, slots_ptr, n, K: tl.constexpr,
-              NW: tl.constexpr, GPW: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = 0):
-    """Rows 16 * program_id(0) .. + 15 of W @ x (exp_int4_imma's `_imma_matvec`, one tile, x's codes, scales and
-    code sums from `_merge_codes_kernel`), added into the residual with the norm deferred (store_deferred)."""
+def _merge_codes_kernel(o_ptr, m_ptr, l_ptr, sink_ptr, out_ptr, codes_ptr, xs_ptr, xz_ptr, log_ptr, n_ptr,
+                        step_ptr, HQ, SPLITS, SP: tl.constexpr, D: tl.constexpr, SINKS: tl.constexpr,
+                        LOG: tl.constexpr, PDL: tl.constexpr = 0):
+    """The merge launch: program i merges head i and rounds it to int8 (`_merge_head`)."""
+    wait_previous(PDL)
+    release_next(PDL)
+    _merge_head(tl.program_id(0), o_ptr, m_ptr, l_ptr, sink_ptr, out_ptr, codes_ptr, xs_ptr, xz_ptr, log_ptr, n_ptr,
+                step_ptr, HQ, SPLITS, SP, D, SINKS, LOG)
+
+
+@triton.jit
+def _o_tile(tile, w_ptr, s_ptr, xq_ptr, xs_ptr, xz_ptr, flag_ptr, ready, K: tl.constexpr, NW: tl.constexpr,
+            GPW: tl.constexpr, ASM: tl.constexpr, SPIN: tl.constexpr):
+    """Rows 16 * tile .. + 15 of W @ x, float32 [16] (exp_int4_imma's `_imma_matvec`, one tile; x's codes, scales
+    and code sums from `_merge_head`). Every weight word and scale is loaded first; then, with SPIN, the program
+    waits until flag_ptr holds `ready` (the merge programs' count) before it reads x."""
     groups: tl.constexpr = K // 128
-    g, t, q0, tile0, a, b = lane_tiles(w_ptr, s_ptr, K, NW, GPW, 1, ASM)
-    res, w = deferred_rows(res_ptr, norm_ptr, n, 16)
-    acc_g, acc_h, _, _ = waited_zeros(NW, PDL)
+    e = threads(NW, ASM)
+    g = (e % 32) // 4
+    t = e % 4
+    q0 = e // 32 * GPW  # the warp's first group
+    a = _tile_runs(w_ptr, s_ptr, tile * 16 + g, q0, t, GPW, GPW, groups, K)
+    if SPIN:
+        while tl.load(flag_ptr, volatile=True) < ready:
+            pass
+        tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")  # the merge programs' stores, seen from here on
+    acc_g = tl.zeros([32 * NW], dtype=tl.float32)
+    acc_h = acc_g
     x_base = (xq_ptr.to(tl.pointer_type(tl.int32), bitcast=True) + (q0 * 4 + t) * 8)[:, None] + \
         tl.arange(0, 4)[None, :]
     for q in tl.static_range(GPW):
@@ -96,28 +119,81 @@ def _o_kernel(w_ptr, s_ptr, xq_ptr, xs_ptr, xz_ptr, res_ptr, norm_ptr, normed_pt
         sum_g, sum_h = _scaled_sums(a, q, GPW, (x0, x1, x2, x3, x4, x5, x6, x7), xs, zero, False, ASM)
         acc_g += sum_g * pick(a[2], q, GPW).to(tl.float32)
         acc_h += sum_h * pick(a[3], q, GPW).to(tl.float32)
-    store_deferred(_tile_rows(acc_g, acc_h, NW), n, 16, res_ptr, False, res_ptr, normed_ptr, slots_ptr, res, w)
+    return _tile_rows(acc_g, acc_h, NW)
+
+
+@triton.jit
+def _o_kernel(w_ptr, s_ptr, xq_ptr, xs_ptr, xz_ptr, res_ptr, norm_ptr, normed_ptr, slots_ptr, n, K: tl.constexpr,
+              NW: tl.constexpr, GPW: tl.constexpr, ASM: tl.constexpr):
+    """The o launch after the merge launch: tile program_id(0) (`_o_tile`), added into the residual with the norm
+    deferred (store_deferred: rows and slot of program_id(0))."""
+    res, w = deferred_rows(res_ptr, norm_ptr, n, 16)
+    total = _o_tile(tl.program_id(0), w_ptr, s_ptr, xq_ptr, xs_ptr, xz_ptr, xs_ptr, 0, K, NW, GPW, ASM, False)
+    store_deferred(total, n, 16, res_ptr, False, res_ptr, normed_ptr, slots_ptr, res, w)
+
+
+@triton.jit
+def _fold_kernel(o_ptr, m_ptr, l_ptr, sink_ptr, out_ptr, codes_ptr, xs_ptr, xz_ptr, log_ptr, n_ptr, step_ptr,
+                 w_ptr, s_ptr, res_ptr, norm_ptr, normed_ptr, slots_ptr, flag_ptr, n, HQ: tl.constexpr, SPLITS,
+                 SP: tl.constexpr, SINKS: tl.constexpr, LOG: tl.constexpr, K: tl.constexpr, NW: tl.constexpr,
+                 GPW: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = 0):
+    """Merge and o in one launch (FOLD): programs 0 .. HQ - 1 wait for the split kernel, merge their head
+    (`_merge_head`) and count themselves into flag[0]; the others are o's tiles, pid - HQ, which load their weight
+    at once (the launch a programmatic dependent: while the split kernel still runs), wait until flag[0] is HQ,
+    and add their rows into the residual with the norm deferred. The last tile to finish (flag[1] counts them)
+    zeroes both counters for the next launch. The deferred-norm helpers place rows and slots by program_id(0):
+    the o programs' pointers and row count are moved back by HQ tiles so that they land on tile pid - HQ."""
+    pid = tl.program_id(0)
+    if pid < HQ:
+        wait_previous(PDL)
+        release_next(PDL)
+        _merge_head(pid, o_ptr, m_ptr, l_ptr, sink_ptr, out_ptr, codes_ptr, xs_ptr, xz_ptr, log_ptr, n_ptr, step_ptr,
+                    HQ, SPLITS, SP, 128, SINKS, LOG)
+        tl.atomic_add(flag_ptr, 1, sem="release", scope="gpu")
+    else:
+        release_next(PDL)
+        shift = HQ * 16
+        res, w = deferred_rows(res_ptr - shift, norm_ptr - shift, n + shift, 16)
+        total = _o_tile(pid - HQ, w_ptr, s_ptr, codes_ptr, xs_ptr, xz_ptr, flag_ptr, HQ, K, NW, GPW, ASM, True)
+        store_deferred(total, n + shift, 16, res_ptr, False, res_ptr - shift, normed_ptr - shift, slots_ptr - HQ,
+                       res, w)
+        if tl.atomic_add(flag_ptr + 1, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - HQ - 1:
+            tl.store(flag_ptr, 0)
+            tl.store(flag_ptr + 1, 0)
 
 
 class OImma:
-    """The two launches' shared buffers (one model, one sequence) and the patches that use them."""
+    """The two launches' shared buffers (one model, one sequence) and the patches that use them. fold: merge and o
+    in one launch (`_fold_kernel`), made when o runs, with the merge's arguments and launch kind kept from its
+    call."""
 
-    def __init__(self, heads: int, device):
+    def __init__(self, heads: int, device, fold: bool = False):
         self.codes = torch.zeros(heads * 128, dtype=torch.int8, device=device)
         self.xs = torch.zeros(heads, dtype=torch.float32, device=device)
         self.xz = torch.zeros(heads, dtype=torch.int32, device=device)
+        self.flag = torch.zeros(2, dtype=torch.int32, device=device)  # fold: merges done, o tiles done
+        self.fold = fold
         self.fresh = False  # the merge just wrote them (o consumes them once)
+        self.pending = None  # fold: the merge's launch arguments, waiting for o's
+        self.checked = False  # fold: the launch's residency checked (`_fits`)
+
+    def _merge_args(self, attention, out, sinks, log, step) -> tuple:
+        return (attention.o, attention.m, attention.l, sinks if sinks is not None else attention.m, out, self.codes,
+                self.xs, self.xz, log if log is not None else attention.n, attention.n,
+                step if step is not None else attention.n)
 
     def merge(self, attention, out, sinks=None, log=None, step=None) -> None:
-        """DecodeAttention.merge for one sequence of 128-feature heads, also writing o's int8 x."""
+        """DecodeAttention.merge for one sequence of 128-feature heads, also writing o's int8 x (fold: kept for
+        o's launch)."""
         from thin.runtime.kernels import dependent
 
-        _merge_codes_kernel[(attention.num_heads,)](
-            attention.o, attention.m, attention.l, sinks if sinks is not None else attention.m, out, self.codes,
-            self.xs, self.xz, log if log is not None else attention.n, attention.n,
-            step if step is not None else attention.n, attention.num_heads, attention.splits,
-            SP=triton.next_power_of_2(attention.splits), D=128, SINKS=sinks is not None, LOG=log is not None,
-            num_warps=1, **dependent.kernel_args())
+        args = self._merge_args(attention, out, sinks, log, step)
+        options = dict(SP=triton.next_power_of_2(attention.splits), SINKS=sinks is not None, LOG=log is not None)
+        if self.fold:
+            self.pending = (args, attention.num_heads, attention.splits, options, dependent.kernel_args())
+        else:
+            _merge_codes_kernel[(attention.num_heads,)](*args, attention.num_heads, attention.splits, D=128,
+                                                        num_warps=1, **options, **dependent.kernel_args())
         self.fresh = True
 
     def o(self, op, residual, normed, slots, norm, warps: int = 4) -> Deferred:
@@ -130,11 +206,38 @@ class OImma:
         defer = Deferred(residual, normed, slots, norm, programs)
         gpw = triton.next_power_of_2(-(-(k // 128) // warps))
         asm = common.INLINE_ASM and not common.interpreting()
-        _o_kernel[(programs,)](op.low32.reshape(n, k // 8), op.scales.reshape(n, k // 128),
-                               self.codes.view(torch.int32), self.xs, self.xz, residual, norm[0], normed, slots, n, k,
-                               warps, gpw, asm, num_warps=warps)
+        weights = (op.low32.reshape(n, k // 8), op.scales.reshape(n, k // 128))
+        if self.fold:
+            args, heads, splits, options, launch = self.pending
+            call = (*args, *weights, residual, norm[0], normed, slots, self.flag, n, heads, splits)
+            keywords = dict(K=k, NW=warps, GPW=gpw, ASM=asm, num_warps=warps, **options, **launch)
+            if not common.interpreting() and not self.checked:
+                self._fits(call, keywords, heads + programs, warps)
+                self.checked = True
+            _fold_kernel[(heads + programs,)](*call, **keywords)
+            self.pending = None
+        else:
+            _o_kernel[(programs,)](*weights, self.codes.view(torch.int32), self.xs, self.xz, residual, norm[0], normed,
+                                   slots, n, k, warps, gpw, asm, num_warps=warps)
         self.fresh = False
         return defer
+
+
+    @staticmethod
+    def _fits(call, keywords, programs: int, warps: int) -> None:
+        """Refuse a folded launch whose programs cannot all be resident at once (its o tiles would wait for merge
+        programs that never start): the compiled kernel's registers a thread, 64K registers and 64 warps a
+        multiprocessor."""
+        from thin.runtime.kernels import common
+
+        options = {key: value for key, value in keywords.items() if key != "launch_pdl"}
+        compiled = _fold_kernel.warmup(*call, grid=(programs,), **options)
+        compiled._init_handles()
+        regs = -(-compiled.n_regs // 8) * 8
+        per_sm = min(65536 // (regs * 32 * warps), 64 // warps, 32)
+        if programs > per_sm * common.sm_count():
+            raise ValueError(f"--fold: {programs} programs of {warps} warps and {compiled.n_regs} registers a "
+                             f"thread do not all fit at once ({per_sm} a multiprocessor)")
 
 
 def applies(op, attention) -> bool:
@@ -146,8 +249,9 @@ def applies(op, attention) -> bool:
             and attention.head_dim == 128 and attention.rows == 1)
 
 
-def patch(state: dict) -> None:
-    """Route every eligible merge and the deferred o after it through OImma (`state` keeps the OImma a device)."""
+def patch(state: dict, fold: bool = False) -> None:
+    """Route every eligible merge and the deferred o after it through OImma (`state` keeps the OImma a device;
+    fold: the two in one launch)."""
     from thin.runtime.kernels import attention as attention_module
     from thin.runtime.kernels.grouped_int import GroupedIntLinear
 
@@ -156,7 +260,7 @@ def patch(state: dict) -> None:
     def new_merge(self, out, sinks=None, log=None, step=None):
         if self.head_dim != 128 or self.rows != 1:
             return merge(self, out, sinks, log, step)
-        way = state.setdefault(out.device, OImma(self.num_heads, out.device))
+        way = state.setdefault(out.device, OImma(self.num_heads, out.device, fold))
         way.merge(self, out, sinks, log, step)
         way.attention = self
         return None
@@ -173,12 +277,12 @@ def patch(state: dict) -> None:
 
 
 def main() -> None:
-    args = sys.argv[1:]
+    args = [a for a in sys.argv[1:] if a != "--fold"]
     if not args or args[0].startswith("-"):
         raise SystemExit(__doc__)
     from thin.runtime.cli import main as thin_exec
 
-    patch({})
+    patch({}, fold="--fold" in sys.argv)
     sys.argv = ["thin-exec", "bench", *args, "--json"]
     thin_exec()
 
