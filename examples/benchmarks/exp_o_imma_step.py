@@ -40,6 +40,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from exp_int4_imma import _scaled_sums, _tile_rows, _tile_runs  # noqa: E402
 from int4_lanes import pick, split4, threads  # noqa: E402
 
+from thin.runtime.kernels.attention import merged_head  # noqa: E402
 from thin.runtime.kernels.deferred_norm import Deferred, deferred_rows, store_deferred  # noqa: E402
 from thin.runtime.kernels.dependent import release_next, wait_previous  # noqa: E402
 
@@ -49,21 +50,12 @@ ROUND = tl.constexpr(12582912.0)  # 1.5 * 2^23: added to a float32 below 2^22 in
 @triton.jit
 def _merge_head(i, o_ptr, m_ptr, l_ptr, sink_ptr, out_ptr, codes_ptr, xs_ptr, xz_ptr, log_ptr, n_ptr, step_ptr, HQ,
                 SPLITS, SP: tl.constexpr, D: tl.constexpr, SINKS: tl.constexpr, LOG: tl.constexpr):
-    """Query head i: attention.py's `_merge_kernel` for one sequence (heads of D = 128), then the head rounded to
+    """Query head i: attention.py's merge for one sequence (`merged_head`, heads of D = 128), then the head rounded to
     int8: codes (byte position ((((c * 2 + jj) * 2 + p) * 2 + jm) * 4 + m) of feature c * 32 + jj * 16 + jm * 8
     + m * 2 + p, exp_int4_imma.fragment_words' order), scale xs[i] = max |out| / 127, code sum xz[i]."""
     s = tl.arange(0, SP)
     d = tl.arange(0, D)
-    o = tl.load(o_ptr + (s[:, None] * HQ + i) * D + d[None, :], mask=(s < SPLITS)[:, None], other=0.0)
-    ms = tl.load(m_ptr + s * HQ + i, mask=s < SPLITS, other=float("-inf"))
-    ls = tl.load(l_ptr + s * HQ + i, mask=s < SPLITS, other=0.0)
-    top = tl.max(ms, axis=0)
-    w = tl.where(s < SPLITS, tl.exp(ms - top), 0.0)
-    w = tl.where(ms == float("-inf"), 0.0, w)
-    total = tl.sum(w * ls, axis=0)
-    if SINKS:
-        total += tl.exp(tl.load(sink_ptr + i) - top)
-    out = (tl.sum(o * w[:, None], axis=0) / total).to(out_ptr.dtype.element_ty)
+    out = merged_head(o_ptr, m_ptr, l_ptr, sink_ptr, i, HQ, D, SPLITS, SP, D, SINKS).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + i * D + d, out)
     v = out.to(tl.float32)
     amax = tl.maximum(tl.max(tl.abs(v), axis=0), 1e-30)

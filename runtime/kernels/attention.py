@@ -160,6 +160,20 @@ def _merge_kernel(o_ptr, m_ptr, l_ptr, n_ptr, sink_ptr, out_ptr, log_ptr, step_p
     out_ptr += r * HQ * D
     s = tl.arange(0, SP)
     d = tl.arange(0, BLOCK_D)
+    out = merged_head(o_ptr, m_ptr, l_ptr, sink_ptr, i, HQ, D, SPLITS, SP, BLOCK_D, SINKS)
+    tl.store(out_ptr + i * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
+    if LOG:  # noqa: SIM102  (a constexpr condition, then a run-time one)
+        if (i == 0) & (r == 0):
+            n = tl.sum(tl.load(n_ptr + s, mask=s < SPLITS, other=0), axis=0)
+            tl.store(log_ptr + tl.load(step_ptr), n)
+
+
+@triton.jit
+def merged_head(o_ptr, m_ptr, l_ptr, sink_ptr, i, HQ, D, SPLITS, SP: tl.constexpr, BLOCK_D: tl.constexpr,
+                SINKS: tl.constexpr):
+    """Query head i's softmax-weighted sum of the splits' partial outputs (one sequence's), float32 [BLOCK_D]."""
+    s = tl.arange(0, SP)
+    d = tl.arange(0, BLOCK_D)
     # The partial outputs first: their loads then go out with the maxima's and sums' (compiled for sm_90:
     # all before the reductions' barrier), not after the weights are known, one L2 latency later.
     o = tl.load(o_ptr + (s[:, None] * HQ + i) * D + d[None, :], mask=(s < SPLITS)[:, None] & (d < D)[None, :],
@@ -172,12 +186,7 @@ def _merge_kernel(o_ptr, m_ptr, l_ptr, n_ptr, sink_ptr, out_ptr, log_ptr, step_p
     total = tl.sum(w * ls, axis=0)
     if SINKS:
         total += tl.exp(tl.load(sink_ptr + i) - top)
-    out = tl.sum(o * w[:, None], axis=0) / total
-    tl.store(out_ptr + i * D + d, out.to(out_ptr.dtype.element_ty), mask=d < D)
-    if LOG:  # noqa: SIM102  (a constexpr condition, then a run-time one)
-        if (i == 0) & (r == 0):
-            n = tl.sum(tl.load(n_ptr + s, mask=s < SPLITS, other=0), axis=0)
-            tl.store(log_ptr + tl.load(step_ptr), n)
+    return tl.sum(o * w[:, None], axis=0) / total
 
 
 class DecodeAttention:
