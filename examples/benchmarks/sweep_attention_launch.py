@@ -14,10 +14,12 @@ a few percent below a fresh `thin-exec bench`. "shipped" in the table is the com
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from tune_in_step import checks, fresh_bench, rate  # noqa: E402
 
 
 def patch(warps: str, tile: str) -> None:
@@ -47,16 +49,6 @@ def _child(warps: str, tile: str, bench_args: list[str]) -> None:
     main()
 
 
-def _measure(warps: str, tile: str, bench_args: list[str]) -> dict | str:
-    """One fresh process's bench result (its JSON), or the last lines of its output where it gave none."""
-    done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child", warps, tile, *bench_args],
-                          capture_output=True, text=True)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
-    if done.returncode != 0 or not lines:
-        return " ".join((done.stdout + done.stderr).strip().splitlines()[-2:])[:300]
-    return json.loads(lines[-1])
-
-
 def main() -> None:
     if sys.argv[1:2] == ["--child"]:
         return _child(sys.argv[2], sys.argv[3], sys.argv[4:])
@@ -75,13 +67,12 @@ def main() -> None:
     print("| ---: | --- | --- | ---: | ---: | --- |")
     for r in range(args.rounds):
         for warps, tile in ways:
-            got = _measure(warps, tile, bench_args)
+            got = fresh_bench([sys.executable, os.path.abspath(__file__), "--child", warps, tile, *bench_args])
             if isinstance(got, str):
                 print(f"| {r} | {warps} | {tile} | failed: {got} | | |", flush=True)
                 continue
-            checks = "ok" if all(v == "ok" for v in got["checks"].values()) else str(got["checks"])
-            print(f"| {r} | {warps} | {tile} | {got['decode_tokens_per_second']:.1f} ({got['decode_min']:.1f}-"
-                  f"{got['decode_max']:.1f}) | {100 * got['roofline_fraction']:.1f}% | {checks} |", flush=True)
+            print(f"| {r} | {warps} | {tile} | {rate(got)} | {100 * got['roofline_fraction']:.1f}% | {checks(got)} |",
+                  flush=True)
 
 
 if __name__ == "__main__":

@@ -83,24 +83,37 @@ def _list_candidates(model: str, context: int) -> None:
     print(json.dumps(seen))
 
 
-def _bench(bench_args: list[str], cache_dir: Path) -> dict | str:
-    """`thin-exec bench --json` in a fresh process with `cache_dir` as THIN_CACHE_DIR: its result, or why none."""
-    env = dict(os.environ, THIN_CACHE_DIR=str(cache_dir))
-    done = subprocess.run([sys.executable, "-m", "thin.runtime.cli", "bench", *bench_args, "--json"],
-                          capture_output=True, text=True, env=env)
+def fresh_bench(command: list[str], env: dict | None = None) -> dict | str:
+    """The JSON result of a process that runs `thin-exec bench --json` (`command`), or the last lines of its output
+    where it gave none."""
+    done = subprocess.run(command, capture_output=True, text=True, env=env)
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if done.returncode != 0 or not lines:
         return " ".join((done.stdout + done.stderr).strip().splitlines()[-2:])[:300]
     return json.loads(lines[-1])
 
 
+def rate(got: dict) -> str:
+    """A bench result's decode tok/s and its spread: "637.8 (636.9-637.9)"."""
+    return f"{got['decode_tokens_per_second']:.1f} ({got['decode_min']:.1f}-{got['decode_max']:.1f})"
+
+
+def checks(got: dict) -> str:
+    """A bench result's checks: "ok" where all passed, else each."""
+    return "ok" if all(v == "ok" for v in got["checks"].values()) else str(got["checks"])
+
+
+def _bench(bench_args: list[str], cache_dir: Path) -> dict | str:
+    """`thin-exec bench --json` in a fresh process with `cache_dir` as THIN_CACHE_DIR."""
+    return fresh_bench([sys.executable, "-m", "thin.runtime.cli", "bench", *bench_args, "--json"],
+                       dict(os.environ, THIN_CACHE_DIR=str(cache_dir)))
+
+
 def _row(name: str, config: str, got: dict | str, base: float | None) -> str:
     if isinstance(got, str):
         return f"| {name} | {config} | failed: {got} | | |"
-    tps = got["decode_tokens_per_second"]
-    change = f"{100 * (tps / base - 1):+.1f}%" if base else ""
-    checks = "ok" if all(v == "ok" for v in got["checks"].values()) else str(got["checks"])
-    return f"| {name} | {config} | {tps:.1f} ({got['decode_min']:.1f}-{got['decode_max']:.1f}) | {change} | {checks} |"
+    change = f"{100 * (got['decode_tokens_per_second'] / base - 1):+.1f}%" if base else ""
+    return f"| {name} | {config} | {rate(got)} | {change} | {checks(got)} |"
 
 
 def main() -> None:
