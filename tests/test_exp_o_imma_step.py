@@ -107,8 +107,6 @@ def head128_model(tmp_path_factory):
 @pytest.mark.parametrize("fold", [False, True], ids=["two launches", "one launch"])
 def test_a_patched_step_stays_close_to_the_shipped_step(head128_model, monkeypatch, fold):
     from thin.runtime.engine import DecodeEngine
-    from thin.runtime.kernels import attention as attention_module
-    from thin.runtime.kernels.grouped_int import GroupedIntLinear
     from thin.runtime.sampling import GenerationOptions
 
     model = head128_model
@@ -126,16 +124,29 @@ def test_a_patched_step_stays_close_to_the_shipped_step(head128_model, monkeypat
         return out
 
     shipped = logits(DecodeEngine(model.executor, graphs=False, defer_norm=True))
-    monkeypatch.setattr(attention_module.DecodeAttention, "merge", attention_module.DecodeAttention.merge)
-    monkeypatch.setattr(GroupedIntLinear, "matvec_deferred", GroupedIntLinear.matvec_deferred)
+    _undo_patch_after(monkeypatch)
     state = {}
     exp.patch(state, fold=fold)
     calls = []
     monkeypatch.setattr(exp.OImma, "o", lambda self, *a, o=exp.OImma.o, **kw: calls.append(1) or o(self, *a, **kw))
     patched = logits(DecodeEngine(model.executor, graphs=False, defer_norm=True))
     assert len(calls) == 2 * len(model.executor.layers)  # o of every layer, both steps
-    way = next(iter(state.values()))
+    way = next(way for key, way in state.items() if key != "steps")
+    assert len(state["steps"]) == 1  # the one cache this engine made takes the int8 way
     assert way.fold == fold and way.pending is None and not way.fresh
     assert way.flag.tolist() == [0, 0]  # the folded launch's counters left for the next one
     for a, b in zip(shipped, patched, strict=True):
         assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.999
+    with pytest.raises(SystemExit, match="defer the residual norm"):  # an o left without the merge's x: refused
+        DecodeEngine(model.executor, graphs=False, defer_norm=False)
+
+
+def _undo_patch_after(monkeypatch):
+    """What exp.patch replaces, put back by monkeypatch at the test's end."""
+    from thin.runtime.engine import DecodeEngine
+    from thin.runtime.kernels import attention as attention_module
+    from thin.runtime.kernels.grouped_int import GroupedIntLinear
+
+    for owner, name in ((attention_module.DecodeAttention, "merge"), (GroupedIntLinear, "matvec_deferred"),
+                        (DecodeEngine, "__init__"), (DecodeEngine, "new_cache")):
+        monkeypatch.setattr(owner, name, getattr(owner, name))

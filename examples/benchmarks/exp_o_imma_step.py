@@ -7,9 +7,9 @@ Why (BENCHMARKS Rounds 22-24): the int8 mma matvec (exp_int4_imma.py) gains only
 a group of 128, and of the kernels before the step's matvecs only the attention's merge owns such a group (a head of
 128 features is o's group). Alone, o on the int8 mma took 3.37 us against 4.31 (Round 22); in the step it was not
 measured: a stand-in for o alone dropped o's deferred residual norm and failed the bench's check (Round 24, item 5).
-Here both launches compute: the merge (`merge_codes`: attention.py's merge, one warp a head) also rounds its head to
-int8 (scale max |out| / 127 of the bf16 output, round to nearest even) and writes the codes in exp_int4_imma's B
-order, the scale and the code sum; o (`o_matvec`: exp_int4_imma's kernel, one tile of 16 rows a program) adds its
+Here both launches compute: the merge (`_merge_codes_kernel`: attention.py's merge, one warp a head) also rounds its
+head to int8 (scale max |out| / 127 of the bf16 output, round to nearest even) and writes the codes in exp_int4_imma's
+B order, the scale and the code sum; o (`_o_kernel`: exp_int4_imma's kernel, one tile of 16 rows a program) adds its
 rows into the residual and leaves the norm to gate/up as the shipped o does (deferred_norm.store_deferred, a slot a
 program). x's int8 rounding moves o's output by about 0.6% (exp_int4_imma's check), so the tokens may differ from
 the shipped step's; the bench's own checks (positions attended, graph against eager tokens) still hold.
@@ -21,8 +21,10 @@ merge launch costs the step 1.5 us a layer; the launches of Rounds 3 and 18 that
 were slower). Safe while every program of the launch fits on the GPU at once (llama-8b: 32 + 256 programs of 4
 warps); the merge programs come first in the launch order, and the interpreter runs programs in order.
 
-Applies where the model's o is symmetric int4 with groups of 128 over heads of 128 features, one sequence (the
-other layers and launches run as shipped). Checked on the CPU only, under the interpreter
+Takes models whose every o is symmetric int4 with groups of 128 over heads of 128 features and defers the residual
+norm (the engine refuses others at load, so no merge is ever left for an o that does not take it); only the decode
+step's own attention takes the int8 way (the warm-up's timing of the attention and the batched server's keep the
+shipped merge); every other launch runs as shipped. Checked on the CPU only, under the interpreter
 (tests/test_exp_o_imma_step.py); not in the runtime.
 """
 
@@ -169,17 +171,14 @@ class OImma:
         self.pending = None  # fold: the merge's launch arguments, waiting for o's
         self.checked = False  # fold: the launch's residency checked (`_fits`)
 
-    def _merge_args(self, attention, out, sinks, log, step) -> tuple:
-        return (attention.o, attention.m, attention.l, sinks if sinks is not None else attention.m, out, self.codes,
-                self.xs, self.xz, log if log is not None else attention.n, attention.n,
-                step if step is not None else attention.n)
-
     def merge(self, attention, out, sinks=None, log=None, step=None) -> None:
         """DecodeAttention.merge for one sequence of 128-feature heads, also writing o's int8 x (fold: kept for
         o's launch)."""
         from thin.runtime.kernels import dependent
 
-        args = self._merge_args(attention, out, sinks, log, step)
+        args = (attention.o, attention.m, attention.l, sinks if sinks is not None else attention.m, out, self.codes,
+                self.xs, self.xz, log if log is not None else attention.n, attention.n,
+                step if step is not None else attention.n)
         options = dict(SP=triton.next_power_of_2(attention.splits), SINKS=sinks is not None, LOG=log is not None)
         if self.fold:
             self.pending = (args, attention.num_heads, attention.splits, options, dependent.kernel_args())
@@ -214,7 +213,6 @@ class OImma:
         self.fresh = False
         return defer
 
-
     @staticmethod
     def _fits(call, keywords, programs: int, warps: int) -> None:
         """Refuse a folded launch whose programs cannot all be resident at once (its o tiles would wait for merge
@@ -232,38 +230,52 @@ class OImma:
                              f"thread do not all fit at once ({per_sm} a multiprocessor)")
 
 
-def applies(op, attention) -> bool:
-    """Whether `op` (an o projection) and the attention before it take this experiment's way."""
+def applies(op) -> bool:
+    """Whether an o projection can take this experiment's way."""
     from thin.runtime.kernels.grouped_int import GroupedIntLinear
 
     return (isinstance(op, GroupedIntLinear) and op.format == "int4" and not op.asym and op.group == 128
-            and op.bias is None and op.in_features % 128 == 0 and op.out_features % 16 == 0
-            and attention.head_dim == 128 and attention.rows == 1)
+            and op.bias is None and op.in_features % 128 == 0 and op.out_features % 16 == 0)
 
 
 def patch(state: dict, fold: bool = False) -> None:
-    """Route every eligible merge and the deferred o after it through OImma (`state` keeps the OImma a device;
-    fold: the two in one launch)."""
+    """Route the decode step's merges, and the deferred o after each, through OImma (`state` keeps the OImma a
+    device and the ids of the step caches' attentions; fold: the two in one launch). A DecodeEngine refuses a model
+    that has an o this way does not take."""
+    from thin.runtime.engine import DecodeEngine
     from thin.runtime.kernels import attention as attention_module
     from thin.runtime.kernels.grouped_int import GroupedIntLinear
 
     merge, deferred = attention_module.DecodeAttention.merge, GroupedIntLinear.matvec_deferred
+    init, new_cache = DecodeEngine.__init__, DecodeEngine.new_cache
+    steps = state.setdefault("steps", set())
+
+    def checked_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        for index, layer in enumerate(self.ex.layers):
+            o = layer.attention.o
+            if not applies(o) or id(o) not in self._deferring or self.head_dim != 128:
+                raise SystemExit("exp_o_imma_step: every o must be symmetric int4 (groups of 128) over heads of 128 "
+                                 f"features and defer the residual norm; layer {index}'s is not")
+
+    def step_cache(self, *args, **kwargs):
+        cache = new_cache(self, *args, **kwargs)
+        steps.add(id(cache.attention))
+        return cache
 
     def new_merge(self, out, sinks=None, log=None, step=None):
-        if self.head_dim != 128 or self.rows != 1:
+        if id(self) not in steps or self.rows != 1:
             return merge(self, out, sinks, log, step)
-        way = state.setdefault(out.device, OImma(self.num_heads, out.device, fold))
-        way.merge(self, out, sinks, log, step)
-        way.attention = self
+        state.setdefault(out.device, OImma(self.num_heads, out.device, fold)).merge(self, out, sinks, log, step)
         return None
 
     def new_deferred(self, x, residual, out, slots, norm, cols=None):
         way = state.get(x.device)
-        if way is None or not way.fresh or cols is not None or self.in_features != way.codes.numel() or \
-                not applies(self, way.attention):
+        if way is None or not way.fresh or cols is not None:
             return deferred(self, x, residual, out, slots, norm, cols=cols)
         return way.o(self, residual, out, slots, norm)
 
+    DecodeEngine.__init__, DecodeEngine.new_cache = checked_init, step_cache
     attention_module.DecodeAttention.merge = new_merge
     GroupedIntLinear.matvec_deferred = new_deferred
 
