@@ -104,8 +104,9 @@ def head128_model(tmp_path_factory):
         linear.unregister(name, "cpu", "triton")
 
 
-@pytest.mark.parametrize("fold", [False, True], ids=["two launches", "one launch"])
-def test_a_patched_step_stays_close_to_the_shipped_step(head128_model, monkeypatch, fold):
+@pytest.mark.parametrize(("fold", "dep"), [(False, False), (False, True), (True, False)],
+                         ids=["two launches", "o a dependent", "one launch"])
+def test_a_patched_step_stays_close_to_the_shipped_step(head128_model, monkeypatch, fold, dep):
     from thin.runtime.engine import DecodeEngine
     from thin.runtime.sampling import GenerationOptions
 
@@ -126,19 +127,58 @@ def test_a_patched_step_stays_close_to_the_shipped_step(head128_model, monkeypat
     shipped = logits(DecodeEngine(model.executor, graphs=False, defer_norm=True))
     _undo_patch_after(monkeypatch)
     state = {}
-    exp.patch(state, fold=fold)
+    exp.patch(state, fold=fold, dep=dep, sleep=100 * fold)
     calls = []
+    made = []
     monkeypatch.setattr(exp.OImma, "o", lambda self, *a, o=exp.OImma.o, **kw: calls.append(1) or o(self, *a, **kw))
+    monkeypatch.setattr(exp.OImma, "__init__", lambda self, *a, i=exp.OImma.__init__, **kw: made.append(1) or
+                        i(self, *a, **kw))
     patched = logits(DecodeEngine(model.executor, graphs=False, defer_norm=True))
     assert len(calls) == 2 * len(model.executor.layers)  # o of every layer, both steps
+    assert len(made) == 1  # its buffers made (and zeroed) once, not in every step's launches
     way = next(way for key, way in state.items() if key != "steps")
     assert len(state["steps"]) == 1  # the one cache this engine made takes the int8 way
-    assert way.fold == fold and way.pending is None and not way.fresh
+    assert (way.fold, way.dep) == (fold, dep) and way.pending is None and not way.fresh
     assert way.flag.tolist() == [0, 0]  # the folded launch's counters left for the next one
     for a, b in zip(shipped, patched, strict=True):
         assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.999
     with pytest.raises(SystemExit, match="defer the residual norm"):  # an o left without the merge's x: refused
         DecodeEngine(model.executor, graphs=False, defer_norm=False)
+
+
+def test_the_bounds_take_one_half_each(head128_model, monkeypatch):
+    """--only merge: the merge writes the codes and o runs as shipped (the shipped logits); --only o: the shipped
+    merge and o on the int8 mma (from codes the merge never wrote: zeros)."""
+    from thin.runtime.engine import DecodeEngine
+    from thin.runtime.sampling import GenerationOptions
+
+    model = head128_model
+    prompt = [5, 9, 17, 33]
+    options = GenerationOptions(max_new_tokens=2, stop_token_ids=())
+
+    def logits():
+        engine = DecodeEngine(model.executor, graphs=False, defer_norm=True)
+        cache = engine.new_cache(16)
+        sampler = engine.sampler(options)
+        engine.start(cache, prompt, options)
+        engine.prefill(cache, torch.tensor(prompt), sampler)
+        return [engine.logits.float().cpu().clone() for _ in engine.decode_n_tokens(cache, 1, sampler, graph=False)]
+
+    shipped = logits()
+    for only in ("merge", "o"):
+        _undo_patch_after(monkeypatch)
+        state = {}
+        exp.patch(state, only=only)
+        calls = []
+        monkeypatch.setattr(exp.OImma, "o", lambda self, *a, o=exp.OImma.o, calls=calls, **kw: calls.append(1) or
+                            o(self, *a, **kw))
+        got = logits()
+        way = next(way for key, way in state.items() if key != "steps")
+        assert len(calls) == (0 if only == "merge" else len(model.executor.layers)) and not way.fresh
+        assert bool(way.xs.abs().sum()) == (only == "merge")  # the codes' scales written by the merge alone
+        if only == "merge":
+            assert all(torch.equal(a, b) for a, b in zip(shipped, got, strict=True))
+        monkeypatch.undo()
 
 
 def _undo_patch_after(monkeypatch):
