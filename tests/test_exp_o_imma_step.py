@@ -104,36 +104,41 @@ def head128_model(tmp_path_factory):
         linear.unregister(name, "cpu", "triton")
 
 
+def _decode_logits(model, prompt: list[int], steps: int) -> list[torch.Tensor]:
+    """The logits of `steps` greedy decode steps after `prompt`, from a fresh engine (eager, norms deferred)."""
+    from thin.runtime.engine import DecodeEngine
+    from thin.runtime.sampling import GenerationOptions
+
+    options = GenerationOptions(max_new_tokens=steps + 1, stop_token_ids=())
+    engine = DecodeEngine(model.executor, graphs=False, defer_norm=True)
+    cache = engine.new_cache(32)
+    sampler = engine.sampler(options)
+    engine.start(cache, prompt, options)
+    engine.prefill(cache, torch.tensor(prompt), sampler)
+    return [engine.logits.float().cpu().clone() for _ in engine.decode_n_tokens(cache, steps, sampler, graph=False)]
+
+
+def _counted(monkeypatch, name: str) -> list:
+    """A list that grows by one at every call of OImma's method `name` from here on."""
+    calls = []
+    method = getattr(exp.OImma, name)
+    monkeypatch.setattr(exp.OImma, name, lambda self, *a, **kw: calls.append(1) or method(self, *a, **kw))
+    return calls
+
+
 @pytest.mark.parametrize(("fold", "dep"), [(False, False), (False, True), (True, False)],
                          ids=["two launches", "o a dependent", "one launch"])
 def test_a_patched_step_stays_close_to_the_shipped_step(head128_model, monkeypatch, fold, dep):
     from thin.runtime.engine import DecodeEngine
-    from thin.runtime.sampling import GenerationOptions
 
     model = head128_model
     prompt = torch.randint(3, 250, (7,), generator=torch.Generator().manual_seed(5)).tolist()
-    options = GenerationOptions(max_new_tokens=3, stop_token_ids=())
-
-    def logits(engine):
-        cache = engine.new_cache(32)
-        sampler = engine.sampler(options)
-        engine.start(cache, prompt, options)
-        engine.prefill(cache, torch.tensor(prompt), sampler)
-        out = []
-        for _ in engine.decode_n_tokens(cache, 2, sampler, graph=False):
-            out.append(engine.logits.float().cpu().clone())
-        return out
-
-    shipped = logits(DecodeEngine(model.executor, graphs=False, defer_norm=True))
+    shipped = _decode_logits(model, prompt, 2)
     _undo_patch_after(monkeypatch)
     state = {}
     exp.patch(state, fold=fold, dep=dep, sleep=100 * fold)
-    calls = []
-    made = []
-    monkeypatch.setattr(exp.OImma, "o", lambda self, *a, o=exp.OImma.o, **kw: calls.append(1) or o(self, *a, **kw))
-    monkeypatch.setattr(exp.OImma, "__init__", lambda self, *a, i=exp.OImma.__init__, **kw: made.append(1) or
-                        i(self, *a, **kw))
-    patched = logits(DecodeEngine(model.executor, graphs=False, defer_norm=True))
+    calls, made = _counted(monkeypatch, "o"), _counted(monkeypatch, "__init__")
+    patched = _decode_logits(model, prompt, 2)
     assert len(calls) == 2 * len(model.executor.layers)  # o of every layer, both steps
     assert len(made) == 1  # its buffers made (and zeroed) once, not in every step's launches
     way = next(way for key, way in state.items() if key != "steps")
@@ -149,30 +154,15 @@ def test_a_patched_step_stays_close_to_the_shipped_step(head128_model, monkeypat
 def test_the_bounds_take_one_half_each(head128_model, monkeypatch):
     """--only merge: the merge writes the codes and o runs as shipped (the shipped logits); --only o: the shipped
     merge and o on the int8 mma (from codes the merge never wrote: zeros)."""
-    from thin.runtime.engine import DecodeEngine
-    from thin.runtime.sampling import GenerationOptions
-
     model = head128_model
     prompt = [5, 9, 17, 33]
-    options = GenerationOptions(max_new_tokens=2, stop_token_ids=())
-
-    def logits():
-        engine = DecodeEngine(model.executor, graphs=False, defer_norm=True)
-        cache = engine.new_cache(16)
-        sampler = engine.sampler(options)
-        engine.start(cache, prompt, options)
-        engine.prefill(cache, torch.tensor(prompt), sampler)
-        return [engine.logits.float().cpu().clone() for _ in engine.decode_n_tokens(cache, 1, sampler, graph=False)]
-
-    shipped = logits()
+    shipped = _decode_logits(model, prompt, 1)
     for only in ("merge", "o"):
         _undo_patch_after(monkeypatch)
         state = {}
         exp.patch(state, only=only)
-        calls = []
-        monkeypatch.setattr(exp.OImma, "o", lambda self, *a, o=exp.OImma.o, calls=calls, **kw: calls.append(1) or
-                            o(self, *a, **kw))
-        got = logits()
+        calls = _counted(monkeypatch, "o")
+        got = _decode_logits(model, prompt, 1)
         way = next(way for key, way in state.items() if key != "steps")
         assert len(calls) == (0 if only == "merge" else len(model.executor.layers)) and not way.fresh
         assert bool(way.xs.abs().sum()) == (only == "merge")  # the codes' scales written by the merge alone

@@ -32,8 +32,8 @@ runs as shipped; --only o: the shipped merge, o on the int8 mma from codes nothi
 Takes models whose every o is symmetric int4 with groups of 128 over heads of 128 features and defers the residual
 norm (the engine refuses others at load, so no merge is ever left for an o that does not take it); only the decode
 step's own attention takes the int8 way (the warm-up's timing of the attention and the batched server's keep the
-shipped merge); every other launch runs as shipped. Checked on the CPU only, under the interpreter
-(tests/test_exp_o_imma_step.py); not in the runtime.
+shipped merge); every other launch runs as shipped. Tested under the interpreter and on the H200
+(tests/test_exp_o_imma_step.py, BENCHMARKS Round 25); not in the runtime.
 """
 
 from __future__ import annotations
