@@ -32,7 +32,14 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from .engine_fusions import choose_finishing, choose_finishing_downs, choose_norm_routers, deferring_producers
+from .engine_fusions import (
+    INT8_O,
+    choose_finishing,
+    choose_finishing_downs,
+    choose_norm_routers,
+    deferring_producers,
+    int8_o_layers,
+)
 from .engine_plans import (
     appending_layers,
     block_table,
@@ -85,11 +92,18 @@ class DecodeEngine:
     `defer_norm` (default True): o and down leave the residual norm to the projection after them wherever
     both sides' kernels can (engine_fusions.deferring_producers, kernels/deferred_norm.py Deferred), ahead of
     `finish_norm`'s ways, which then serve the rest; False: never. On the H200 it gained llama-8b's int4,
-    fp8 and int8 steps 3.3-3.8%, 3.1% and 2.5% in fresh processes (BENCHMARKS, Round 13)."""
+    fp8 and int8 steps 3.3-3.8%, 3.1% and 2.5% in fresh processes (BENCHMARKS, Round 13).
+
+    `int8_o`: whether the attention's merge also rounds its output to int8 a head of 128 and o (symmetric int4,
+    groups of 128, deferring the norm) multiplies those codes on the int8 tensor cores as a programmatic
+    dependent of the merge (engine_fusions.int8_o_layers, kernels/int8_heads.py): None (default) where the step
+    launches dependents (sm_90 with graphs); True wherever the weights allow; False never. The rounding moves o's
+    output by about 0.6% (the rounding llama.cpp's int8-activation kernels make); llama-8b int4 on the H200:
+    653 tok/s against 638 (BENCHMARKS, Round 26)."""
 
     def __init__(self, executor, *, graphs: bool = True, finish_norm: bool | None = None,
                  fused_attention: bool | None = None, dependent_launch: bool | frozenset | None = None,
-                 defer_norm: bool = True):
+                 defer_norm: bool = True, int8_o: bool | None = None):
         check_supported(executor)
         from .kernels import attention, norm, rope, sampling  # noqa: F401  (imports triton)
 
@@ -159,6 +173,18 @@ class DecodeEngine:
             hopper = self.use_graphs and torch.cuda.get_device_capability(self.device) >= (9, 0)
             dependent_launch = ATTENTION if hopper else False
         self._dependent = dependent_launch if isinstance(dependent_launch, frozenset) else bool(dependent_launch)
+        # Layers whose o runs on the int8 mma from the merge's int8 heads (engine_fusions.int8_o_layers), each o a
+        # programmatic dependent of its merge: by default where the step launches dependents (plainly it was slower).
+        if int8_o is None:
+            int8_o = self._dependent is not False
+        self._int8_o = int8_o_layers(self) if int8_o else set()
+        if self._int8_o and isinstance(self._dependent, frozenset):
+            self._dependent |= {INT8_O}
+        self.heads = None
+        if self._int8_o:
+            from .kernels.int8_heads import Int8Heads
+
+            self.heads = Int8Heads.empty(self.num_heads, self.device)
         # {layer index: append_attend's repeat} of the layers whose attention appends (warm_up times it).
         self._appending = appending_layers(executor, timed=False) if fused_attention else {}
         if finish_norm:
@@ -293,7 +319,8 @@ class DecodeEngine:
                 self._project(a.qkv, self.normed, self.qkv, rstd=pending)
                 self._whole_qk_norm(a, self.qkv[None])
             options = dict(scale=a.scale, window=a.sliding_window, softcap=a.logit_softcap,
-                           sinks=getattr(a, "sinks", None), log=cache.attended if index == 0 else None, step=self.step)
+                           sinks=getattr(a, "sinks", None), log=cache.attended if index == 0 else None, step=self.step,
+                           heads=self.heads if index in self._int8_o else None)
             if index in self._appending:  # chosen in warm_up
                 with mark("attention + qk norm + rope + append"):
                     append_attend(cache.attention, self.qkv, k_cache, v_cache, table, self.pos, self.attn,
@@ -306,7 +333,13 @@ class DecodeEngine:
                     cache.attention(self.q, k_cache, v_cache, table, self.pos, self.attn, **options)
             moe = self.moe.get(index)
             pending = None
-            if moe is None or moe.norm_router is None:
+            if index in self._int8_o:  # x is the merge's int8 heads (self.attn's rounding)
+                from .kernels.int8_heads import o_deferred
+
+                with mark(INT8_O):
+                    pending = o_deferred(a.o, self.heads, self.residual, self.normed, self.slots,
+                                         norm_args(layer.ffn_norm))
+            elif moe is None or moe.norm_router is None:
                 pending = self._add_norm(a.o, self.attn, "o", layer.attn_post_norm, layer.ffn_norm)
             else:  # the router adds o's partial sums into the residual and norms it (no add_rmsnorm launch)
                 with mark("o"):
@@ -424,7 +457,8 @@ class DecodeEngine:
         uses.append((self.ex.lm_head, "direct"))
         levels = level_uses(self.ex)
         # The matvecs that defer the residual norm run one split ("direct"), timed as the others, in turn.
-        deferring = [(op, "direct") for op in self._linear_ops() if id(op) in self._deferring]
+        int8_o = {id(self.ex.layers[index].attention.o) for index in self._int8_o}  # not a matvec of theirs
+        deferring = [(op, "direct") for op in self._linear_ops() if id(op) in self._deferring and id(op) not in int8_o]
         deferring += [(op, "direct", None, cols) for op, mode, _, cols in levels
                       if mode == "partial" and id(op) in self._deferring]
         uses = self._kernel_uses(uses + levels + deferring)

@@ -4,7 +4,8 @@ work (engine.py), so that no add_rmsnorm launch is needed: o's and down's matvec
 the experts (kernels/norm_router.py), and the experts' down launch, the norm after them
 (kernels/expert_finish.py); each timed once per kind of weight or layer on a GPU against the separate
 launches, and kept only where faster. Ahead of all of these, where both sides' kernels can, o and down
-leave the norm to the projection after them (`deferring_producers`, kernels/deferred_norm.py `Deferred`)."""
+leave the norm to the projection after them (`deferring_producers`, kernels/deferred_norm.py `Deferred`), and
+o takes the attention's output as int8 a head where its weight can (`int8_o_layers`, kernels/int8_heads.py)."""
 
 from __future__ import annotations
 
@@ -142,3 +143,16 @@ def choose_finishing_downs(engine, timed: bool) -> None:
             config = configs[0] if configs else None
         for kernels in group:
             kernels.finish_down = config
+
+
+INT8_O = "o from int8 heads"  # the step's section (and dependent launch) of o's matvec from the merge's codes
+
+
+def int8_o_layers(engine) -> set[int]:
+    """Indices of the layers whose o runs on the int8 tensor cores from the attention merge's int8 heads
+    (kernels/int8_heads.py): where o defers the residual norm (`deferring_producers`) and its weight is symmetric
+    int4 in groups of 128 over heads of 128 features (int8_heads.takes)."""
+    from .kernels.int8_heads import takes
+
+    return {index for index, layer in enumerate(engine.ex.layers)
+            if id(layer.attention.o) in engine._deferring and takes(layer.attention.o, engine.head_dim)}

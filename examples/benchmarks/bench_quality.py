@@ -10,6 +10,10 @@ compile the table adds the planner's predicted KLD and the certificate's own mea
 prompts of 256 positions, a different sample than this harness's windows). The source model runs in
 float32 through thin's executor (the same numbers as transformers, see the parity tests); each
 artifact runs on the CPU.
+--int8-o adds, for each config, a row with o's input rounded to int8 a head (scale max |head| / 127, round to
+nearest even), in torch: what the GPU decode step's o on the int8 tensor cores multiplies (kernels/int8_heads.py,
+where o is symmetric int4 with groups of 128 over heads of 128; here over the model's own heads, emulated at every
+position).
 Text: the first N tokens of the held-out stdlib modules (thin.compiler.corpus.heldout_text),
 scored in windows of --context tokens, each scoring --stride new positions.
 """
@@ -60,6 +64,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--stride", type=int, default=128)
     parser.add_argument("--json", action="store_true", help="print the rows as JSON too")
+    parser.add_argument("--int8-o", action="store_true", help="add each config with o's input rounded to int8 a head")
     args = parser.parse_args()
 
     import torch
@@ -82,19 +87,23 @@ def main() -> None:
             t0 = time.perf_counter()
             compile_model(args.model_dir, path, **options)
             seconds = time.perf_counter() - t0
-            model = load(path)
-            ids = model.encode(heldout_text())[:args.tokens]
-            result = compare(reference, model, ids, context=args.context, stride=args.stride)
-            tensor_bytes = sum(model.artifact.tensor_entry(n)["size"] for n in model.artifact.tensor_names())
-            parameters = sum(_numel(t.shape) for t in model.ir.tensors)
-            plan = (model.artifact.section("precision_plan") or {}).get("plan") or {}
-            certificate = model.artifact.section("certificate") or {}
-            rows.append({"config": text, "bits_per_weight": 8 * tensor_bytes / parameters,
-                         "file_bytes": path.stat().st_size, "compile_s": seconds, **result.to_plain(),
-                         "predicted_kld": plan.get("predicted_kld"),
-                         "certificate_kld": certificate.get("measured", {}).get("mean_kld")})
-            print(f"{text:<24} {rows[-1]['bits_per_weight']:6.3f} bpw  {result.summary()}  compile {seconds:.0f}s",
-                  flush=True)
+            for int8_o in (False, True) if args.int8_o else (False,):
+                model = load(path)
+                if int8_o:
+                    round_o_inputs(model.executor)
+                ids = model.encode(heldout_text())[:args.tokens]
+                result = compare(reference, model, ids, context=args.context, stride=args.stride)
+                tensor_bytes = sum(model.artifact.tensor_entry(n)["size"] for n in model.artifact.tensor_names())
+                parameters = sum(_numel(t.shape) for t in model.ir.tensors)
+                plan = (model.artifact.section("precision_plan") or {}).get("plan") or {}
+                certificate = model.artifact.section("certificate") or {}
+                label = text + (" + int8 o input" if int8_o else "")
+                rows.append({"config": label, "bits_per_weight": 8 * tensor_bytes / parameters,
+                             "file_bytes": path.stat().st_size, "compile_s": seconds, **result.to_plain(),
+                             "predicted_kld": plan.get("predicted_kld"),
+                             "certificate_kld": certificate.get("measured", {}).get("mean_kld")})
+                print(f"{label:<24} {rows[-1]['bits_per_weight']:6.3f} bpw  {result.summary()}  "
+                      f"compile {seconds:.0f}s", flush=True)
     print()
     print("| config | bits per weight | file | mean KLD | KLD p99 | top-1 | ppl (source) | positions | predicted KLD "
           "| certificate KLD |")
@@ -106,6 +115,23 @@ def main() -> None:
               f"{r['perplexity_candidate']:.3f} ({r['perplexity_reference']:.3f}) | {r['positions']} | {extra} |")
     if args.json:
         print(json.dumps(rows, indent=1))
+
+
+def round_o_inputs(executor) -> None:
+    """Every layer's o multiplies its input rounded to int8 a head (as int8_heads' merge rounds it: the input in
+    the model's dtype, scale max |head| / 127 in float32, codes rounded to nearest even) times the scale."""
+    import torch
+
+    def rounded(o, head_dim):
+        def call(x, *args, **kwargs):
+            heads = x.float().reshape(*x.shape[:-1], -1, head_dim)
+            amax = heads.abs().amax(-1, keepdim=True).clamp_min(1e-30)
+            codes = torch.round(heads * (127.0 / amax))
+            return o(((codes * (amax / 127)).reshape(x.shape)).to(x.dtype), *args, **kwargs)
+        return call
+
+    for layer in executor.layers:
+        layer.attention.o = rounded(layer.attention.o, layer.attention.head_dim)
 
 
 def _numel(shape) -> int:

@@ -57,6 +57,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from int4_lanes import chosen_shapes, load_run, pick, print_shipped, run_mode, shipped_weights, split4, threads  # noqa: E402
 
+from thin.runtime.kernels.int8_heads import _group_sums, _tile_rows, b_order, quantize_heads  # noqa: E402
+from thin.runtime.kernels.lanes import dot4 as _dot4  # noqa: E402, F401  (the other scripts')
+from thin.runtime.kernels.lanes import imma as _imma
+
 
 def quantize_x(x: torch.Tensor):
     """x [K] -> (codes int32 [K / 4] in the B order above: a chunk's words e0, e1, o0, o1, e2, e3, o2, o3; scales
@@ -66,12 +70,8 @@ def quantize_x(x: torch.Tensor):
 
 
 def fragment_words(q: torch.Tensor) -> torch.Tensor:
-    """int8 codes (any shape, K in all) -> int32 [K / 4] in the B order above, 4 codes a word."""
-    k = q.numel()
-    # [chunk, octet pair j // 2, octet j % 2, byte m, column parity p] -> words [chunk, j // 2, p, j % 2] of bytes m
-    b = q.to(torch.int64).reshape(k // 32, 2, 2, 4, 2).permute(0, 1, 4, 2, 3).reshape(k // 4, 4) & 0xFF
-    words = b[:, 0] | b[:, 1] << 8 | b[:, 2] << 16 | b[:, 3] << 24
-    return ((words + 2**31) % 2**32 - 2**31).to(torch.int32)
+    """int8 codes (any shape, K in all) -> int32 [K / 4] in the B order above, 4 codes a word (int8_heads.b_order)."""
+    return b_order(q).view(torch.int32)
 
 
 def dequantized_x(x: torch.Tensor) -> torch.Tensor:
@@ -118,77 +118,8 @@ def chunk_major(words: torch.Tensor) -> torch.Tensor:
 
 
 def _codes(x: torch.Tensor, size: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [K] -> (int8 codes as float32 [K / size, size], scales float32 [K / size]): symmetric a group of `size`,
-    scale = max |x| / 127, codes x * (127 / max |x|) rounded to nearest even."""
-    xg = x.float().reshape(-1, size)
-    amax = xg.abs().amax(1).clamp_min(1e-30)
-    return torch.round(xg * _inverse(amax)[:, None]).clamp(-127, 127), amax / 127
-
-
-def _inverse(amax: torch.Tensor) -> torch.Tensor:
-    """127 / amax rounded once to float32, as the kernel's division (torch's own float32 division on the CPU may
-    be an ulp off, which moves the rounding of values at a half)."""
-    return (127.0 / amax.double()).float()
-
-
-@triton.jit
-def _dot4(a, b, SIGNED_A: tl.constexpr = False):
-    """sum over the 4 bytes of a (unsigned, or signed where SIGNED_A) times those of b (signed)."""
-    s = _byte(a, 0, SIGNED_A) * ((b << 24) >> 24)
-    for m in tl.static_range(1, 4):
-        s += _byte(a, m, SIGNED_A) * ((b << (24 - 8 * m)) >> 24)
-    return s
-
-
-@triton.jit
-def _byte(a, m: tl.constexpr, SIGNED: tl.constexpr):
-    """Byte m of each word of a, signed (SIGNED) or not."""
-    return (a << (24 - 8 * m)) >> 24 if SIGNED else (a >> (8 * m)) & 0xFF
-
-
-@triton.jit
-def mma_asm(a0, a1, a2, a3, b0, b1, c, SIGNED_A: tl.constexpr):
-    """c + this lane's D fragment of one mma.sync.m16n8k32 with int32 sums (A u8, or s8 where SIGNED_A; B s8), its
-    accumulators in place: sm_80 and later."""
-    cg, cg2, ch, ch2 = c
-    if SIGNED_A:
-        out = tl.inline_asm_elementwise(
-            "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, "
-            "{$10,$11,$12,$13};", "=r,=r,=r,=r,r,r,r,r,r,r,0,1,2,3", [a0, a1, a2, a3, b0, b1, cg, cg2, ch, ch2],
-            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-    else:
-        out = tl.inline_asm_elementwise(
-            "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {$0,$1,$2,$3}, {$4,$5,$6,$7}, {$8,$9}, "
-            "{$10,$11,$12,$13};", "=r,=r,=r,=r,r,r,r,r,r,r,0,1,2,3", [a0, a1, a2, a3, b0, b1, cg, cg2, ch, ch2],
-            dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=True, pack=1)
-    return out
-
-
-@triton.jit
-def _imma(a0, a1, a2, a3, b0, b1, c, ASM: tl.constexpr, SIGNED_A: tl.constexpr = False):
-    """c + this lane's D fragment (D[g][2t], D[g][2t + 1], D[g + 8][2t], D[g + 8][2t + 1]) of one
-    mma.sync.m16n8k32, int32 [L] each (L a multiple of 32, the lanes): A u8, or s8 where SIGNED_A (a0, a2 row g's
-    k = 4t.., 16 + 4t.., a1, a3 row g + 8's), B s8 (b0: B[4t ..][g], b1: B[16 + 4t ..][g]; with every column x,
-    as here, each lane's rows g and g + 8 in all four). ASM: the mma, its accumulators in place; otherwise its
-    interpreter twin, every column's products from the quad's A and B registers."""
-    b0 = tl.broadcast_to(b0, a0.shape)
-    b1 = tl.broadcast_to(b1, a0.shape)
-    cg, cg2, ch, ch2 = c
-    if ASM:
-        out = mma_asm(a0, a1, a2, a3, b0, b1, c, SIGNED_A)
-    else:
-        NW: tl.constexpr = a0.shape[0] // 32
-        bb0 = tl.reshape(b0, [NW, 1, 8, 4])  # [warp, ., column n = the lane's g, k block = the lane's t]
-        bb1 = tl.reshape(b1, [NW, 1, 8, 4])
-        dg = tl.sum(_dot4(tl.reshape(a0, [NW, 8, 1, 4]), bb0, SIGNED_A)
-                    + _dot4(tl.reshape(a2, [NW, 8, 1, 4]), bb1, SIGNED_A), axis=3)
-        dh = tl.sum(_dot4(tl.reshape(a1, [NW, 8, 1, 4]), bb0, SIGNED_A)
-                    + _dot4(tl.reshape(a3, [NW, 8, 1, 4]), bb1, SIGNED_A), axis=3)
-        g0, g1 = tl.split(tl.reshape(dg, [NW, 8, 4, 2]))  # [warp, row g, t, column parity]: columns 2t, 2t + 1
-        h0, h1 = tl.split(tl.reshape(dh, [NW, 8, 4, 2]))
-        out = (cg + tl.reshape(g0, [32 * NW]), cg2 + tl.reshape(g1, [32 * NW]), ch + tl.reshape(h0, [32 * NW]),
-               ch2 + tl.reshape(h1, [32 * NW]))
-    return out
+    """x [K] -> (int8 codes as float32 [K / size, size], scales float32 [K / size]): int8_heads.quantize_heads."""
+    return quantize_heads(x, size)
 
 
 @triton.jit
@@ -228,25 +159,6 @@ def waited_zeros(NW: tl.constexpr, PDL: tl.constexpr):
         gdc_launch_dependents()
     z = tl.zeros([32 * NW], dtype=tl.float32)
     return z, z, z, z
-
-
-@triton.jit
-def _group_sums(tile, q: tl.constexpr, S: tl.constexpr, x, zero, ASM: tl.constexpr):
-    """A group's int32 sums of rows g and g + 8 (a lane's D fragment) from a `_tile_runs` tile and the group's 8
-    B words x (e0, e1, o0, o1, e2, e3, o2, o3: octet j's even / odd columns): two mma on the even columns and two
-    on the odd (16 times the codes), each chain from zero, the odd sums shifted back exactly, then the zero point
-    (`zero`: -8 times the sum of the group's codes)."""
-    g0, g1, g2, g3 = split4(pick(tile[0], q, S))
-    h0, h1, h2, h3 = split4(pick(tile[1], q, S))
-    x0, x1, x2, x3, x4, x5, x6, x7 = x
-    lo = 0x0F0F0F0F
-    hi = -252645136  # 0xF0F0F0F0
-    z = zero * 0
-    even = _imma(g0 & lo, h0 & lo, g1 & lo, h1 & lo, x0, x1, (z, z, z, z), ASM)
-    even = _imma(g2 & lo, h2 & lo, g3 & lo, h3 & lo, x4, x5, even, ASM)
-    odd = _imma(g0 & hi, h0 & hi, g1 & hi, h1 & hi, x2, x3, (z, z, z, z), ASM)
-    odd = _imma(g2 & hi, h2 & hi, g3 & hi, h3 & hi, x6, x7, odd, ASM)
-    return even[0] + (odd[0] >> 4) + zero, even[2] + (odd[2] >> 4) + zero
 
 
 @triton.jit
@@ -301,14 +213,6 @@ def _scaled_sums(tile, q: tl.constexpr, S: tl.constexpr, x, xs, zero, CHUNKS: tl
         sum_g, sum_h = _group_sums(tile, q, S, x, zero, ASM)
         fg, fh = sum_g.to(tl.float32) * xs, sum_h.to(tl.float32) * xs
     return fg, fh
-
-
-@triton.jit
-def _tile_rows(acc_g, acc_h, NW: tl.constexpr):
-    """A tile's [16] row sums: the warps' sums lane by lane, then rows g (and g + 8) from any lane of quad g."""
-    rows_g = tl.max(tl.reshape(tl.sum(tl.reshape(acc_g, [NW, 32]), axis=0), [8, 4]), axis=1)
-    rows_h = tl.max(tl.reshape(tl.sum(tl.reshape(acc_h, [NW, 32]), axis=0), [8, 4]), axis=1)
-    return tl.reshape(tl.permute(tl.join(rows_g, rows_h), [1, 0]), [16])
 
 
 @triton.jit

@@ -1,7 +1,7 @@
-"""Lane-level pieces and benchmark inputs that the int4 kernel experiments share (exp_int4_fragments.py,
-exp_int4_imma.py, exp_flat_step.py): the thread of each element for inline mma, loads of a lane's whole run held
-as one register tensor (`load_run`, `pick`), a lane's 4 words apart (`split4`), the warps' sums, enough shipped int4
-weights not to fit in L2, llama-8b's matvec shapes, and the scripts' mode dispatch.
+"""What the int4 kernel experiments share (exp_int4_fragments.py, exp_int4_imma.py, exp_flat_step.py): the lane-level
+pieces (the thread of each element for inline mma, a lane's whole run of loads, its 4 words apart, the warps' sums:
+thin.runtime.kernels.lanes, where the runtime's int8 mma kernels keep them), enough shipped int4 weights not to fit
+in L2, llama-8b's matvec shapes, and the scripts' mode dispatch.
 """
 
 from __future__ import annotations
@@ -11,96 +11,8 @@ from collections.abc import Callable
 
 import torch
 import triton
-import triton.language as tl
 
-
-@triton.jit
-def threads(NW: tl.constexpr, ASM: tl.constexpr):
-    """[32 * NW]: the thread that holds each element. ASM: read from %tid.x (the mma reads registers by lane, so
-    the lane must be the thread's own); in the interpreter's twin, the element's index."""
-    e = tl.arange(0, 32 * NW)
-    if ASM:
-        e = tl.inline_asm_elementwise("mov.u32 $0, %tid.x;", "=r,r", [e], dtype=tl.int32, is_pure=True, pack=1)
-    return e
-
-
-@triton.jit
-def split4(t):
-    """[..., 4] (4 words a lane holds in its registers, the last axis) -> the 4 words, each [...], in order."""
-    a, b = tl.split(tl.reshape(t, t.shape[:-1] + [2, 2]))
-    a0, a1 = tl.split(a)
-    b0, b1 = tl.split(b)
-    return a0, b0, a1, b1
-
-
-@triton.jit
-def _step(ptrs, first, s: tl.constexpr, RUN: tl.constexpr, STEPS: tl.constexpr, STRIDE: tl.constexpr):
-    """A lane's words (or scales) of step (group) s of its run, masked past the run and the row."""
-    ok = (first + s < STEPS) & (s < RUN)
-    if len(ptrs.shape) == 2:
-        out = tl.load(ptrs + s * STRIDE, mask=ok[:, None], other=0)
-    else:
-        out = tl.load(ptrs + s * STRIDE, mask=ok, other=0)
-    return out
-
-
-# _run2 .. _run16: one rung a power of two, each joining two of the rung below. Triton's JIT has no recursion, and a
-# loop cannot grow a tensor's shape, so the ladder is written out.
-@triton.jit
-def _run2(ptrs, first, s: tl.constexpr, RUN: tl.constexpr, STEPS: tl.constexpr, STRIDE: tl.constexpr):
-    return tl.join(_step(ptrs, first, s, RUN, STEPS, STRIDE), _step(ptrs, first, s + 1, RUN, STEPS, STRIDE))
-
-
-@triton.jit
-def _run4(ptrs, first, s: tl.constexpr, RUN: tl.constexpr, STEPS: tl.constexpr, STRIDE: tl.constexpr):
-    return tl.join(_run2(ptrs, first, s, RUN, STEPS, STRIDE), _run2(ptrs, first, s + 2, RUN, STEPS, STRIDE))
-
-
-@triton.jit
-def _run8(ptrs, first, s: tl.constexpr, RUN: tl.constexpr, STEPS: tl.constexpr, STRIDE: tl.constexpr):
-    return tl.join(_run4(ptrs, first, s, RUN, STEPS, STRIDE), _run4(ptrs, first, s + 4, RUN, STEPS, STRIDE))
-
-
-@triton.jit
-def _run16(ptrs, first, s: tl.constexpr, RUN: tl.constexpr, STEPS: tl.constexpr, STRIDE: tl.constexpr):
-    return tl.join(_run8(ptrs, first, s, RUN, STEPS, STRIDE), _run8(ptrs, first, s + 8, RUN, STEPS, STRIDE))
-
-
-@triton.jit
-def load_run(ptrs, first, S: tl.constexpr, RUN: tl.constexpr, STEPS: tl.constexpr, STRIDE: tl.constexpr):
-    """Every step s < S of a lane's run loaded at once (`_step`), each a load of its own, held in registers as one
-    tensor [*ptrs.shape, 2, ..., 2] whose last axis is the step's highest bit (tl.join: nothing moves)."""
-    if S == 1:
-        out = _step(ptrs, first, 0, RUN, STEPS, STRIDE)
-    elif S == 2:
-        out = _run2(ptrs, first, 0, RUN, STEPS, STRIDE)
-    elif S == 4:
-        out = _run4(ptrs, first, 0, RUN, STEPS, STRIDE)
-    elif S == 8:
-        out = _run8(ptrs, first, 0, RUN, STEPS, STRIDE)
-    else:
-        out = _run16(ptrs, first, 0, RUN, STEPS, STRIDE)
-    return out
-
-
-@triton.jit
-def pick(t, s: tl.constexpr, S: tl.constexpr):
-    """Step s of a `load_run` tensor of S steps: its last axes split from the highest bit down."""
-    if S >= 16:
-        t = tl.split(t)[(s >> 3) & 1]
-    if S >= 8:
-        t = tl.split(t)[(s >> 2) & 1]
-    if S >= 4:
-        t = tl.split(t)[(s >> 1) & 1]
-    if S >= 2:
-        t = tl.split(t)[s & 1]
-    return t
-
-
-@triton.jit
-def warps_sum(acc, NW: tl.constexpr):
-    """[32 * NW] lane values -> [32]: the sum over the warps, lane by lane."""
-    return tl.sum(tl.reshape(acc, [NW, 32]), axis=0)
+from thin.runtime.kernels.lanes import load_run, pick, split4, threads, warps_sum  # noqa: F401  (the scripts' imports)
 
 
 def shipped_weights(n, k):

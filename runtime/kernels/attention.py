@@ -208,9 +208,10 @@ class DecodeAttention:
 
     def __call__(self, q, k_cache, v_cache, block_table, pos, out, *, scale: float, window: int | None = None,
                  softcap: float | None = None, sinks: torch.Tensor | None = None, log: torch.Tensor | None = None,
-                 step: torch.Tensor | None = None) -> None:
+                 step: torch.Tensor | None = None, heads=None) -> None:
         """q [num_heads, head_dim] of the token at position pos[0] (its key already appended) ->
-        out [num_heads * head_dim]; with `log`, log[step[0]] = positions attended (head 0).
+        out [num_heads * head_dim]; with `log`, log[step[0]] = positions attended (head 0); with `heads`
+        (int8_heads.Int8Heads), out rounded to int8 a head there as well (`merge`).
 
         With rows > 1: q [rows, num_heads, head_dim], pos [>= rows], block_table [>= rows, blocks]
         (sequence r at pos[r] through block_table[r]) -> out [rows, num_heads * head_dim]."""
@@ -224,13 +225,19 @@ class DecodeAttention:
             table_stride, G=self.group, GP=max(16, next_power_of_2(self.group)), BS=k_cache.shape[2], BT=self.tile,
             BLOCK_D=next_power_of_2(self.head_dim), SOFTCAP=softcap is not None, WINDOW=window is not None,
             IEEE=self.ieee(q.dtype), num_warps=4, **dependent.kernel_args())
-        self.merge(out, sinks, log, step)
+        self.merge(out, sinks, log, step, heads)
 
     def merge(self, out, sinks: torch.Tensor | None = None, log: torch.Tensor | None = None,
-              step: torch.Tensor | None = None) -> None:
+              step: torch.Tensor | None = None, heads=None) -> None:
         """The second launch: the splits' partial outputs (written by the split kernel) -> out. One warp a
         program where a head's partials fit 128 floats a lane (no cross-warp reductions: llama-8b int4 on the
-        H200, 20 splits, +0.6% a decode step in fresh processes, BENCHMARKS Round 18), else four."""
+        H200, 20 splits, +0.6% a decode step in fresh processes, BENCHMARKS Round 18), else four. With `heads`
+        (one sequence, heads of 128), the merge also rounds each head to int8 for o (int8_heads.merge_codes)."""
+        if heads is not None:
+            from .int8_heads import merge_codes
+
+            merge_codes(self, out, heads, sinks, log, step)
+            return
         sp, block_d = next_power_of_2(self.splits), next_power_of_2(self.head_dim)
         _merge_kernel[(self.num_heads, self.rows)](
             self.o, self.m, self.l, self.n, sinks if sinks is not None else self.m, out,

@@ -142,7 +142,7 @@ def append_attend(attention: DecodeAttention, qkv: torch.Tensor, k_cache: torch.
                   block_table: torch.Tensor, pos: torch.Tensor, out: torch.Tensor, *, scale: float, rope=None,
                   q_norm=None, k_norm=None, window: int | None = None, softcap: float | None = None,
                   sinks: torch.Tensor | None = None, log: torch.Tensor | None = None,
-                  step: torch.Tensor | None = None, repeat: bool = False) -> None:
+                  step: torch.Tensor | None = None, repeat: bool = False, heads=None) -> None:
     """rope_append then `attention` (DecodeAttention.__call__) in two launches: qkv [(num_heads + 2
     num_kv_heads) * head_dim], the raw projections of the token at position pos[0]; its key (normed by
     k_norm, rotated) and value go into their cache slots, and its query's (normed by q_norm, rotated)
@@ -150,7 +150,8 @@ def append_attend(attention: DecodeAttention, qkv: torch.Tensor, k_cache: torch.
     positions attended (head 0). `rope`: (cos, sin) tables [positions, rotary_dim] or None; q_norm /
     k_norm: per-head RMSNorms (weight [head_dim], eps) or None. `repeat`: each program makes its group's
     query heads once and repeats them to the 16 rows its products take, rather than making all 16 rows
-    (fewer instructions before the loop, another layout for q: `VARIANTS`, timed).
+    (fewer instructions before the loop, another layout for q: `VARIANTS`, timed). `heads`: the merge also
+    rounds out to int8 a head there (DecodeAttention.merge).
 
     With attention.rows > 1: qkv [rows, ...], pos [>= rows], block_table [>= rows, blocks] (sequence r
     at pos[r] through block_table[r]) -> out [rows, num_heads * head_dim]."""
@@ -175,7 +176,7 @@ def append_attend(attention: DecodeAttention, qkv: torch.Tensor, k_cache: torch.
         BLOCK_D=next_power_of_2(attention.head_dim), NORM=q_norm is not None, ROPE=rope is not None,
         SOFTCAP=softcap is not None, WINDOW=window is not None, IEEE=attention.ieee(qkv.dtype),
         num_warps=split_warps(attention.tile, attention.head_dim, attention.rows), **dependent.kernel_args())
-    attention.merge(out, sinks, log, step)
+    attention.merge(out, sinks, log, step, heads)
 
 
 def split_warps(tile: int, head_dim: int, rows: int = 1) -> int:
