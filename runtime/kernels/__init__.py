@@ -16,6 +16,8 @@ Everything else a decode step runs:
                     prefill attention through scaled_dot_product_attention
     attention_append.py  the decode attention's split kernel with rope.py's work inside (the engine
                     times it against rope_append + attention at warm-up)
+    int8_heads.py   the attention's merge rounding its output to int8 a head of 128, and o's symmetric int4
+                    matvec on the int8 tensor cores from those codes (lanes.py: the mma's lane-level pieces)
     activation.py   the IR's activations, and act(gate) * up for prefill
     experts.py      mixture of experts: router top-k, the chosen experts' gate/up + activation and
                     weighted down, reading each expert's packed bytes (indices stay on the device)
