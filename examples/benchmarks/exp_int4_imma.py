@@ -55,9 +55,9 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from int4_lanes import chosen_shapes, load_run, pick, print_shipped, run_mode, shipped_weights, split4, threads  # noqa: E402
+from int4_lanes import chosen_shapes, pick, print_shipped, run_mode, shipped_weights, split4, threads  # noqa: E402
 
-from thin.runtime.kernels.int8_heads import _group_sums, _tile_rows, b_order, quantize_heads  # noqa: E402
+from thin.runtime.kernels.int8_heads import _group_sums, _tile_rows, _tile_runs, b_order, quantize_heads  # noqa: E402
 from thin.runtime.kernels.lanes import dot4 as _dot4  # noqa: E402, F401  (the other scripts')
 from thin.runtime.kernels.lanes import imma as _imma
 
@@ -123,16 +123,6 @@ def _codes(x: torch.Tensor, size: int = 128) -> tuple[torch.Tensor, torch.Tensor
 
 
 @triton.jit
-def _tile_runs(w_ptr, s_ptr, row, q0, t, GPW: tl.constexpr, S: tl.constexpr, groups: tl.constexpr, K: tl.constexpr):
-    """A lane's words (16 bytes a group: chunk 4q + t) and scales of rows `row` (g) and row + 8 over its warp's
-    groups q0 .. q0 + GPW - 1, all loaded at once (int4_lanes.load_run: one load each, held as one tensor)."""
-    ptrs = w_ptr + (row * (K // 8) + (q0 * 4 + t) * 4)[:, None] + tl.arange(0, 4)[None, :]
-    s_ptrs = s_ptr + row * groups + q0
-    return (load_run(ptrs, q0, S, GPW, groups, 16), load_run(ptrs + 8 * (K // 8), q0, S, GPW, groups, 16),
-            load_run(s_ptrs, q0, S, GPW, groups, 1), load_run(s_ptrs + 8 * groups, q0, S, GPW, groups, 1))
-
-
-@triton.jit
 def lane_tiles(w_ptr, s_ptr, K: tl.constexpr, NW: tl.constexpr, GPW: tl.constexpr, T: tl.constexpr,
                ASM: tl.constexpr):
     """A 16-row-tile program's lanes and its weight: (g, t of lane 4g + t, the warp's first group q0, the first
@@ -143,10 +133,10 @@ def lane_tiles(w_ptr, s_ptr, K: tl.constexpr, NW: tl.constexpr, GPW: tl.constexp
     t = lane % 4
     q0 = e // 32 * GPW  # the warp's first group
     tile0 = tl.program_id(0) * T
-    a = _tile_runs(w_ptr, s_ptr, tile0 * 16 + g, q0, t, GPW, GPW, K // 128, K)
+    a = _tile_runs(w_ptr, s_ptr, tile0 * 16 + g, q0, t, GPW, K // 128, K)
     b = a
     if T == 2:
-        b = _tile_runs(w_ptr, s_ptr, tile0 * 16 + 16 + g, q0, t, GPW, GPW, K // 128, K)
+        b = _tile_runs(w_ptr, s_ptr, tile0 * 16 + 16 + g, q0, t, GPW, K // 128, K)
     return g, t, q0, tile0, a, b
 
 
