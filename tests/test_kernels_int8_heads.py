@@ -27,15 +27,17 @@ def _attention(heads=4, kv_heads=2, splits_len=96, seed=0):
     return attention
 
 
-def test_merge_writes_the_plain_output_and_its_int8_codes():
+@pytest.mark.parametrize("with_sinks", [False, True], ids=["no sinks", "sinks"])
+def test_merge_writes_the_plain_output_and_its_int8_codes(with_sinks):
     attention = _attention()
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(9)).to(DEVICE) if with_sinks else None
     want = torch.empty(4 * 128, dtype=torch.bfloat16, device=DEVICE)
-    attention.merge(want)
+    attention.merge(want, sinks)
     heads = Int8Heads.empty(4, DEVICE)
     got = torch.empty_like(want)
     log = torch.zeros(4, dtype=torch.int32, device=DEVICE)
     step = torch.tensor([2], dtype=torch.int32, device=DEVICE)
-    attention.merge(got, log=log, step=step, heads=heads)
+    attention.merge(got, sinks, log=log, step=step, heads=heads)
     assert torch.equal(got, want)
     assert int(log[2]) == int(attention.n.sum())
     codes, scales = int8_heads.quantize_heads(want.cpu())
@@ -132,16 +134,19 @@ def _decode_logits(model, prompt: list[int], steps: int, **engine_options):
     return engine, logits
 
 
-@pytest.mark.parametrize("dependent", [False, True], ids=["plain", "dependents"])
-def test_a_step_with_int8_o_stays_close_to_the_plain_step(head128_model, monkeypatch, dependent):
+@pytest.mark.parametrize(("dependent", "appending"), [(False, False), (True, True)],
+                         ids=["plain, three attention launches", "dependents, the appending attention"])
+def test_a_step_with_int8_o_stays_close_to_the_plain_step(head128_model, monkeypatch, dependent, appending):
     model = head128_model
     prompt = torch.randint(3, 250, (7,), generator=torch.Generator().manual_seed(5)).tolist()
-    plain_engine, plain = _decode_logits(model, prompt, 2, int8_o=False)
+    plain_engine, plain = _decode_logits(model, prompt, 2, int8_o=False, fused_attention=appending)
     assert not plain_engine._int8_o and plain_engine.heads is None
     calls = []
     o_deferred = int8_heads.o_deferred
     monkeypatch.setattr(int8_heads, "o_deferred", lambda *a, **kw: calls.append(1) or o_deferred(*a, **kw))
-    engine, got = _decode_logits(model, prompt, 2, int8_o=True, dependent_launch=dependent)
+    engine, got = _decode_logits(model, prompt, 2, int8_o=True, dependent_launch=dependent,
+                                 fused_attention=appending)
+    assert bool(engine._appending) == appending
     layers = len(model.executor.layers)
     assert engine._int8_o == set(range(layers)) and len(calls) == 2 * layers  # o of every layer, both steps
     assert engine.heads.scales.abs().min() > 0  # written by the merges
