@@ -96,8 +96,8 @@ class DecodeEngine:
 
     `int8_o`: whether the attention's merge also rounds its output to int8 a head of 128 and o (symmetric int4,
     groups of 128, deferring the norm) multiplies those codes on the int8 tensor cores as a programmatic
-    dependent of the merge (engine_fusions.int8_o_layers, kernels/int8_heads.py): None (default) where the step
-    launches dependents (sm_90 with graphs); True wherever the weights allow; False never. The rounding moves o's
+    dependent of the merge (engine_fusions.int8_o_layers, kernels/int8_heads.py): None (default) on GPUs of compute
+    capability 9 or later, with or without graphs; True wherever the weights allow; False never. The rounding moves o's
     output by about 0.6% (the rounding llama.cpp's int8-activation kernels make); llama-8b int4 on the H200:
     653 tok/s against 638 (BENCHMARKS, Round 26)."""
 
@@ -174,9 +174,10 @@ class DecodeEngine:
             dependent_launch = ATTENTION if hopper else False
         self._dependent = dependent_launch if isinstance(dependent_launch, frozenset) else bool(dependent_launch)
         # Layers whose o runs on the int8 mma from the merge's int8 heads (engine_fusions.int8_o_layers), each o a
-        # programmatic dependent of its merge: by default where the step launches dependents (plainly it was slower).
+        # programmatic dependent of its merge where the step launches dependents. By default on sm_90 and later,
+        # graphs or not (its rounding then does not depend on --no-graph); plainly launched it measured slower.
         if int8_o is None:
-            int8_o = self._dependent is not False
+            int8_o = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) >= (9, 0)
         self._int8_o = int8_o_layers(self) if int8_o else set()
         if self._int8_o and isinstance(self._dependent, frozenset):
             self._dependent |= {INT8_O}

@@ -153,8 +153,9 @@ def test_a_step_with_int8_o_stays_close_to_the_plain_step(head128_model, monkeyp
     for a, b in zip(plain, got, strict=True):
         assert torch.nn.functional.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.999
         assert not torch.equal(a, b)  # o's x was rounded
-    # by default only where the step launches dependents (the interpreter's engine launches none)
-    assert not _decode_logits(model, prompt, 1)[0]._int8_o
+    # by default only on a GPU of compute capability 9 or later (never on the CPU)
+    assert not _decode_logits(model, prompt, 1)[0]._int8_o or (
+        HAS_CUDA and torch.cuda.get_device_capability() >= (9, 0))
     # o must defer the residual norm to take its x from the merge
     assert not _decode_logits(model, prompt, 1, int8_o=True, defer_norm=False)[0]._int8_o
 
