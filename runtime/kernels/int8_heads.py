@@ -111,12 +111,11 @@ def _tile_rows(acc_g, acc_h, NW: tl.constexpr):
 
 
 @triton.jit
-def _o_kernel(w_ptr, s_ptr, xq_ptr, xs_ptr, xz_ptr, res_ptr, norm_ptr, normed_ptr, slots_ptr, n, K: tl.constexpr,
-              NW: tl.constexpr, GPW: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = 0):
-    """Rows 16 * program_id(0) .. + 15 of W @ x from the merge's codes, added into the residual with the norm
-    deferred (store_deferred: a slot a program). NW warps split K, GPW groups each (past K masked); every weight
-    word and scale of a lane is loaded before the wait (PDL: a programmatic dependent of the merge), x's codes,
-    scales and sums after it."""
+def o_tile_sums(w_ptr, s_ptr, xq_ptr, xs_ptr, xz_ptr, K: tl.constexpr, NW: tl.constexpr, GPW: tl.constexpr,
+                ASM: tl.constexpr, PDL: tl.constexpr):
+    """float32 [16]: rows 16 * program_id(0) .. + 15 of W @ x from the merge's codes. NW warps split K, GPW groups
+    each (past K masked); every weight word and scale of a lane is loaded before the wait (PDL: a programmatic
+    dependent of the merge), x's codes, scales and sums after it."""
     groups: tl.constexpr = K // 128
     e = threads(NW, ASM)
     g = (e % 32) // 4
@@ -138,7 +137,15 @@ def _o_kernel(w_ptr, s_ptr, xq_ptr, xs_ptr, xz_ptr, res_ptr, norm_ptr, normed_pt
         sum_g, sum_h = _group_sums(a, q, GPW, (x0, x1, x2, x3, x4, x5, x6, x7), zero, ASM)
         acc_g += sum_g.to(tl.float32) * xs * pick(a[2], q, GPW).to(tl.float32)
         acc_h += sum_h.to(tl.float32) * xs * pick(a[3], q, GPW).to(tl.float32)
-    total = _tile_rows(acc_g, acc_h, NW)
+    return _tile_rows(acc_g, acc_h, NW)
+
+
+@triton.jit
+def _o_kernel(w_ptr, s_ptr, xq_ptr, xs_ptr, xz_ptr, res_ptr, norm_ptr, normed_ptr, slots_ptr, n, K: tl.constexpr,
+              NW: tl.constexpr, GPW: tl.constexpr, ASM: tl.constexpr, PDL: tl.constexpr = 0):
+    """Rows 16 * program_id(0) .. + 15 of W @ x from the merge's codes (`o_tile_sums`), added into the residual
+    with the norm deferred (store_deferred: a slot a program)."""
+    total = o_tile_sums(w_ptr, s_ptr, xq_ptr, xs_ptr, xz_ptr, K, NW, GPW, ASM, PDL)
     res, w = deferred_rows(res_ptr, norm_ptr, n, 16)
     store_deferred(total, n, 16, res_ptr, False, res_ptr, normed_ptr, slots_ptr, res, w)
 
@@ -182,6 +189,13 @@ def merge_codes(attention, out: torch.Tensor, heads: Int8Heads, sinks=None, log=
         SINKS=sinks is not None, LOG=log is not None, num_warps=1 if sp <= 32 else 4, **dependent.kernel_args())
 
 
+def o_warps(k: int) -> tuple[int, int]:
+    """(warps, groups a warp) of o's program over k columns: 4 warps (on llama-8b's o 4096 x 4096 on the H200, 651
+    tok/s against 646 on 2 or 8; BENCHMARKS Round 26) up to 16 groups each, else 8."""
+    warps = 4 if k <= 16 * 4 * HEAD else 8
+    return warps, triton.next_power_of_2(-(-(k // HEAD) // warps))
+
+
 def o_deferred(op, heads: Int8Heads, residual: torch.Tensor, normed: torch.Tensor, slots: torch.Tensor,
                norm: tuple) -> Deferred:
     """o's matvec_deferred from the merge's int8 heads: residual += W @ x, normed = residual * norm weight, a
@@ -193,8 +207,7 @@ def o_deferred(op, heads: Int8Heads, residual: torch.Tensor, normed: torch.Tenso
     programs = n // 16
     if programs > slots.numel():
         raise ValueError(f"o's {programs} programs need as many norm slots, got {slots.numel()}")
-    warps = 4 if k <= 16 * 4 * HEAD else 8
-    gpw = triton.next_power_of_2(-(-(k // HEAD) // warps))
+    warps, gpw = o_warps(k)
     _o_kernel[(programs,)](op.low32.reshape(n, k // 8), op.scales.reshape(n, k // HEAD), heads.codes.view(torch.int32),
                            heads.scales,
                            heads.sums, residual, norm[0], normed, slots, n, k, warps, gpw,
@@ -227,4 +240,5 @@ def reference_o(weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     return weight.float() @ (codes * scales[:, None]).reshape(-1)
 
 
-__all__ = ["HEAD", "Int8Heads", "b_order", "merge_codes", "o_deferred", "quantize_heads", "reference_o", "takes"]
+__all__ = ["HEAD", "Int8Heads", "b_order", "merge_codes", "o_deferred", "o_tile_sums", "o_warps", "quantize_heads",
+           "reference_o", "takes"]
