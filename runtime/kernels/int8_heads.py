@@ -209,8 +209,7 @@ def o_deferred(op, heads: Int8Heads, residual: torch.Tensor, normed: torch.Tenso
         raise ValueError(f"o's {programs} programs need as many norm slots, got {slots.numel()}")
     warps, gpw = o_warps(k)
     _o_kernel[(programs,)](op.low32.reshape(n, k // 8), op.scales.reshape(n, k // HEAD), heads.codes.view(torch.int32),
-                           heads.scales,
-                           heads.sums, residual, norm[0], normed, slots, n, k, warps, gpw,
+                           heads.scales, heads.sums, residual, norm[0], normed, slots, n, k, warps, gpw,
                            INLINE_ASM and not interpreting(), num_warps=warps, **dependent.kernel_args())
     return Deferred(residual, normed, slots, norm, programs)
 
