@@ -94,12 +94,10 @@ class DecodeEngine:
     `finish_norm`'s ways, which then serve the rest; False: never. On the H200 it gained llama-8b's int4,
     fp8 and int8 steps 3.3-3.8%, 3.1% and 2.5% in fresh processes (BENCHMARKS, Round 13).
 
-    `int8_o`: whether the attention's merge also rounds its output to int8 a head of 128 and o (symmetric int4,
-    groups of 128, deferring the norm) multiplies those codes on the int8 tensor cores as a programmatic
-    dependent of the merge (engine_fusions.int8_o_layers, kernels/int8_heads.py): None (default) on GPUs of compute
-    capability 9 or later, with or without graphs; True wherever the weights allow; False never. The rounding moves o's
-    output by about 0.6% (the rounding llama.cpp's int8-activation kernels make); llama-8b int4 on the H200:
-    653 tok/s against 638 (BENCHMARKS, Round 26)."""
+    `int8_o`: whether o (symmetric int4, groups of 128, deferring the norm) multiplies the attention merge's output
+    rounded to int8 a head on the int8 tensor cores (engine_fusions.int8_o_layers): None (default) on GPUs of
+    compute capability 9 or later; True wherever the weights allow; False never. llama-8b int4 on the H200: 651
+    tok/s against 634 (BENCHMARKS, Round 26)."""
 
     def __init__(self, executor, *, graphs: bool = True, finish_norm: bool | None = None,
                  fused_attention: bool | None = None, dependent_launch: bool | frozenset | None = None,
@@ -173,19 +171,8 @@ class DecodeEngine:
             hopper = self.use_graphs and torch.cuda.get_device_capability(self.device) >= (9, 0)
             dependent_launch = ATTENTION if hopper else False
         self._dependent = dependent_launch if isinstance(dependent_launch, frozenset) else bool(dependent_launch)
-        # Layers whose o runs on the int8 mma from the merge's int8 heads (engine_fusions.int8_o_layers), each o a
-        # programmatic dependent of its merge where the step launches dependents. By default on sm_90 and later,
-        # graphs or not (its rounding then does not depend on --no-graph); plainly launched it measured slower.
-        if int8_o is None:
-            int8_o = self.device.type == "cuda" and torch.cuda.get_device_capability(self.device) >= (9, 0)
-        self._int8_o = int8_o_layers(self) if int8_o else set()
-        if self._int8_o and isinstance(self._dependent, frozenset):
-            self._dependent |= {INT8_O}
-        self.heads = None
-        if self._int8_o:
-            from .kernels.int8_heads import Int8Heads
-
-            self.heads = Int8Heads.empty(self.num_heads, self.device)
+        # Layers whose o runs on the int8 mma from the merge's int8 heads, and the heads' buffers (engine_fusions).
+        self._int8_o, self.heads = int8_o_layers(self, int8_o)
         # {layer index: append_attend's repeat} of the layers whose attention appends (warm_up times it).
         self._appending = appending_layers(executor, timed=False) if fused_attention else {}
         if finish_norm:

@@ -148,11 +148,24 @@ def choose_finishing_downs(engine, timed: bool) -> None:
 INT8_O = "o from int8 heads"  # the step's section (and dependent launch) of o's matvec from the merge's codes
 
 
-def int8_o_layers(engine) -> set[int]:
-    """Indices of the layers whose o runs on the int8 tensor cores from the attention merge's int8 heads
-    (kernels/int8_heads.py): where o defers the residual norm (`deferring_producers`) and its weight is symmetric
-    int4 in groups of 128 over heads of 128 features (int8_heads.takes)."""
-    from .kernels.int8_heads import takes
+def int8_o_layers(engine, on: bool | None) -> tuple[set[int], object]:
+    """(indices of the layers whose o runs on the int8 tensor cores from the attention merge's int8 heads, the
+    kernels/int8_heads.Int8Heads they share or None): where o defers the residual norm (`deferring_producers`) and
+    its weight is symmetric int4 in groups of 128 over heads of 128 features (int8_heads.takes). `on` None: on GPUs
+    of compute capability 9 or later, graphs or not, so that the rounding does not depend on --no-graph. Where the
+    step launches some sections as dependents, o's section (INT8_O) joins them: o then loads its weight while the
+    merge runs (launched plainly it measured slower, BENCHMARKS Round 26). The rounding moves o's output by about
+    0.6%, the rounding llama.cpp's int8-activation kernels make."""
+    if on is None:
+        on = engine.device.type == "cuda" and torch.cuda.get_device_capability(engine.device) >= (9, 0)
+    if not on:
+        return set(), None
+    from .kernels.int8_heads import Int8Heads, takes
 
-    return {index for index, layer in enumerate(engine.ex.layers)
-            if id(layer.attention.o) in engine._deferring and takes(layer.attention.o, engine.head_dim)}
+    layers = {index for index, layer in enumerate(engine.ex.layers)
+              if id(layer.attention.o) in engine._deferring and takes(layer.attention.o, engine.head_dim)}
+    if not layers:
+        return layers, None
+    if isinstance(engine._dependent, frozenset):
+        engine._dependent |= {INT8_O}
+    return layers, Int8Heads.empty(engine.num_heads, engine.device)

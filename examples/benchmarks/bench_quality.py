@@ -118,16 +118,14 @@ def main() -> None:
 
 
 def round_o_inputs(executor) -> None:
-    """Every layer's o multiplies its input rounded to int8 a head (as int8_heads' merge rounds it: the input in
-    the model's dtype, scale max |head| / 127 in float32, codes rounded to nearest even) times the scale."""
-    import torch
+    """Every layer's o multiplies its input rounded to int8 a head as int8_heads' merge rounds it
+    (int8_heads.quantize_heads over the layer's heads) times the scale."""
+    from thin.runtime.kernels.int8_heads import quantize_heads
 
     def rounded(o, head_dim):
         def call(x, *args, **kwargs):
-            heads = x.float().reshape(*x.shape[:-1], -1, head_dim)
-            amax = heads.abs().amax(-1, keepdim=True).clamp_min(1e-30)
-            codes = torch.round(heads * (127.0 / amax))
-            return o(((codes * (amax / 127)).reshape(x.shape)).to(x.dtype), *args, **kwargs)
+            codes, scales = quantize_heads(x, head_dim)
+            return o((codes * scales[:, None]).reshape(x.shape).to(x.dtype), *args, **kwargs)
         return call
 
     for layer in executor.layers:
