@@ -22,6 +22,9 @@ the odd nibbles shifted down first), and whole-matvec models of dp4a
 with the activations quantized in the kernel (dp4a-rows) or already int8 (dp4a-rows-q8, dp4a-runs-q8), sums
 over rows included. --imma: each matvec is exp_int4_imma.py's whole int8 mma kernel (its weight loaded before the
 wait, a constant int8 x after it; symmetric int4 only), the step a real-arithmetic bound for int8 activations.
+With IMMA_ONLY="NxK,..." only the matvecs of those weight shapes are replaced, the others run as shipped (pick ones
+that do not produce the deferred norm's state, which the stand-in does not write: qkv 6144x4096, the fused gate/up
+28672x4096 and the LM head 32000x4096 at llama-8b; not o or down).
 
     python examples/benchmarks/bench_step_floor.py MODEL.thin [--runs 5] [--with-x] [--plain] [--loads N] [--chain N]
         [--work N] [--post N] [--l2] [--arith NAME] [--imma]
@@ -356,6 +359,7 @@ def _read_matvec(self, x, out, config, act, partial, rows=None, cols=None, scale
 
 
 _IMMA_STATE: dict[int, Callable] = {}
+_SHIPPED_MATVEC = None  # GroupedIntLinear._matvec as shipped (main() sets it before patching)
 # --imma's tiling a weight shape, "N:K:WARPS:TILES,..." in IMMA_TILES (warps and 16-row tiles a program); else 4
 # warps and one tile at K <= 4096, 8 warps beyond (exp_int4_imma.py bench's best alone at llama-8b's shapes)
 # IMMA_CHUNKS=1: --imma with x's scales a chunk of 32 (exp_int4_imma.py CHUNKS, the plane re-laid chunk-major)
@@ -366,6 +370,9 @@ IMMA_MAX = os.environ.get("IMMA_MAX") == "1"
 IMMA_COLS = os.environ.get("IMMA_COLS") == "1"
 # IMMA_EMIT=1 (with IMMA_COLS): each matvec also writes its rows as int8 codes and chunk scales (a producer's work)
 IMMA_EMIT = os.environ.get("IMMA_EMIT") == "1"
+# IMMA_ONLY="NxK,...": --imma replaces only the matvecs of these weight shapes (out x in features); the others run
+# as shipped. Without it every int4 matvec is replaced.
+IMMA_ONLY = {tuple(int(v) for v in item.split("x")) for item in os.environ.get("IMMA_ONLY", "").split(",") if item}
 IMMA_TILES = {(int(n), int(k)): (int(w), int(t)) for n, k, w, t in
               (item.split(":") for item in os.environ.get("IMMA_TILES", "").split(",") if item)}
 
@@ -382,6 +389,8 @@ def _imma_step_matvec(self, x, out, config, act, partial, rows=None, cols=None, 
     from exp_int4_imma_max import matvec as max_matvec
 
     n, k = self.out_features, self.in_features
+    if IMMA_ONLY and (n, k) not in IMMA_ONLY:
+        return _SHIPPED_MATVEC(self, x, out, config, act, partial, rows, cols, scale, finish, defer, rstd)
     if id(self) not in _IMMA_STATE:  # the op's launch, all but its launch mode bound once
         gen = torch.Generator(device=x.device).manual_seed(n + k)
         x = torch.randn(k, generator=gen, device=x.device)
@@ -432,12 +441,14 @@ def main() -> None:
     if not args:
         raise SystemExit(__doc__)
     if IMMA_CHUNKS + IMMA_MAX + IMMA_COLS > 1 or (IMMA_EMIT and not IMMA_COLS) or (
-            (IMMA_CHUNKS or IMMA_MAX or IMMA_COLS or IMMA_TILES) and not IMMA_STEP):
+            (IMMA_CHUNKS or IMMA_MAX or IMMA_COLS or IMMA_TILES or IMMA_ONLY) and not IMMA_STEP):
         raise SystemExit("bench_step_floor.py: IMMA_CHUNKS, IMMA_MAX and IMMA_COLS are ways of --imma, one at a time; "
                          "IMMA_EMIT goes with IMMA_COLS")
     import thin.runtime.kernels.grouped_int as grouped_int
     from thin.runtime.cli import main as thin_exec
 
+    global _SHIPPED_MATVEC
+    _SHIPPED_MATVEC = grouped_int.GroupedIntLinear._matvec
     grouped_int.GroupedIntLinear._matvec = _imma_step_matvec if IMMA_STEP else _read_matvec
     sys.argv = ["thin-exec", "bench", *args, "--json"]
     thin_exec()
