@@ -443,7 +443,7 @@ def main() -> None:
     if IMMA_CHUNKS + IMMA_MAX + IMMA_COLS > 1 or (IMMA_EMIT and not IMMA_COLS) or (
             (IMMA_CHUNKS or IMMA_MAX or IMMA_COLS or IMMA_TILES or IMMA_ONLY) and not IMMA_STEP):
         raise SystemExit("bench_step_floor.py: IMMA_CHUNKS, IMMA_MAX and IMMA_COLS are ways of --imma, one at a time; "
-                         "IMMA_EMIT goes with IMMA_COLS")
+                         "IMMA_EMIT goes with IMMA_COLS; IMMA_TILES and IMMA_ONLY go with --imma")
     import thin.runtime.kernels.grouped_int as grouped_int
     from thin.runtime.cli import main as thin_exec
 
