@@ -19,6 +19,7 @@ from .model import (
 from .printer import format_ir, printable
 from .program import Program
 from .serialize import IRSchemaError, from_plain, to_plain
+from .sizes import parse_size
 from .verify import IRVerificationError, verify
 from .version import IR_VERSION, __version__
 
@@ -26,4 +27,5 @@ __all__ = [
     "Attention", "DecoderLayer", "Embedding", "Encoding", "FFNLevel", "Linear", "LMHead", "MLP", "Model", "MoE",
     "Norm", "RoPE", "Tensor", "format_ir", "Program", "IRSchemaError", "from_plain", "to_plain",
     "IRVerificationError", "verify", "IR_VERSION", "__version__", "IRError", "ThinError", "one_line", "printable",
+    "parse_size",
 ]

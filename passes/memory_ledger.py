@@ -20,9 +20,7 @@ examples/benchmarks/measure_overhead.py (see the constant).
 
 from __future__ import annotations
 
-import re
-
-from thin.ir import Model, formats
+from thin.ir import Model, formats, parse_size  # noqa: F401 (parse_size: the passes' API)
 from thin.ir.formats.base import DTYPE_BYTES
 
 # Measured 2026-11-30 on one H200 (torch 2.11, Triton 3.6) by examples/benchmarks/measure_overhead.py
@@ -35,21 +33,6 @@ CUDA_CONTEXT = 544 * 2**20
 # The engine's allocator slack, CUDA graph pools, Triton and cuBLAS scratch (runtime/memory.py).
 ENGINE_SCRATCH = 256 * 2**20
 DEFAULT_CTX = 4096
-
-_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-
-
-def parse_size(text: str) -> int:
-    """Bytes in `8G`, `7.5GiB`, `12000M`, `512MiB`, `6GB`: K/M/G/T are powers of 1024 with or without
-    "B" / "iB" (as nvidia-smi counts, and as `thin-exec --vram` reads them); a bare number is bytes."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*", str(text).lower())
-    if match is None or (match.group(3) == "ib" and not match.group(2)):
-        raise ValueError(f"cannot read {text!r} as a size; write it like 8G, 7.5GiB or 12000M")
-    size = int(float(match.group(1)) * _UNITS[match.group(2)])
-    if size <= 0:
-        raise ValueError(f"size {text!r} must be positive")
-    return size
-
 
 def compute_dtype_bytes(model: Model) -> int:
     """Bytes per activation and KV element on the GPU: the runtime computes in the embedding's stored

@@ -9,15 +9,12 @@ it raises torch.OutOfMemoryError instead of using memory the budget does not hav
 
 from __future__ import annotations
 
-import re
-
 import torch
 
-from thin.ir import formats
+from thin.ir import formats, parse_size  # noqa: F401 (parse_size: thin-exec --vram)
 
 from .errors import RunError
 
-_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 # Allocator slack, CUDA graph pools, Triton and cuBLAS scratch.
 _OVERHEAD = 256 * 2**20
 # The --vram cap set on each device (check), in bytes.
@@ -26,18 +23,6 @@ _CAPS: dict[int, int] = {}
 
 class VramBudgetError(RunError, RuntimeError):
     """The model does not fit in the --vram budget, or the budget does not fit on the card."""
-
-
-def parse_size(text: str) -> int:
-    """Bytes in a size like "8G", "7.5GiB", "12000M", "8GB" (K/M/G/T are powers of 1024, with or
-    without "B" / "iB"). ValueError for anything else."""
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]?)(i?b)?\s*", str(text).lower())
-    if not match or (match.group(3) == "ib" and not match.group(2)):
-        raise ValueError(f"not a size: {text!r} (use e.g. 8G, 7.5GiB or 12000M)")
-    value = float(match.group(1)) * _UNITS[match.group(2)]
-    if value <= 0:
-        raise ValueError(f"a size must be positive, got {text!r}")
-    return int(value)
 
 
 def human(n: float) -> str:

@@ -6,19 +6,7 @@ import sys
 import pytest
 from test_runtime_loader import write_tiny_artifact
 
-from thin.runtime.memory import estimate, parse_size
-
-
-@pytest.mark.parametrize("text,size", [("8G", 8 * 2**30), ("7.5GiB", int(7.5 * 2**30)), ("12000M", 12000 * 2**20),
-                                       ("8GB", 8 * 2**30), ("512k", 512 * 2**10), ("4096", 4096)])
-def test_sizes_parse(text, size):
-    assert parse_size(text) == size
-
-
-@pytest.mark.parametrize("text", ["", "G", "8X", "-1G", "0", "8 GiBs", "iB"])
-def test_bad_sizes_are_refused(text):
-    with pytest.raises(ValueError):
-        parse_size(text)
+from thin.runtime.memory import estimate
 
 
 @pytest.fixture(scope="module")
@@ -57,7 +45,7 @@ def _one_line_error(result) -> str:
 
 def test_vram_needs_a_gpu_and_a_size(artifact):
     assert "cuda" in _one_line_error(_exec(artifact, "--vram", "8G", "--prompt", "hi", "--device", "cpu"))
-    assert "not a size" in _one_line_error(_exec(artifact, "--vram", "eight", "--prompt", "hi"))
+    assert "cannot read" in _one_line_error(_exec(artifact, "--vram", "eight", "--prompt", "hi"))
 
 
 def test_bench_without_a_gpu_is_one_line(artifact):

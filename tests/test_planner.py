@@ -207,7 +207,8 @@ def test_parse_size(text, size):
     assert parse_size(text) == size
 
 
-@pytest.mark.parametrize("text", ["", "8X", "-1G", "G", "0M"])
+@pytest.mark.parametrize("text", ["", "8X", "-1G", "G", "0M", "8 GiBs", "iB", "0.1", "1025T",
+                                  "99999999999999999999T"])
 def test_parse_size_refuses_nonsense(text):
     with pytest.raises(ValueError):
         parse_size(text)
