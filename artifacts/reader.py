@@ -67,9 +67,18 @@ def _pread(fd: int, n: int, offset: int) -> bytes:
     return b"".join(chunks)
 
 
+def _version(text: str) -> tuple[int, ...]:
+    """"0.1.0" as (0, 1, 0); a version that is not dotted numbers ("?") as newer than any."""
+    parts = text.split(".")
+    return tuple(map(int, parts)) if all(p.isdigit() for p in parts) else (1 << 30,)
+
+
 def _read_preamble(fd: int, size: int, path: Path) -> Preamble:
     head = _pread(fd, min(size, PREAMBLE_SIZE), 0)
-    if head[:len(MAGIC)] != MAGIC[:len(head)] or not head:
+    if not head:
+        raise BadMagicError(f"{path} is empty (0 bytes), not a .thin artifact; give the file that `thinc compile` "
+                            "wrote, or compile it again")
+    if head[:len(MAGIC)] != MAGIC[:len(head)]:
         raise BadMagicError(f"{path} is not a .thin artifact (it starts with {head[:8]!r}); "
                             "give the file that `thinc compile` wrote")
     if len(head) < PREAMBLE_SIZE:
@@ -77,6 +86,10 @@ def _read_preamble(fd: int, size: int, path: Path) -> Preamble:
                              "preamble: re-download or recompile")
     pre, reserved, crc, computed = unpack_preamble(head)
     if pre.major != FORMAT_VERSION[0]:
+        if pre.major > FORMAT_VERSION[0] and _version(pre.min_thin_version) <= _version(THIN_VERSION):
+            # A newer format that a release no newer than this one wrote: the preamble is damaged.
+            raise CorruptHeaderError(f"{path} names .thin format {pre.major}.{pre.minor}, which no thin up to "
+                                     f"{THIN_VERSION} writes; {_DAMAGED}")
         if pre.major > FORMAT_VERSION[0]:
             need = pre.min_thin_version if pre.min_thin_version != "?" else "a newer release"
             raise UnsupportedVersionError(

@@ -179,6 +179,13 @@ def test_newer_major_names_the_thin_it_needs(tmp_path):
     path.write_bytes(reseal(blob, major=0))
     with pytest.raises(art.UnsupportedVersionError, match="recompile"):
         open_artifact(path)
+    # A newer major that this very release claims to have written is a damaged preamble, not a newer file.
+    path.write_bytes(reseal(blob, major=99, min_thin_version=art.reader.THIN_VERSION))
+    with pytest.raises(art.CorruptHeaderError, match="format 99.0, which no thin up to .* damaged"):
+        open_artifact(path)
+    path.write_bytes(b"")
+    with pytest.raises(art.BadMagicError, match=r"is empty \(0 bytes\)"):
+        open_artifact(path)
 
 
 def test_newer_minor_extras_are_ignored_same_minor_extras_refused(tmp_path):
