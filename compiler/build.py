@@ -7,6 +7,7 @@ import stat
 import tempfile
 import time
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from math import prod
 from pathlib import Path
@@ -41,6 +42,7 @@ class CompileReport:
     precision_plan: dict | None = None  # the artifact's sections, as written
     memory: dict | None = None
     certificate: dict | None = None
+    has_tokenizer: bool = True  # tokenizer.json is in the artifact: thin-exec takes text
 
 
 def compile_model(model_dir, output, *, cache_dir=None, dump_ir=None, progress: Progress | None = None,
@@ -79,6 +81,8 @@ def build(model_dir, output, config: CompileConfig, *, cache_dir=None, dump_ir=N
 
     progress = progress or (lambda stage, done, total: None)
     model_dir, output = Path(model_dir), check_output(output)
+    if dump_ir is not None:
+        dump_ir = check_dump_dir(dump_ir)
     clock = _Clock()
     # torch is imported on first use; time it here so the stage that happens to need it first
     # (writing tensors) is not charged for interpreter start-up.
@@ -140,14 +144,17 @@ def _write(program, source, config: CompileConfig, key: str, output: Path, progr
     from thin.artifacts import ArtifactWriter
 
     tensors = program.model.tensors
-    with ArtifactWriter(output) as writer:
+    with _writing(output):
+        writer = ArtifactWriter(output)
+    with writer:
         for i, t in enumerate(tensors):
             progress("write tensors", i, len(tensors))
             raw = program.load(t.name)  # the weight contract: the encoded bytes of t's encoding
-            writer.add_tensor(t.name, raw.contiguous().numpy(), align=t.align)
+            with _writing(output):
+                writer.add_tensor(t.name, raw.contiguous().numpy(), align=t.align)
             del raw
         progress("write tensors", len(tensors), len(tensors))
-        writer.commit(program.model, {
+        sections = {
             "tokenizer": dict(source.tokenizer_files),
             "chat_template": source.chat_template,
             "generation_config": dict(source.generation_config),
@@ -157,7 +164,9 @@ def _write(program, source, config: CompileConfig, key: str, output: Path, progr
             "certificate": program.annotations.get("certificate", None if config.quantized else EXACT_CERTIFICATE),
             "provenance": _provenance(source, model_dir),
             "key": key,
-        })
+        }
+        with _writing(output):
+            writer.commit(program.model, sections)
 
 
 def _precision_plan(program) -> dict | None:
@@ -192,7 +201,8 @@ def _provenance(source, model_dir: Path) -> dict:
 def _report(art, output: Path, key: str, cache_hit: bool, clock: _Clock) -> CompileReport:
     report = CompileReport(output=output, key=key, cache_hit=cache_hit, seconds=clock.laps,
                            precision_plan=art.section("precision_plan"), memory=art.section("memory"),
-                           certificate=art.section("certificate"))
+                           certificate=art.section("certificate"),
+                           has_tokenizer="tokenizer.json" in (art.section("tokenizer") or {}))
     for t in art.model.tensors:
         report.tensors += 1
         report.formats[t.encoding.format] = report.formats.get(t.encoding.format, 0) + 1
@@ -229,9 +239,47 @@ def check_output(output, inputs=()) -> Path:
     for source in inputs:
         same_file = st is not None and os.path.exists(source) and os.path.samestat(st, os.stat(source))
         if same_file or real == os.path.realpath(source):
-            raise OutputPathError(f"output {path} is an input of this compile ({source}); writing there would "
+            raise OutputPathError(f"output {path} is also an input ({source}); writing there would "
                                   "destroy it: choose another output path")
+    probe_writable(path, "output")
     return path
+
+
+def probe_writable(path: Path, what: str) -> None:
+    """Create and remove the temp file a write of `path` starts with, so that a read-only, foreign or
+    full folder is refused before the work, not after it."""
+    from thin.artifacts import create_temp_beside
+
+    try:
+        fd, tmp = create_temp_beside(path)
+    except OSError as e:
+        raise OutputPathError(f"cannot write {what} {path}: {e.strerror or e}; choose a folder you can write to") \
+            from None
+    os.close(fd)
+    os.unlink(tmp)
+
+
+def check_dump_dir(path) -> Path:
+    """The --dump-ir folder, created if missing and checked writable before the compile starts."""
+    path = Path(path)
+    if path.exists() and not path.is_dir():
+        raise OutputPathError(f"--dump-ir {path} exists and is not a folder; give a folder for the IR text files")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputPathError(f"cannot create the --dump-ir folder {path}: {e.strerror or e}") from None
+    probe_writable(path / "00-input.txt", "into the --dump-ir folder")
+    return path
+
+
+@contextmanager
+def _writing(output: Path):
+    """OSError while writing the artifact (a full disk, an I/O error) as one line naming the output; the
+    writer has removed its temp file, and `output` is as it was."""
+    try:
+        yield
+    except OSError as e:
+        raise OutputPathError(f"writing {output} failed: {e.strerror or e}; nothing was written there") from None
 
 
 class _Clock:

@@ -10,11 +10,14 @@ text; PNG with a tiny zlib + struct encoder and a 3x5 pixel font, so no imaging 
 
 from __future__ import annotations
 
+import contextlib
+import os
 import struct
 import zlib
 from math import prod
 from pathlib import Path
 
+from thin.artifacts import create_temp_beside
 from thin.ir import formats
 
 _ROLE_ORDER = ("attn.q", "attn.k", "attn.v", "attn.qkv", "attn.o", "ffn.gate", "ffn.up", "ffn.gate_up", "ffn.down")
@@ -193,11 +196,18 @@ def _encode_png(pixels: list[list[tuple[int, int, int]]]) -> bytes:
 def write_precision_map(artifact, path) -> Path:
     """Draw `artifact`'s precision map to `path` (.svg or .png); returns the path."""
     path = Path(path)
-    g = grid(artifact)
-    if path.suffix.lower() == ".svg":
-        path.write_text(to_svg(g))
-    elif path.suffix.lower() == ".png":
-        path.write_bytes(to_png(g))
-    else:
+    if path.suffix.lower() not in (".svg", ".png"):
         raise ValueError(f"--precision-map writes .svg or .png, got {path.name!r}")
+    g = grid(artifact)
+    data = to_svg(g).encode() if path.suffix.lower() == ".svg" else to_png(g)
+    # Written beside and renamed: an interrupted write leaves `path` as it was.
+    fd, tmp = create_temp_beside(path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
     return path

@@ -36,6 +36,9 @@ class ModelFolder:
 
     def __init__(self, path):
         self.path = Path(path)
+        if self.path.exists() and not self.path.is_dir():
+            raise CheckpointError(f"{self.path} is a file, not a checkpoint folder; give the folder that holds "
+                                  f"config.json and the *.safetensors ({self.path.parent})")
         if not self.path.is_dir():
             raise CheckpointError(f"checkpoint directory {self.path} does not exist")
         self.root = Path(os.path.realpath(self.path))
