@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
+                  context_settings={"help_option_names": ["-h", "--help"]},
                   help="thin's compiler: Hugging Face checkpoint in, one verified .thin file out.")
 
 _FUSE_HELP = "Keep q/k/v and gate/up as separate projections (default: fuse them)."
@@ -176,7 +177,8 @@ class _StageProgress:
 
 @app.command()
 def compile(
-    model_dir: Path = typer.Argument(..., help="Hugging Face model folder (config.json + *.safetensors)."),
+    model_dir: Path = typer.Argument(..., metavar="MODEL_DIR",
+                                     help="Hugging Face model folder (config.json + *.safetensors)."),
     # A str, not a Path: Path("dir/") drops the trailing slash that says a folder was meant.
     output: str = typer.Option(..., "-o", "--output", help="Path of the .thin file to write."),
     dump_ir: Path | None = typer.Option(None, "--dump-ir", help="Write the IR text after each pass here."),
@@ -215,6 +217,8 @@ def compile(
                          stream_experts=stream_experts, **_budget(
             vram, bpw, ctx, calib, calib_tokens, method, max_kld, allow_uncertified, device, tie_fused,
             expert_formats, formats, max_expert_formats))
+        if cache_dir is not None and cache_dir.exists() and not cache_dir.is_dir():
+            raise OSError(f"--cache-dir {cache_dir} is a file, not a folder; give a folder for the cached artifacts")
         return build(model_dir, output, config, cache_dir=cache_dir, dump_ir=dump_ir,
                      progress=_StageProgress(quiet), calib=calib)
 
@@ -223,6 +227,12 @@ def compile(
         typer.echo(f"cache hit: {cache_dir}/{report.key}.thin", err=True)
     elif report.cache_note:
         typer.echo(terminal_safe(report.cache_note), err=True)
+    if not report.has_tokenizer:
+        typer.echo(f"warning: {terminal_safe(str(model_dir))} has no tokenizer.json, so the artifact has no "
+                   "tokenizer: thin-exec cannot take text, only token ids from Python", err=True)
+    if ctx is not None and report.memory is not None and report.memory["ctx"] < ctx:
+        typer.echo(f"note: the model takes at most {report.memory['ctx']} positions, so the ledger reserves KV "
+                   f"cache for {report.memory['ctx']} tokens, not --ctx {ctx}", err=True)
     mix = ", ".join(f"{k} x{v}" for k, v in sorted(report.formats.items()))
     rows = [
         ("output", terminal_safe(str(report.output))),
@@ -243,7 +253,7 @@ def compile(
 
 @app.command()
 def inspect(
-    file: Path = typer.Argument(..., help="A .thin file."),
+    file: Path = typer.Argument(..., metavar="FILE.thin", help="A .thin file."),
     as_json: bool = typer.Option(False, "--json", help="Print the description as JSON."),
     ir: bool = typer.Option(False, "--ir", help="Print the model's IR as text."),
     precision_map: Path | None = typer.Option(None, "--precision-map", metavar="FILE", help=_MAP_HELP),
@@ -252,9 +262,15 @@ def inspect(
     from thin.artifacts import describe, open_artifact, render_description
     from thin.ir import format_ir
 
+    from .build import check_output
     from .precision_map import write_precision_map
 
     def run():
+        if not file.is_file():
+            raise OSError(f"no such artifact: {file}" if not file.exists() else f"{file} is not a file")
+        if precision_map is not None:
+            # The same refusals as -o: never the artifact itself, a device, a folder or a missing folder.
+            check_output(precision_map, [file])
         with open_artifact(file) as art:
             if precision_map is not None:
                 try:
@@ -275,7 +291,7 @@ def inspect(
 
 
 @app.command()
-def verify(file: Path = typer.Argument(..., help="A .thin file.")):
+def verify(file: Path = typer.Argument(..., metavar="FILE.thin", help="A .thin file.")):
     """Check the header and every tensor checksum; exit 0 when intact, 1 naming the bad tensors."""
     from thin.artifacts import verify_file
 
@@ -288,7 +304,7 @@ def verify(file: Path = typer.Argument(..., help="A .thin file.")):
 
 @app.command()
 def key(
-    model_dir: Path = typer.Argument(..., help="Hugging Face model folder."),
+    model_dir: Path = typer.Argument(..., metavar="MODEL_DIR", help="Hugging Face model folder."),
     no_fuse: NoFuse = False,
     quant: Quant = None,
     group_size: GroupSize = None,
@@ -334,7 +350,7 @@ def _budget_list(values: str | None, parse) -> list:
 
 @app.command()
 def plan(
-    model_dir: Path = typer.Argument(..., help="Hugging Face model folder."),
+    model_dir: Path = typer.Argument(..., metavar="MODEL_DIR", help="Hugging Face model folder."),
     vram: str | None = typer.Option(None, "--vram", metavar="SIZE[,SIZE...]", help="Budgets such as 4G,6G,8G."),
     bpw: str | None = typer.Option(None, "--bpw", metavar="B[,B...]", help="Bits-per-weight budgets such as 3.6,5."),
     ctx: Ctx = None,

@@ -234,7 +234,8 @@ def _check_flags(options: dict, groups: dict) -> None:
             groups["certify"].get("max_kld") is None:
         raise CompileOptionError("--allow-uncertified needs a certificate: a budget or --max-kld")
     if not planned and "score" in groups:
-        raise CompileOptionError("--expert-formats, --formats and probe_windows are planner options: give a "
-                                 "budget (--bpw / --vram)")
+        given = ", ".join(f"--{k.replace('_', '-')}" if k in ("expert_formats", "formats") else k
+                          for k in sorted(groups["score"]))
+        raise CompileOptionError(f"{given}: planner options; give a budget (--bpw / --vram)")
     if "ffn" in groups and "levels" not in groups["ffn"]:
         raise CompileOptionError("ffn_importance, ffn_per_layer and ffn_correction shape FFN levels: give --ffn-levels")

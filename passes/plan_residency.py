@@ -48,6 +48,15 @@ def page_length(names: list[str], records: dict, sizes: dict[str, int]) -> int:
     return position
 
 
+def check_residency(program: Program, ctx: PassContext) -> Program:
+    """The first pass of a --stream-experts compile: BudgetError when the model has no routed experts
+    to keep in host memory, before calibration runs the model. Changes nothing."""
+    if not any(isinstance(layer.ffn, MoE) for layer in program.model.layers):
+        raise BudgetError("--stream-experts keeps routed experts in host memory, and this model has none; "
+                          "leave it out (a --vram budget alone plans a dense model)")
+    return program
+
+
 def plan_residency(program: Program, ctx: PassContext) -> Program:
     """Afterwards annotations['memory'] is the ledger of the model as the runtime places it under
     `--vram`: every tensor on the device except the host-resident experts, plus an `expert_cache`
@@ -61,7 +70,7 @@ def plan_residency(program: Program, ctx: PassContext) -> Program:
     sizes = {t.name: formats.nbytes(t.encoding.format, t.shape, t.encoding.params) for t in model.tensors}
     experts = {(layer.index, e): expert_tensors(mlp) for layer in model.layers if isinstance(layer.ffn, MoE)
                for e, mlp in enumerate(layer.ffn.experts)}
-    if not experts:
+    if not experts:  # check_residency refuses this before calibration; kept for direct callers
         raise BudgetError("--stream-experts keeps routed experts in host memory, and this model has none")
     in_experts = {name for names in experts.values() for name in names}
     rest = sum(size for name, size in sizes.items() if name not in in_experts)

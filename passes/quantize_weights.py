@@ -65,8 +65,9 @@ class QuantizeOptions:
         if type(self.act_order) is not bool:
             raise QuantizeOptionError("act_order must be true or false")
         if self.format is None:
-            if self.group_size is not None or self.asymmetric:
-                raise QuantizeOptionError("--group-size and --asymmetric need --quant FORMAT")
+            if self.group_size is not None or self.asymmetric or self.keep_lm_head:
+                raise QuantizeOptionError("--group-size, --asymmetric and --keep-lm-head need --quant FORMAT (with "
+                                          "a budget the planner picks every tensor's format)")
             return
         fmt = formats.FORMATS.get(self.format)
         quantized = [f.name for f in formats.FORMATS.values() if not f.dense and not f.experts_only]
