@@ -81,6 +81,8 @@ def ffn_level_summary(cert: dict | None, keep: float) -> str:
     """One line for the elastic FFN level `keep` a runtime runs: its certificate, or why there is none."""
     levels = ((cert or {}).get("ffn_levels") or {}).get("levels", [])
     level = next((lv for lv in levels if abs(lv["keep"] - keep) < 5e-4), None)
+    if level is None and keep == 1:  # the whole FFN: the model's own certificate measured it
+        return certificate_summary(cert)
     if level is None:
         return f"FFN level {keep:g}: UNCERTIFIED (not a level the compiler measured)"
     m = level["measured"]

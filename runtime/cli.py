@@ -149,6 +149,8 @@ def _prompt_ids(model, text: str, raw: bool, history: list[dict] | None = None) 
 def _one_shot(model, text: str, raw: bool, options: dict, notes: tuple[str, ...] = ()):
     """Generate once for `text`; `notes` (quality, implementations) are printed with the speed at the end,
     so that a refused prompt or option is the one line on stderr."""
+    if not text.strip():
+        raise _UserError("the prompt is empty: give --prompt TEXT or pipe text on stdin")
     if not raw and model.chat_template is None:
         typer.echo("thin-exec: the artifact has no chat template; using the prompt as raw text", err=True)
         raw = True
@@ -257,7 +259,7 @@ def run(
                  *([f"thin-exec: {model.describe_implementations()}"] if verbose else []))
         if prompt is not None:
             _one_shot(model, prompt, raw, options, notes)
-        elif sys.stdin.isatty():
+        elif sys.stdin is not None and sys.stdin.isatty():
             _chat(model, raw, options, notes)
         else:
             # `echo text |` ends the prompt with a newline the user did not mean as text.
@@ -307,10 +309,15 @@ def bench(
             raise _UserError("--prompt-len must be >= 1, --gen >= 2 and --runs >= 1")
         if uncertified and ffn_keep is None:
             raise _UserError("--uncertified goes with --ffn-keep F")
-        model = load(model_path, device=device, vram=_vram_bytes(vram), context=prompt_len + gen,
-                     graphs=not no_graph, ffn_keep=_ffn_keep(ffn_keep), uncertified=uncertified)
-        if model.device.type != "cuda":
-            raise _UserError("bench measures the CUDA decode path: use --device cuda")
+        budget, keep = _vram_bytes(vram), _ffn_keep(ffn_keep)  # the command line's mistakes first
+        if not device.startswith("cuda"):
+            raise _UserError(f"thin-exec bench measures the GPU decode path: use --device cuda or cuda:N, "
+                             f"not {device}")
+        if not torch.cuda.is_available():
+            raise _UserError("thin-exec bench measures the GPU decode path and needs a CUDA GPU; none is available "
+                             "here")
+        model = load(model_path, device=device, vram=budget, context=prompt_len + gen,
+                     graphs=not no_graph, ffn_keep=keep, uncertified=uncertified)
         result = measure.run(model, prompt_len=prompt_len, new_tokens=gen, runs=runs, profile=profile)
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
@@ -325,6 +332,8 @@ def _read_stdin() -> str:
     """The prompt piped on stdin: at most MAX_PROMPT_BYTES, strict UTF-8."""
     from thin.runtime.inputs import MAX_PROMPT_BYTES
 
+    if sys.stdin is None:  # started with stdin closed (`<&-`): nothing to read
+        return ""
     stream = getattr(sys.stdin, "buffer", None)
     if stream is None:  # a text stream without bytes underneath (embedding, tests)
         text = sys.stdin.read(MAX_PROMPT_BYTES + 1)

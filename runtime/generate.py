@@ -7,6 +7,7 @@ when to stop.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -52,13 +53,18 @@ class GenerationStats:
     def summary(self) -> str:
         """One line for stderr: prefill and decode throughput (and expert transfers when experts stream)."""
         cached = f" (+{self.cached_tokens} cached)" if self.cached_tokens else ""
-        line = (f"prefill: {self.prompt_tokens} tokens{cached}, {self.prefill_tokens_per_second:.1f} tok/s | "
-                f"decode: {self.new_tokens} tokens, {self.decode_tokens_per_second:.1f} tok/s")
+        line = (f"prefill: {self.prompt_tokens} tokens{cached}, {_rate(self.prefill_tokens_per_second)} | "
+                f"decode: {self.new_tokens} tokens, {_rate(self.decode_tokens_per_second)}")
         if self.expert_transfers is not None:
             steps = max(self.new_tokens - 1, 1)
             line += (f", {self.expert_transfers_per_token:.2f} expert transfers/token "
                      f"({self.expert_transfer_bytes / steps / 2**20:.2f} MiB/token)")
         return line
+
+
+def _rate(tokens_per_second: float) -> str:
+    # nan: nothing was timed (--max-new-tokens 0 runs no prefill, 1 runs no decode step).
+    return "- tok/s" if math.isnan(tokens_per_second) else f"{tokens_per_second:.1f} tok/s"
 
 
 class ContextTooLongError(RunError, ValueError):

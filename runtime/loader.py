@@ -37,11 +37,12 @@ def resolve_device(device: str | torch.device) -> torch.device:
     """Check that `device` ("cpu", "cuda", "cuda:1") is usable here; raise DeviceUnavailableError if not."""
     try:
         device = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise DeviceUnavailableError(f"unknown device {device!r}: {e}") from None
+    except (RuntimeError, TypeError):
+        raise DeviceUnavailableError(f"unknown device {device!r}: use cpu, cuda or cuda:N") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise DeviceUnavailableError("--device cuda was requested but no CUDA GPU is available")
+            raise DeviceUnavailableError(f"device {str(device)!r} needs a CUDA GPU and none is available here; "
+                                         "use --device cpu")
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise DeviceUnavailableError(
                 f"device {device} requested but only {torch.cuda.device_count()} CUDA GPU(s) are present")
