@@ -89,7 +89,9 @@ def server(artifact):
             env={**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"})
     try:
         deadline = time.monotonic() + 120
-        while not (found := re.search(r"Uvicorn running on (http://127\.0\.0\.1:\d+)", log_path.read_text())):
+        # The server's own line names the port --port 0 got; requests wait for uvicorn's startup line.
+        while not ((found := re.search(r" at (http://127\.0\.0\.1:\d+)/v1 ", log_path.read_text()))
+                   and "Application startup complete" in log_path.read_text()):
             assert process.poll() is None and time.monotonic() < deadline, log_path.read_text()
             time.sleep(0.1)
         yield Server(found.group(1), log_path, process)
@@ -358,26 +360,39 @@ def test_an_api_key_is_required_when_set(model):
 
 
 def test_serve_command_binds_loopback_unless_told_and_warns_without_a_key(artifact, monkeypatch):
-    import uvicorn
     from typer.testing import CliRunner
 
+    from thin.runtime.serve import cli
     from thin.runtime.serve.cli import app, is_loopback
 
     assert all(map(is_loopback, ["127.0.0.1", "127.8.0.1", "::1", "[::1]", "localhost"]))
     assert not any(map(is_loopback, ["0.0.0.0", "::", "192.168.1.10", "example.com"]))
     runs = []
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: runs.append(kw))
+    monkeypatch.setattr(cli, "_run", lambda server, sock, host, port: runs.append((sock.getsockname(), host, port)))
     runner = CliRunner()
-    result = runner.invoke(app, [str(artifact), "--port", "9"])
+    result = runner.invoke(app, [str(artifact), "--port", "0"])
     assert result.exit_code == 0, result.output
-    assert runs[-1]["host"] == "127.0.0.1" and runs[-1]["port"] == 9 and "warning" not in result.stderr
-    result = runner.invoke(app, [str(artifact), "--host", "0.0.0.0"])
-    assert result.exit_code == 0 and runs[-1]["host"] == "0.0.0.0"
+    (address, port), host, told = runs[-1]
+    assert address == host == "127.0.0.1" and port == told > 0 and "warning" not in result.stderr
+    assert f"at http://127.0.0.1:{port}/v1" in result.stderr  # the port --port 0 got, not 0
+    result = runner.invoke(app, [str(artifact), "--host", "0.0.0.0", "--port", "0"])
+    assert result.exit_code == 0 and runs[-1][0][0] == runs[-1][1] == "0.0.0.0"
     assert "warning: binding 0.0.0.0 without --api-key" in result.stderr
-    result = runner.invoke(app, [str(artifact), "--host", "0.0.0.0", "--api-key", "k"])
+    result = runner.invoke(app, [str(artifact), "--host", "0.0.0.0", "--port", "0", "--api-key", "k"])
     assert "warning" not in result.stderr
     result = runner.invoke(app, [str(artifact.parent / "missing.thin")])
     assert result.exit_code == 1 and "no such file" in result.stderr
+    # A port taken, an address that is not there, an empty id: one line before the model loads, exit 1.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = str(taken.getsockname()[1])
+        for args, match in ((["--port", busy], f"cannot listen on 127.0.0.1 port {busy}"),
+                            (["--host", "no-such-host.invalid"], "cannot listen on no-such-host.invalid"),
+                            (["--name", " "], "--name is empty")):
+            result = runner.invoke(app, [str(artifact), *args])
+            assert result.exit_code == 1 and match in result.stderr, result.output
+            assert len(result.stderr.strip().splitlines()) == 1 and "thin-exec serve: error:" in result.stderr
     # `thin-exec serve` reaches this command through thin-exec's entry point.
     help_text = subprocess.run([sys.executable, "-m", "thin.runtime.cli", "serve", "--help"], capture_output=True,
                                text=True, check=True).stdout

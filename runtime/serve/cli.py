@@ -50,7 +50,7 @@ def serve(
     verify: bool = typer.Option(False, "--verify", help="Check every tensor's checksum before serving."),
 ):
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401 (here so that a missing server package is one line)
 
         from .app import create_app
         from .limits import Limits
@@ -66,21 +66,58 @@ def serve(
 
     if not model_path.is_file():
         _fail(f"no such file: {model_path}")
+    if name is not None and not name.strip():
+        _fail("--name is empty: give the model id clients send, or leave it out for the file name")
+    sock = _listen(host, port)  # a busy port or a bad address fails now, not after the model loads
     report_progress("thin-exec serve")
     try:
         model = load(model_path, device=device, verify=verify)
         server = create_app(model, name=name, limits=Limits(max_batch=max_batch, max_queue=max_queue),
                             api_key=api_key)
     except (ThinError, ArtifactError, OSError, DeviceUnavailableError, TemplateError, ValueError, MemoryError) as e:
+        sock.close()
         _fail(str(e) or type(e).__name__)
+    port = sock.getsockname()[1]  # the port chosen for --port 0
     if not is_loopback(host) and not api_key:
         typer.echo(f"thin-exec serve: warning: binding {host} without --api-key: anyone who can reach this "
                    "address can use the model", err=True)
-    where = f" at http://{host if ':' not in host else f'[{host}]'}:{port}/v1" if port else ""
-    typer.echo(f"thin-exec serve: {model_path} as model {server.state.server.name!r}{where} "
+    where = f"http://{host if ':' not in host else f'[{host}]'}:{port}/v1"
+    typer.echo(f"thin-exec serve: {model_path} as model {server.state.server.name!r} at {where} "
                f"(batch {max_batch}, queue {max_queue})", err=True)
     _log_requests()
-    uvicorn.run(server, host=host, port=port, log_level="info", timeout_graceful_shutdown=5)
+    _run(server, sock, host, port)
+
+
+def _listen(host: str, port: int):
+    """A socket bound to (host, port) and listening, or one line and exit 1 (port taken, no such address)."""
+    import socket
+
+    address = host.strip("[]")
+    try:
+        sock = socket.socket(socket.AF_INET6 if ":" in address else socket.AF_INET, socket.SOCK_STREAM)
+    except OSError as e:
+        _fail(f"cannot listen on {host}: {e.strerror or e}")
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: restart while old ones close
+        sock.bind((address, port))
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        why = e.strerror or str(e)
+        _fail(f"cannot listen on {host} port {port}: {why}; choose another --port (0: any free one) or --host")
+    return sock
+
+
+def _run(server, sock, host: str, port: int) -> None:
+    import uvicorn
+
+    config = uvicorn.Config(server, host=host.strip("[]"), port=port, log_level="info", timeout_graceful_shutdown=5)
+    try:
+        uvicorn.Server(config).run(sockets=[sock])
+    except KeyboardInterrupt:  # Ctrl-C during startup; afterwards uvicorn shuts down by itself
+        pass
+    finally:
+        sock.close()
 
 
 def _log_requests() -> None:
