@@ -89,7 +89,7 @@ def test_bad_options_and_devices_are_one_line_errors(artifact):
     assert result.exit_code == 1 and "empty" in result.stderr
     if not torch.cuda.is_available():
         result = runner.invoke(cli.app, [str(artifact), "--prompt", "x", "--device", "cuda"])
-        assert result.exit_code == 1 and "no CUDA GPU" in result.stderr
+        assert result.exit_code == 1 and "needs a CUDA GPU" in result.stderr
 
 
 def test_verify_reports_damaged_tensor(artifact, tmp_path):
