@@ -14,17 +14,25 @@ from dataclasses import dataclass
 
 import torch
 
-from .errors import InputError
+from .errors import InputError, RunError
 
 # transformers' GenerationConfig defaults, used when an artifact's generation_config is silent.
 _HF_DEFAULT_TOP_K = 50
 # transformers' default max_length (20 tokens in total) is too short for chat; ours when unset.
 DEFAULT_MAX_NEW_TOKENS = 512
 _INT32 = (1 << 31) - 1
+# Below this a temperature overflows float32 logits (inf / nan probabilities), and it is greedy in effect;
+# a repetition penalty outside this range does the same (the server's bounds too).
+MIN_TEMPERATURE = 1e-5
+PENALTY_RANGE = (0.01, 100.0)
 
 
 class GenerationOptionError(InputError):
     """A generation option of the wrong type or outside its range (NaN included); names the value."""
+
+
+class NonFiniteLogitsError(RunError, ArithmeticError):
+    """The model produced NaN or inf logits: nothing can be sampled from them."""
 
 
 def _is_int(value) -> bool:
@@ -53,16 +61,20 @@ class GenerationOptions:
         problems = []
         if not (_is_int(self.max_new_tokens) and 0 <= self.max_new_tokens <= _INT32):
             problems.append(f"max_new_tokens must be an integer in 0..{_INT32}, got {self.max_new_tokens!r}")
-        if not (_is_number(self.temperature) and 0 <= self.temperature < math.inf):
-            problems.append(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not (_is_number(self.temperature) and (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature
+                                                 < math.inf)):
+            problems.append(f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:g}, got "
+                            f"{self.temperature!r}")
         if not (_is_int(self.top_k) and self.top_k >= 0):  # at or past the vocabulary: no filtering
             problems.append(f"top_k must be an integer >= 0, got {self.top_k!r}")
         if not (_is_number(self.top_p) and 0.0 < self.top_p <= 1.0):
             problems.append(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not (_is_number(self.min_p) and 0.0 <= self.min_p <= 1.0):
             problems.append(f"min_p must be in [0, 1], got {self.min_p!r}")
-        if not (_is_number(self.repetition_penalty) and 0 < self.repetition_penalty < math.inf):
-            problems.append(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty!r}")
+        if not (_is_number(self.repetition_penalty) and PENALTY_RANGE[0] <= self.repetition_penalty
+                <= PENALTY_RANGE[1]):
+            problems.append(f"repetition_penalty must be in [{PENALTY_RANGE[0]:g}, {PENALTY_RANGE[1]:g}], got "
+                            f"{self.repetition_penalty!r}")
         if self.seed is not None and not (_is_int(self.seed) and -(1 << 63) <= self.seed < 1 << 64):
             problems.append(f"seed must be a 64-bit integer (-2**63..2**64-1), got {str(self.seed)[:40]}")
         if (not isinstance(self.stop_token_ids, tuple)
@@ -210,4 +222,9 @@ def sample_next(logits: torch.Tensor, options: GenerationOptions, seen_ids: torc
     if options.greedy:
         return int(processed.argmax(dim=-1))
     probs = processed.softmax(dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
+    try:
+        return int(torch.multinomial(probs, 1, generator=generator))
+    except RuntimeError as e:  # inf / nan probabilities: the logits were not finite
+        raise NonFiniteLogitsError("the model's logits are not finite (NaN or inf), so no token can be drawn: "
+                                   "the artifact's weights are damaged; verify it (thinc verify) or recompile "
+                                   "from a sound checkpoint") from e

@@ -88,5 +88,5 @@ def test_repetition_penalty_discourages_repeats():
     plain = list(generate(FakeExecutor(**ex_opts), [9], GenerationOptions(max_new_tokens=4)))
     assert plain == [9, 9, 9, 9]
     penalised = list(generate(FakeExecutor(**ex_opts), [9],
-                              GenerationOptions(max_new_tokens=4, repetition_penalty=1000.0)))
+                              GenerationOptions(max_new_tokens=4, repetition_penalty=100.0)))
     assert 9 not in penalised

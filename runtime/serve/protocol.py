@@ -17,13 +17,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from thin.runtime.sampling import GenerationOptions
+from thin.runtime.sampling import MIN_TEMPERATURE, PENALTY_RANGE, GenerationOptions
 
 from .errors import ApiError
 from .limits import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
-# Below this a temperature means greedy (vLLM's threshold too).
-MIN_TEMPERATURE = 1e-5
+# Below MIN_TEMPERATURE a request's temperature means greedy (vLLM's threshold too).
 
 
 class _Strict(BaseModel):
@@ -42,7 +41,7 @@ class _Sampling(_Strict):
     top_k: int | None = Field(None, ge=-1)  # extension (vLLM's name); -1 or 0: off
     min_p: float | None = Field(None, ge=0.0, le=1.0)  # extension
     # Extension: transformers' multiplicative penalty; bounded so a penalised logit stays finite.
-    repetition_penalty: float | None = Field(None, ge=0.01, le=100.0)
+    repetition_penalty: float | None = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     seed: int | None = Field(None, ge=-(2 ** 63), lt=2 ** 64)
