@@ -64,6 +64,14 @@ HELDOUT_SEPARATOR = "\n\n# ---- {name} ----\n\n"
 _SKIP_DIRS = frozenset({"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"})
 
 
+
+class SampleTooSmallError(ValueError):
+    """The standard library sample holds fewer characters than asked; `available` says how many."""
+
+    def __init__(self, message: str, available: int):
+        super().__init__(message)
+        self.available = available
+
 def stdlib_dir() -> Path:
     """Return the directory of the running Python's standard library."""
     return Path(sysconfig.get_paths()["stdlib"]).resolve()
@@ -158,4 +166,4 @@ def calibration_text(n_chars: int, root: Path | None = None, chunk_chars: int = 
         total += len(piece)
         if total >= n_chars:
             return "".join(out)[:n_chars]
-    raise ValueError(f"training side has only {total} characters, {n_chars} asked")
+    raise SampleTooSmallError(f"training side has only {total} characters, {n_chars} asked", total)

@@ -11,7 +11,7 @@ import stat
 from pathlib import Path
 
 from .config import CompileConfig, CompileOptionError
-from .corpus import calibration_text, heldout_text
+from .corpus import SampleTooSmallError, calibration_text, heldout_text
 
 # Characters drawn from the standard library per calibration token asked for: code tokenizes at
 # 2-4 characters a token, so this leaves room for any tokenizer; the pass keeps the first N tokens.
@@ -68,8 +68,14 @@ def evaluation_texts(config: CompileConfig, calib_file=None) -> tuple[str | None
         raise CompileOptionError("calibrate.source is 'file': give the file (--calib FILE)")
     calibration = None
     if config.calibrated:
-        calibration = read_calibration_file(calib_file) if calib_file is not None else \
-            calibration_text(config.calibrate.tokens * CHARS_PER_TOKEN)
+        try:
+            calibration = read_calibration_file(calib_file) if calib_file is not None else \
+                calibration_text(config.calibrate.tokens * CHARS_PER_TOKEN)
+        except SampleTooSmallError as e:
+            raise CompileOptionError(
+                f"--calib-tokens {config.calibrate.tokens} is more than the built-in sample (this Python's standard "
+                f"library) holds, about {e.available // CHARS_PER_TOKEN} tokens: ask for fewer, or give your own "
+                "text with --calib FILE") from None
     heldout = heldout_text() if config.certified else None
     return calibration, heldout
 

@@ -26,8 +26,8 @@ class CalibrateOptions:
     source: str = "stdlib"  # "stdlib" (corpus.calibration_text) or "file" (--calib FILE)
 
     def __post_init__(self):
-        if type(self.tokens) is not int or self.tokens < 64:
-            raise CalibrationError(f"--calib-tokens must be an integer >= 64, got {self.tokens!r}")
+        if type(self.tokens) is not int or not 64 <= self.tokens < 1 << 31:
+            raise CalibrationError(f"--calib-tokens must be an integer in 64..{(1 << 31) - 1}, got {self.tokens!r}")
         if self.source not in ("stdlib", "file"):
             raise CalibrationError(f"calibration source must be 'stdlib' or 'file', got {self.source!r}")
 

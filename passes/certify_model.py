@@ -19,6 +19,7 @@ the best program measured is kept.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 
 from thin.ir import Program
@@ -49,8 +50,9 @@ class CertifyOptions:
     rounds: int = 4  # promotion rounds at most
 
     def __post_init__(self):
-        if self.max_kld is not None and (not isinstance(self.max_kld, (int, float)) or self.max_kld <= 0):
-            raise ValueError(f"--max-kld must be a positive number, got {self.max_kld!r}")
+        if self.max_kld is not None and (not isinstance(self.max_kld, (int, float)) or isinstance(self.max_kld, bool)
+                                         or not 0 < self.max_kld < math.inf):  # NaN fails the comparison too
+            raise ValueError(f"--max-kld must be a positive finite number, got {self.max_kld!r}")
         for name in ("prompts", "positions", "generate"):
             value = getattr(self, name)
             if type(value) is not int or value < 1:

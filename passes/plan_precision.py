@@ -24,6 +24,9 @@ class BudgetError(ValueError):
     """The budget cannot be met by any choice of formats (or is not given at all)."""
 
 
+_MAX_COUNT = (1 << 31) - 1  # counts the header stores (--ctx, --max-expert-formats): far past any model's
+
+
 @dataclass(frozen=True)
 class PlanOptions:
     """The budget the planner meets: `--bpw` (bits per weight over every tensor, scales included)
@@ -43,13 +46,13 @@ class PlanOptions:
             raise BudgetError(f"--bpw must be a number of bits in (0, 32], got {self.bpw!r}")
         if self.vram is not None and (type(self.vram) is not int or self.vram <= 0):
             raise BudgetError(f"--vram must be a positive number of bytes, got {self.vram!r}")
-        if type(self.ctx) is not int or self.ctx < 1:
-            raise BudgetError(f"--ctx must be a positive number of tokens, got {self.ctx!r}")
+        if type(self.ctx) is not int or not 1 <= self.ctx <= _MAX_COUNT:
+            raise BudgetError(f"--ctx must be a number of tokens in 1..{_MAX_COUNT}, got {self.ctx!r}")
         if type(self.tie_fused) is not bool:
             raise BudgetError("tie_fused must be true or false")
         if self.max_expert_formats is not None and (type(self.max_expert_formats) is not int
-                                                    or self.max_expert_formats < 1):
-            raise BudgetError(f"--max-expert-formats must be a positive number of formats, got "
+                                                    or not 1 <= self.max_expert_formats <= _MAX_COUNT):
+            raise BudgetError(f"--max-expert-formats must be a number of formats in 1..{_MAX_COUNT}, got "
                               f"{self.max_expert_formats!r}")
 
     @property
