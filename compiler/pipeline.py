@@ -8,6 +8,7 @@ from thin.passes import (
     certify_ffn_levels,
     certify_model,
     check_budget,
+    check_ffn_levels,
     check_residency,
     fuse_projections,
     layout_experts,
@@ -26,9 +27,10 @@ def build_pipeline(config: CompileConfig) -> list[Pass]:
     """The passes a compile with `config` runs, in order."""
     planned, levels = config.plan.planned, config.ffn.enabled
     return [
-        # -- budget: a budget below the smallest model, or experts to stream in a dense one, fail here,
-        #    before the model ever runs
+        # -- checks: a budget below the smallest model, experts to stream in a dense model, FFN levels in a
+        #    mixture of experts fail here, before the model ever runs
         *([check_residency] if config.residency.enabled else []),
+        *([check_ffn_levels] if levels else []),
         *([check_budget] if planned else []),
         # -- precision: statistics of every linear input, predicted error per format, the plan
         *([calibrate_inputs] if config.calibrated else []),

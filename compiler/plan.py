@@ -31,6 +31,15 @@ def plan_budgets(model_dir, budgets: list[dict], *, progress=None, calib=None, *
     configs = [CompileConfig.from_options(**budget, **options) for budget in budgets]
     first = configs[0]
     source = load_checkpoint(Path(model_dir))
+    # What check_budget refuses needs no calibration: when it refuses every budget, say so before any runs.
+    refused = {}
+    for i, config in enumerate(configs):
+        try:
+            check_budget(source.program, PassContext(config=config, source=source.program))
+        except BudgetError as e:
+            refused[i] = str(e)
+    if len(refused) == len(configs):
+        raise CompileOptionError(refused[0] if len(configs) == 1 else f"no budget can be met; the first: {refused[0]}")
     calibration, _ = evaluation_texts(first, calib)
     seconds = {}
     with tempfile.TemporaryDirectory(prefix="thin-plan-") as scratch:
@@ -44,9 +53,12 @@ def plan_budgets(model_dir, budgets: list[dict], *, progress=None, calib=None, *
         scored = score_formats(program, ctx)
         seconds["score"] = time.perf_counter() - started
         rows = []
-        for budget, config in zip(budgets, configs):
+        for i, (budget, config) in enumerate(zip(budgets, configs)):
             each = dataclasses.replace(ctx, config=config)
             row = {"budget": {k: v for k, v in budget.items()}}
+            if i in refused:
+                rows.append({**row, "error": refused[i]})
+                continue
             try:
                 planned = plan_precision(check_budget(scored, each), each)
             except BudgetError as e:

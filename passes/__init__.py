@@ -7,7 +7,7 @@ from .check_budget import check_budget
 from .fuse_projections import fuse_projections
 from .layout_experts import layout_experts
 from .memory_ledger import CUDA_CONTEXT, ledger, parse_size
-from .order_superblocks import FFNLevelOptionError, FFNLevelOptions, order_superblocks
+from .order_superblocks import FFNLevelOptionError, FFNLevelOptions, check_ffn_levels, order_superblocks
 from .order_tensors import order_tensors
 from .plan_precision import BudgetError, PlanOptions, plan_precision, solve
 from .plan_residency import ResidencyOptions, check_residency, plan_residency
@@ -20,7 +20,8 @@ __all__ = [
     "BudgetError", "CalibrateOptions", "CalibrationError", "CertificationError", "CertifyOptions", "DEFAULT_MAX_KLD",
     "Evaluator", "FFNLevelOptionError", "FFNLevelOptions", "Pass", "PassContext", "PassError", "PlanOptions",
     "QuantizeOptionError", "QuantizeOptions", "ResidencyOptions", "CUDA_CONTEXT", "ScoreOptions", "Scratch",
-    "calibrate_inputs", "certify_ffn_levels", "certify_model", "check_budget", "check_residency", "fuse_projections",
-    "input_groups", "layout_experts", "ledger", "linear_weights", "order_superblocks", "order_tensors", "parse_size",
+    "calibrate_inputs", "certify_ffn_levels", "certify_model", "check_budget", "check_ffn_levels", "check_residency",
+    "fuse_projections", "input_groups", "layout_experts", "ledger", "linear_weights", "order_superblocks",
+    "order_tensors", "parse_size",
     "plan_precision", "plan_residency", "plannable", "quantize_weights", "run_passes", "score_formats", "solve",
 ]

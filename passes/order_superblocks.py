@@ -87,6 +87,13 @@ def dense_mlps(program: Program) -> list[MLP]:
     return out
 
 
+def check_ffn_levels(program: Program, ctx: PassContext) -> Program:
+    """The first pass of an --ffn-levels compile: ValueError when a layer is a mixture of experts, before
+    calibration runs the model. Changes nothing."""
+    dense_mlps(program)
+    return program
+
+
 def order_superblocks(program: Program, ctx: PassContext) -> Program:
     """Afterwards every dense FFN's intermediate channels are in decreasing importance (ties in source
     order): gate/up rows and down columns permuted together, so the model computes the same function;
