@@ -86,7 +86,11 @@ class CompileCache:
         ident = _identity(before)
         if _identity(os.stat(entry, follow_symlinks=False)) != ident:
             raise BadCacheEntryError(f"cache entry {entry} changed while it was copied")
-        with open_artifact(copy, writable=False) as art:
+        try:
+            art = open_artifact(copy, writable=False)
+        except ArtifactError as e:  # named by the entry, not by the temp copy it was found in
+            raise BadCacheEntryError(str(e).replace(copy, str(entry))) from None
+        with art:
             if art.key != key:
                 held = art.key[:16] or "(none)"
                 raise BadCacheEntryError(f"cache entry {entry} holds an artifact for key {held}..., not {key[:16]}...")

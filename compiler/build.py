@@ -82,6 +82,8 @@ def build(model_dir, output, config: CompileConfig, *, cache_dir=None, dump_ir=N
     progress = progress or (lambda stage, done, total: None)
     model_dir, output = Path(model_dir), check_output(output)
     if dump_ir is not None:
+        if os.path.realpath(dump_ir) == os.path.realpath(output):
+            raise OutputPathError(f"--dump-ir {dump_ir} and the output are the same path; give each its own")
         dump_ir = check_dump_dir(dump_ir)
     clock = _Clock()
     # torch is imported on first use; time it here so the stage that happens to need it first
@@ -130,7 +132,7 @@ def build(model_dir, output, config: CompileConfig, *, cache_dir=None, dump_ir=N
         try:
             cache.store(key, output)
         except OSError as e:  # the artifact is written and sound; only the next compile loses the reuse
-            note = f"cache not updated: {e}"
+            note = f"cache not updated: {cache.entry(key)}: {e.strerror or e}"
             progress(note, 0, 0)
         clock.lap("cache")
     with open_artifact(output) as art:

@@ -256,7 +256,8 @@ def inspect(
     file: Path = typer.Argument(..., metavar="FILE.thin", help="A .thin file."),
     as_json: bool = typer.Option(False, "--json", help="Print the description as JSON."),
     ir: bool = typer.Option(False, "--ir", help="Print the model's IR as text."),
-    precision_map: Path | None = typer.Option(None, "--precision-map", metavar="FILE", help=_MAP_HELP),
+    # A str, not a Path, as -o: Path("map.svg/") drops the slash that says a folder was meant.
+    precision_map: str | None = typer.Option(None, "--precision-map", metavar="FILE", help=_MAP_HELP),
 ):
     """Describe an artifact: sections and sizes, tensors by format, key, provenance, certificate, memory ledger."""
     from thin.artifacts import describe, open_artifact, render_description
@@ -270,7 +271,7 @@ def inspect(
             raise OSError(f"no such artifact: {file}" if not file.exists() else f"{file} is not a file")
         if precision_map is not None:
             # The same refusals as -o: never the artifact itself, a device, a folder or a missing folder.
-            check_output(precision_map, [file])
+            check_output(precision_map, [file])  # raises on "map.svg/"; a Path from here on
         with open_artifact(file) as art:
             if precision_map is not None:
                 try:
@@ -299,7 +300,7 @@ def verify(file: Path = typer.Argument(..., metavar="FILE.thin", help="A .thin f
     if bad:
         _fail(f"{file}: {len(bad)} tensor(s) fail their checksum: {', '.join(bad[:10])}; "
               f"the file is damaged: recompile or fetch it again")
-    typer.echo(f"{file}: ok")
+    typer.echo(f"{terminal_safe(str(file))}: ok")
 
 
 @app.command()
@@ -344,8 +345,11 @@ def key(
     typer.echo(_guard(run))
 
 
-def _budget_list(values: str | None, parse) -> list:
-    return [parse(v.strip()) for v in values.split(",") if v.strip()] if values else []
+def _budget_list(values: str | None, parse, flag: str) -> list:
+    try:
+        return [parse(v.strip()) for v in values.split(",") if v.strip()] if values else []
+    except ValueError:
+        raise OSError(f"{flag} takes a comma-separated list such as 3.6,5; got {values!r}") from None
 
 
 @app.command()
@@ -370,8 +374,8 @@ def plan(
     from .plan import plan_budgets, render_plan
 
     def run():
-        budgets = [{"vram": v} for v in _budget_list(vram, str)]
-        budgets += [{"bpw": b} for b in _budget_list(bpw, float)]
+        budgets = [{"vram": v} for v in _budget_list(vram, str, "--vram")]
+        budgets += [{"bpw": b} for b in _budget_list(bpw, float, "--bpw")]
         return plan_budgets(model_dir, budgets, progress=_StageProgress(quiet), calib=calib, ctx=ctx,
                             calib_tokens=calib_tokens, method=method, device=device, tie_fused=tie_fused,
                             expert_formats=expert_formats, formats=formats,

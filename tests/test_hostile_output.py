@@ -172,6 +172,9 @@ def test_a_bad_cache_entry_of_any_kind_is_rebuilt(folder, tmp_path, damage):
         entry.mkdir()
     again = _compile(folder, tmp_path, "b.thin")
     assert not again.cache_hit and again.key == first.key != other.key and again.cache_note
+    assert ".tmp-" not in again.cache_note  # named by the entry, never by the temp copy it was checked in
+    if damage in ("truncated", "garbage"):
+        assert str(entry) in again.cache_note
     assert (tmp_path / "b.thin").read_bytes() == (tmp_path / "a.thin").read_bytes()
     if damage != "directory":  # a directory is left alone; the compile still runs
         with open_artifact(entry) as art:
