@@ -146,6 +146,17 @@ def _prompt_ids(model, text: str, raw: bool, history: list[dict] | None = None) 
     return model.encode(model.render_chat(messages, add_generation_prompt=True), add_special_tokens=False)
 
 
+def _fit_default(model, options: dict, prompt_tokens: int) -> dict:
+    """`options` with a default max_new_tokens (not given on the command line) cut to the positions the
+    prompt leaves, as the server does; a length the user gave is kept and checked as given."""
+    if options.get("max_new_tokens") is not None:
+        return options
+    room = (model.ir.max_position_embeddings or 0) - prompt_tokens
+    if 1 <= room < model.generation_options(**options).max_new_tokens:
+        return {**options, "max_new_tokens": room}
+    return options
+
+
 def _one_shot(model, text: str, raw: bool, options: dict, notes: tuple[str, ...] = ()):
     """Generate once for `text`; `notes` (quality, implementations) are printed with the speed at the end,
     so that a refused prompt or option is the one line on stderr."""
@@ -157,7 +168,7 @@ def _one_shot(model, text: str, raw: bool, options: dict, notes: tuple[str, ...]
     ids = _prompt_ids(model, text, raw)
     if not ids:
         raise _UserError("the prompt is empty")
-    _, stats = _stream(model, ids, options)
+    _, stats = _stream(model, ids, _fit_default(model, options, len(ids)))
     for note in notes:
         typer.echo(note, err=True)
     typer.echo(stats.summary(), err=True)
@@ -195,7 +206,7 @@ def _chat(model, raw: bool, options: dict, notes: tuple[str, ...] = ()):
             continue
         try:
             ids = _prompt_ids(model, line, raw, history)
-            reply, stats = _stream(model, ids, options, conversation)
+            reply, stats = _stream(model, ids, _fit_default(model, options, len(ids)), conversation)
         except KeyboardInterrupt:
             typer.echo("(interrupted)", err=True)
             continue
@@ -249,15 +260,25 @@ def run(
         _check_file(model_path)
         if uncertified and ffn_keep is None:
             raise _UserError("--uncertified goes with --ffn-keep F")
+        if no_graph and not device.startswith("cuda"):
+            raise _UserError("--no-graph is for --device cuda (the CPU path captures no graph)")
         model = load(model_path, device=device, verify=verify, vram=_vram_bytes(vram), graphs=not no_graph,
                      ffn_keep=_ffn_keep(ffn_keep), uncertified=uncertified)
-        model.generation_options(**options)  # reject bad values before any prompt is read
+        if model.generation_options(**options).greedy:  # also rejects bad values before any prompt is read
+            ignored = [f"--{k.replace('_', '-')}" for k in ("top_k", "top_p", "min_p", "seed")
+                       if options[k] is not None]
+            if ignored:
+                why = "--temperature 0" if temperature is not None else "the model's generation_config"
+                typer.echo(f"thin-exec: note: decoding is greedy ({why}), so {', '.join(ignored)} change nothing; "
+                           "give --temperature T > 0 to sample", err=True)
         certificate = model.artifact.section("certificate")
         quality = (certificate_summary(certificate) if ffn_keep is None
                    else ffn_level_summary(certificate, model.ffn_keep))
         notes = (f"thin-exec: quality: {quality}",
                  *([f"thin-exec: {model.describe_implementations()}"] if verbose else []))
         if prompt is not None:
+            if not prompt.strip():
+                raise _UserError("--prompt is empty: give the text to continue, or leave --prompt out to read stdin")
             _one_shot(model, prompt, raw, options, notes)
         elif sys.stdin is not None and sys.stdin.isatty():
             _chat(model, raw, options, notes)
@@ -266,10 +287,23 @@ def run(
             _one_shot(model, _read_stdin().removesuffix("\n"), raw, options, notes)
     except KeyboardInterrupt:
         raise typer.Exit(130) from None
+    except BrokenPipeError:  # `thin-exec ... | head`: the reader has what it wanted
+        _quiet_stdout()
+        raise typer.Exit(0) from None
     except torch.OutOfMemoryError as e:
         _fail(_out_of_memory(e, vram))
     except _expected_errors() as e:
         _fail(str(e) or type(e).__name__)
+
+
+def _quiet_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's last flush on a closed pipe says nothing."""
+    import os
+
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
 
 
 bench_app = typer.Typer(add_completion=False, pretty_exceptions_enable=False,

@@ -68,6 +68,8 @@ def serve(
         _fail(f"no such file: {model_path}")
     if name is not None and not name.strip():
         _fail("--name is empty: give the model id clients send, or leave it out for the file name")
+    if api_key is not None and not api_key.strip():
+        _fail("--api-key (or THIN_API_KEY) is empty: give a key, or unset it to serve without one")
     sock = _listen(host, port)  # a busy port or a bad address fails now, not after the model loads
     report_progress("thin-exec serve")
     try:
