@@ -20,3 +20,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def llama_source(tmp_path_factory):
+    """A tiny random llama checkpoint (vocabulary 320) with a tokenizer of 300 ids, once per module."""
+    from hf_tiny import make_checkpoint
+    from tiny_tokenizer import write_tokenizer
+
+    path = tmp_path_factory.mktemp("llama")
+    make_checkpoint("llama", path, vocab_size=320)
+    write_tokenizer(path, vocab_size=300)
+    return path

@@ -28,11 +28,8 @@ runner = CliRunner()
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama")
-    make_checkpoint("llama", path, vocab_size=320)
-    write_tokenizer(path, vocab_size=300)
-    return path
+def source(llama_source):
+    return llama_source
 
 
 @pytest.fixture(scope="module")

@@ -20,18 +20,13 @@ from thin.compiler.build import check_output
 from thin.compiler.errors import OutputPathError
 
 from commands import command
-from hf_tiny import make_checkpoint
-from tiny_tokenizer import write_tokenizer
 
 OLD_NS = 1_600_000_000 * 10**9
 
 
 @pytest.fixture(scope="module")
-def source(tmp_path_factory):
-    path = tmp_path_factory.mktemp("llama")
-    make_checkpoint("llama", path, vocab_size=320)
-    write_tokenizer(path, vocab_size=300)
-    return path
+def source(llama_source):
+    return llama_source
 
 
 @pytest.fixture
