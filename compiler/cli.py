@@ -329,9 +329,13 @@ def key(
 ):
     """Print the cache key `thinc compile` would give MODEL_DIR with these options (calibration text,
     planner options and certificate thresholds included)."""
+    from thin.passes import PassContext, run_passes
+
     from .build import input_key
+    from .hf import load_checkpoint
     from .hf.inventory import take_inventory
     from .inputs import evaluation_texts
+    from .pipeline import check_passes
 
     def run():
         inventory = take_inventory(model_dir)  # the same list of files a compile reads and hashes
@@ -339,6 +343,9 @@ def key(
                          stream_experts=stream_experts, **_budget(
             vram, bpw, ctx, calib, calib_tokens, method, max_kld, allow_uncertified, device, tie_fused,
             expert_formats, formats, max_expert_formats))
+        # A compile's check passes (budget, experts to stream, FFN levels) refuse here as there.
+        source = load_checkpoint(model_dir)
+        run_passes(source.program, check_passes(config), PassContext(config=config, source=source.program))
         inputs = {name: inventory.folder.path / name for name in inventory.names()}
         return input_key(inputs, inventory.folder.identities, config, *evaluation_texts(config, calib))
 

@@ -23,15 +23,21 @@ from thin.passes import (
 from .config import CompileConfig
 
 
+def check_passes(config: CompileConfig) -> list[Pass]:
+    """The passes that only check the model against `config` (they run nothing and change nothing): a budget
+    below the smallest model, experts to stream in a dense model, FFN levels in a mixture of experts.
+    A compile runs them first; `thinc key` runs them too, so it keys only what a compile would build."""
+    return [*([check_residency] if config.residency.enabled else []),
+            *([check_ffn_levels] if config.ffn.enabled else []),
+            *([check_budget] if config.plan.planned else [])]
+
+
 def build_pipeline(config: CompileConfig) -> list[Pass]:
     """The passes a compile with `config` runs, in order."""
     planned, levels = config.plan.planned, config.ffn.enabled
     return [
-        # -- checks: a budget below the smallest model, experts to stream in a dense model, FFN levels in a
-        #    mixture of experts fail here, before the model ever runs
-        *([check_residency] if config.residency.enabled else []),
-        *([check_ffn_levels] if levels else []),
-        *([check_budget] if planned else []),
+        # -- checks: fail here, before the model ever runs
+        *check_passes(config),
         # -- precision: statistics of every linear input, predicted error per format, the plan
         *([calibrate_inputs] if config.calibrated else []),
         # -- elastic FFN: channels by importance in 128-channel superblocks, before any group is quantized

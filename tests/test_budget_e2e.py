@@ -150,8 +150,8 @@ def test_key_follows_calibration_text_planner_options_and_thresholds(checkpoint,
             key("--bpw", "4.5", "--max-kld", "0.5", *FAST), key("--bpw", "4.5", "--method", "rtn", *FAST),
             key("--bpw", "4.5", "--calib", tmp_path / "a.txt", *FAST),
             key("--bpw", "4.5", "--calib", tmp_path / "b.txt", *FAST),
-            key("--vram", "800M", *FAST), key("--vram", "800M", "--ctx", "256", *FAST),
-            key("--bpw", "4.5", "--max-expert-formats", "2", *FAST)]
+            key("--vram", "900M", *FAST), key("--vram", "900M", "--ctx", "256", *FAST),
+            key("--bpw", "4.5", "--tie-fused", *FAST)]
     assert len(set(keys)) == len(keys)
     # The same text as JSON lines is the same calibration text.
     assert key("--bpw", "4.5", "--calib", tmp_path / "c.jsonl", *FAST) == keys[5]

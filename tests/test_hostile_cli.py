@@ -216,6 +216,17 @@ def test_ffn_levels_on_a_mixture_of_experts_are_refused_before_calibration(tmp_p
                                            "--ffn-levels", "0.5", "--device", "cpu"])
     one_error(result, "thinc: error:", "need dense MLPs")
     assert "calibrate" not in result.output
+    # thinc key refuses what the compile's check passes refuse: no key for an artifact that cannot be built.
+    one_error(runner.invoke(thinc_cli.app, ["key", str(tmp_path / "moe"), "--ffn-levels", "0.5"]), "thinc: error:",
+              "need dense MLPs")
+
+
+def test_key_refuses_what_compile_refuses(source):
+    for args, match in ((["--vram", "8G", "--stream-experts"], "this model has none"),
+                        (["--bpw", "3", "--expert-formats", "q2"], "this model has none"),
+                        (["--vram", "1K"], "below the smallest model")):
+        one_error(runner.invoke(thinc_cli.app, ["key", str(source), *args]), "thinc: error:", match)
+    assert runner.invoke(thinc_cli.app, ["key", str(source), "--bpw", "4"]).exit_code == 0
 
 
 def test_paths_the_same_or_ending_in_a_slash_and_names_with_escapes(source, artifact, tmp_path):
