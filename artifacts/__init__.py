@@ -29,7 +29,7 @@ from .key import compute_key, default_hash_cache, hash_files
 from .reader import Artifact, open_artifact, verify_file
 from .spec import FORMAT_VERSION, MAGIC, SECTION_NAMES
 from .validate import TensorEntry
-from .writer import ArtifactWriter, create_temp_beside
+from .writer import ArtifactWriter, create_temp_beside, replace_with_bytes
 
 __all__ = [
     "FORMAT_VERSION",
@@ -41,6 +41,7 @@ __all__ = [
     "ArtifactWriteError",
     "ArtifactWriter",
     "create_temp_beside",
+    "replace_with_bytes",
     "BadCacheEntryError",
     "CompileCache",
     "BadMagicError",

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import secrets
 import stat
 import time
 from collections.abc import Mapping, Sequence
@@ -23,6 +22,7 @@ from thin.ir import __version__ as THIN_VERSION
 
 from .errors import SourceChangedError
 from .spec import pack
+from .writer import replace_with_bytes
 
 KEY_SCHEMA = 2  # bump when what goes into the key changes (2: the compiler names the input files)
 _CACHE_SCHEMA = 1
@@ -78,16 +78,11 @@ def _load_cache(path: Path) -> dict:
 def _save_cache(path: Path, files: dict) -> None:
     if len(files) > _CACHE_MAX_ENTRIES:  # drop the oldest entries (dicts keep insertion order)
         files = dict(list(files.items())[-_CACHE_MAX_ENTRIES:])
-    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(6)}")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp.write_text(json.dumps({"schema": _CACHE_SCHEMA, "files": files}, sort_keys=True))
-        os.replace(tmp, path)
+        replace_with_bytes(path, json.dumps({"schema": _CACHE_SCHEMA, "files": files}, sort_keys=True).encode())
     except OSError:
-        try:
-            tmp.unlink()
-        except OSError:
-            pass
+        pass  # a cache that cannot be saved only costs time
 
 
 def hash_files(paths, *, hash_cache: Path | None = None,

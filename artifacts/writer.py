@@ -63,6 +63,19 @@ def create_temp_beside(path: str | os.PathLike) -> tuple[int, str]:
     return fd, tmp
 
 
+def replace_with_bytes(path: str | os.PathLike, data: bytes) -> None:
+    """Write `data` to a temp file beside `path` and rename it onto `path`: a reader sees the old file or
+    the whole new one, and a failed or interrupted write leaves `path` as it was (the temp file removed)."""
+    fd, tmp = create_temp_beside(path)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        _remove(tmp)
+        raise
+
+
 def _byte_view(data, name: str) -> memoryview:
     """A flat unsigned-byte view of `data` without copying it."""
     if isinstance(data, np.ndarray):

@@ -85,6 +85,9 @@ def build(model_dir, output, config: CompileConfig, *, cache_dir=None, dump_ir=N
         if os.path.realpath(dump_ir) == os.path.realpath(output):
             raise OutputPathError(f"--dump-ir {dump_ir} and the output are the same path; give each its own")
         dump_ir = check_dump_dir(dump_ir)
+    if cache_dir is not None and os.path.exists(cache_dir) and not os.path.isdir(cache_dir):
+        raise OutputPathError(f"--cache-dir {cache_dir} is a file, not a folder; give a folder for the cached "
+                              "artifacts")
     clock = _Clock()
     # torch is imported on first use; time it here so the stage that happens to need it first
     # (writing tensors) is not charged for interpreter start-up.

@@ -217,8 +217,6 @@ def compile(
                          stream_experts=stream_experts, **_budget(
             vram, bpw, ctx, calib, calib_tokens, method, max_kld, allow_uncertified, device, tie_fused,
             expert_formats, formats, max_expert_formats))
-        if cache_dir is not None and cache_dir.exists() and not cache_dir.is_dir():
-            raise OSError(f"--cache-dir {cache_dir} is a file, not a folder; give a folder for the cached artifacts")
         return build(model_dir, output, config, cache_dir=cache_dir, dump_ir=dump_ir,
                      progress=_StageProgress(quiet), calib=calib)
 

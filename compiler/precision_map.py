@@ -10,14 +10,12 @@ text; PNG with a tiny zlib + struct encoder and a 3x5 pixel font, so no imaging 
 
 from __future__ import annotations
 
-import contextlib
-import os
 import struct
 import zlib
 from math import prod
 from pathlib import Path
 
-from thin.artifacts import create_temp_beside
+from thin.artifacts import replace_with_bytes
 from thin.ir import formats
 
 _ROLE_ORDER = ("attn.q", "attn.k", "attn.v", "attn.qkv", "attn.o", "ffn.gate", "ffn.up", "ffn.gate_up", "ffn.down")
@@ -199,15 +197,5 @@ def write_precision_map(artifact, path) -> Path:
     if path.suffix.lower() not in (".svg", ".png"):
         raise ValueError(f"--precision-map writes .svg or .png, got {path.name!r}")
     g = grid(artifact)
-    data = to_svg(g).encode() if path.suffix.lower() == ".svg" else to_png(g)
-    # Written beside and renamed: an interrupted write leaves `path` as it was.
-    fd, tmp = create_temp_beside(path)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    replace_with_bytes(path, to_svg(g).encode() if path.suffix.lower() == ".svg" else to_png(g))
     return path

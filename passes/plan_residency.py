@@ -64,14 +64,13 @@ def plan_residency(program: Program, ctx: PassContext) -> Program:
     (layer, expert) pairs, least routed first, the slots and their bytes, and the host bytes. Empty
     `host` when everything fits. BudgetError when the rest of the model and the smallest cache
     (top-k slots) do not fit."""
+    check_residency(program, ctx)  # the pipeline ran it first; here for direct callers
     options: ResidencyOptions = ctx.config.residency
     model = program.model
     records = model.tensor_map()
     sizes = {t.name: formats.nbytes(t.encoding.format, t.shape, t.encoding.params) for t in model.tensors}
     experts = {(layer.index, e): expert_tensors(mlp) for layer in model.layers if isinstance(layer.ffn, MoE)
                for e, mlp in enumerate(layer.ffn.experts)}
-    if not experts:  # check_residency refuses this before calibration; kept for direct callers
-        raise BudgetError("--stream-experts keeps routed experts in host memory, and this model has none")
     in_experts = {name for names in experts.values() for name in names}
     rest = sum(size for name, size in sizes.items() if name not in in_experts)
     held = {key: sum(sizes[n] for n in names) for key, names in experts.items()}

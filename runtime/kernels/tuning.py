@@ -11,13 +11,14 @@ import itertools
 import json
 import logging
 import os
-import tempfile
 import time
 from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
+
+from thin.artifacts import replace_with_bytes
 
 from ..errors import InputError
 from . import interpreting
@@ -310,9 +311,6 @@ class TuneCache:
         self.entries[key] = asdict(config)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.path.parent, prefix=".kernel-configs.", suffix=".tmp")
-            with os.fdopen(fd, "w") as f:
-                json.dump(self.entries, f, indent=1, sort_keys=True)
-            os.replace(tmp, self.path)
+            replace_with_bytes(self.path, json.dumps(self.entries, indent=1, sort_keys=True).encode())
         except OSError:
             pass  # a read-only home still runs, it only tunes again next time
