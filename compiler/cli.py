@@ -111,12 +111,13 @@ def _raise_terminated(signum, frame):
     raise _Terminated(signum)
 
 
-def _guard(fn):
+def _guard(fn, writes: bool = False):
     """Turn every expected failure into one line on stderr and a non-zero exit; never a traceback.
 
     Expected: thin's own errors (each layer's base derives from ThinError), compile option errors,
     the operating system's refusals and running out of memory. Anything else is a bug and keeps
-    its traceback."""
+    its traceback. `writes`: the command writes an output path, so an interruption says that nothing
+    was written there."""
     from thin.ir import ThinError
 
     from .config import CompileOptionError
@@ -126,10 +127,12 @@ def _guard(fn):
     except (ThinError, CompileOptionError, OSError, MemoryError) as e:
         _fail(e)
     except _Terminated as e:
-        _fail(f"terminated by {signal.Signals(e.signum).name}; nothing was written at the output path",
-              128 + e.signum)
+        _fail(f"terminated by {signal.Signals(e.signum).name}{_NOTHING_WRITTEN if writes else ''}", 128 + e.signum)
     except KeyboardInterrupt:
-        _fail("interrupted; nothing was written at the output path", 130)
+        _fail(f"interrupted{_NOTHING_WRITTEN if writes else ''}", 130)
+
+
+_NOTHING_WRITTEN = "; nothing was written at the output path"
 
 
 def _json_bytes(value):
@@ -220,7 +223,7 @@ def compile(
         return build(model_dir, output, config, cache_dir=cache_dir, dump_ir=dump_ir,
                      progress=_StageProgress(quiet), calib=calib)
 
-    report = _guard(run)
+    report = _guard(run, writes=True)
     if report.cache_hit:
         typer.echo(f"cache hit: {cache_dir}/{report.key}.thin", err=True)
     elif report.cache_note:
@@ -278,7 +281,7 @@ def inspect(
                     raise OSError(str(e)) from None
             return describe(art), format_ir(art.model)
 
-    desc, ir_text = _guard(run)
+    desc, ir_text = _guard(run, writes=precision_map is not None)
     if as_json:
         # Sections may hold bytes (plain data allows them): shown as hex. ensure_ascii (the default)
         # escapes every control character, so the JSON is safe on a terminal too.

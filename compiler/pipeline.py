@@ -9,6 +9,7 @@ from thin.passes import (
     certify_model,
     check_budget,
     check_ffn_levels,
+    check_lm_head,
     check_residency,
     fuse_projections,
     layout_experts,
@@ -25,10 +26,12 @@ from .config import CompileConfig
 
 def check_passes(config: CompileConfig) -> list[Pass]:
     """The passes that only check the model against `config` (they run nothing and change nothing): a budget
-    below the smallest model, experts to stream in a dense model, FFN levels in a mixture of experts.
+    below the smallest model, experts to stream in a dense model, FFN levels in a mixture of experts or below
+    one superblock a layer, --keep-lm-head on a tied LM head.
     A compile runs them first; `thinc key` runs them too, so it keys only what a compile would build."""
     return [*([check_residency] if config.residency.enabled else []),
             *([check_ffn_levels] if config.ffn.enabled else []),
+            *([check_lm_head] if config.quantize.keep_lm_head else []),
             *([check_budget] if config.plan.planned else [])]
 
 

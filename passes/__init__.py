@@ -11,7 +11,7 @@ from .order_superblocks import FFNLevelOptionError, FFNLevelOptions, check_ffn_l
 from .order_tensors import order_tensors
 from .plan_precision import BudgetError, PlanOptions, plan_precision, solve
 from .plan_residency import ResidencyOptions, check_residency, plan_residency
-from .quantize_weights import QuantizeOptionError, QuantizeOptions, linear_weights, quantize_weights
+from .quantize_weights import QuantizeOptionError, QuantizeOptions, check_lm_head, linear_weights, quantize_weights
 from .runner import Evaluator, Pass, PassContext, PassError, run_passes
 from .score_formats import ScoreOptions, plannable, score_formats
 from .scratch import Scratch
@@ -20,7 +20,8 @@ __all__ = [
     "BudgetError", "CalibrateOptions", "CalibrationError", "CertificationError", "CertifyOptions", "DEFAULT_MAX_KLD",
     "Evaluator", "FFNLevelOptionError", "FFNLevelOptions", "Pass", "PassContext", "PassError", "PlanOptions",
     "QuantizeOptionError", "QuantizeOptions", "ResidencyOptions", "CUDA_CONTEXT", "ScoreOptions", "Scratch",
-    "calibrate_inputs", "certify_ffn_levels", "certify_model", "check_budget", "check_ffn_levels", "check_residency",
+    "calibrate_inputs", "certify_ffn_levels", "certify_model", "check_budget", "check_ffn_levels", "check_lm_head",
+    "check_residency",
     "fuse_projections", "input_groups", "layout_experts", "ledger", "linear_weights", "order_superblocks",
     "order_tensors", "parse_size",
     "plan_precision", "plan_residency", "plannable", "quantize_weights", "run_passes", "score_formats", "solve",

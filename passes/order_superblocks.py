@@ -27,8 +27,10 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from math import ceil
 
 from thin.ir import MLP, Linear, MoE, Program, formats
+from thin.ir.elastic import SUPERBLOCK, ffn_bytes, ffn_widths
 
 from .calibrate_inputs import load_statistics, statistics_key
 from .runner import PassContext
@@ -88,10 +90,25 @@ def dense_mlps(program: Program) -> list[MLP]:
 
 
 def check_ffn_levels(program: Program, ctx: PassContext) -> Program:
-    """The first pass of an --ffn-levels compile: ValueError when a layer is a mixture of experts, before
-    calibration runs the model. Changes nothing."""
+    """The first pass of an --ffn-levels compile, before calibration runs the model: ValueError when a layer
+    is a mixture of experts, FFNLevelOptionError when a level keeps fewer FFN bytes than one superblock a
+    layer (the least a level runs). Changes nothing."""
     dense_mlps(program)
+    smallest = min(ctx.config.ffn.levels, default=1.0)
+    floor = smallest_level(program.model)
+    if smallest < floor:
+        raise FFNLevelOptionError(f"--ffn-levels {smallest:g} keeps fewer FFN bytes than one {SUPERBLOCK}-channel "
+                                  f"superblock a layer, the least a level runs: {floor:.4g} of them on this model; "
+                                  f"ask for {ceil(floor * 1000) / 1000:g} or more")
     return program
+
+
+def smallest_level(model) -> float:
+    """The share of the FFN weight bytes that one superblock a layer reads, at the weights' encodings now: no
+    level can keep less (formats planned later keep the share about the same, every FFN weight scaling with
+    its channels)."""
+    widths = ffn_widths(model)
+    return ffn_bytes(model, tuple(min(SUPERBLOCK, w) for w in widths)) / ffn_bytes(model)
 
 
 def order_superblocks(program: Program, ctx: PassContext) -> Program:

@@ -96,6 +96,15 @@ class QuantizeOptions:
         return formats.get(self.format).normalize(given)
 
 
+def check_lm_head(program: Program, ctx: PassContext) -> Program:
+    """The first pass of a --keep-lm-head compile: QuantizeOptionError when the LM head is the embedding (tied),
+    which --quant leaves as stored anyway, so the flag would do nothing. Changes nothing."""
+    if program.model.lm_head.tied:
+        raise QuantizeOptionError("--keep-lm-head keeps an untied LM head as stored, and this model's LM head is "
+                                  "its embedding, which --quant leaves as stored anyway; leave the flag out")
+    return program
+
+
 def linear_weights(model: Model, *, lm_head: bool = True) -> list[str]:
     """Names of the weights the model multiplies activations by: attention and MLP projections,
     experts and shared experts, and (when `lm_head` and untied) the LM head. Routers and gates

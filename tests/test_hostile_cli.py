@@ -276,5 +276,56 @@ def test_serve_refuses_an_empty_api_key(artifact):
     one_error(runner.invoke(app, [str(artifact), "--api-key", ""]), "thin-exec serve: error:", "--api-key")
 
 
+def test_ffn_levels_below_one_superblock_a_layer_are_refused_before_calibration(tmp_path):
+    # 512 channels a layer: one 128-channel superblock is a quarter of the FFN bytes, the least a level keeps.
+    make_checkpoint("llama", tmp_path / "wide", vocab_size=320, intermediate_size=512)
+    write_tokenizer(tmp_path / "wide", vocab_size=300)
+    out = tmp_path / "x.thin"
+    for args in (["compile", str(tmp_path / "wide"), "-o", str(out), "--device", "cpu"], ["key", str(tmp_path / "wide")]):
+        result = runner.invoke(thinc_cli.app, [*args, "--ffn-levels", "0.5,1e-9"])
+        line = one_error(result, "thinc: error:", "--ffn-levels 1e-09 keeps fewer FFN bytes than one 128-channel")
+        assert "0.25 of them" in line and "ask for 0.25 or more" in line and "calibrate" not in result.output
+    assert runner.invoke(thinc_cli.app, ["key", str(tmp_path / "wide"), "--ffn-levels", "0.25"]).exit_code == 0
+    assert not out.exists()
+
+
+def test_keep_lm_head_on_a_tied_model_is_refused(source, tmp_path):
+    make_checkpoint("qwen2", tmp_path / "tied", vocab_size=320)
+    write_tokenizer(tmp_path / "tied", vocab_size=300)
+    for folder, code in ((tmp_path / "tied", 1), (source, 0)):
+        result = runner.invoke(thinc_cli.app, ["key", str(folder), "--quant", "int8", "--keep-lm-head"])
+        assert result.exit_code == code, result.output
+    one_error(runner.invoke(thinc_cli.app, ["compile", str(tmp_path / "tied"), "-o", str(tmp_path / "x.thin"),
+                                            "--quant", "int8", "--keep-lm-head"]), "thinc: error:",
+              "this model's LM head is its embedding")
+
+
+def test_a_checkpoint_with_nan_weights_is_refused(source, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "nan"
+    shutil.copytree(source, folder)
+    (shard,) = folder.glob("*.safetensors")
+    tensors = load_file(shard)
+    name = next(n for n in tensors if n.endswith("mlp.down_proj.weight"))
+    tensors[name].view(-1)[[3, 7]] = torch.tensor([float("nan"), float("-inf")], dtype=tensors[name].dtype)
+    save_file(tensors, shard, metadata={"format": "pt"})
+    line = one_error(runner.invoke(thinc_cli.app, ["compile", str(folder), "-o", str(tmp_path / "x.thin")]),
+                     "thinc: error:", f"tensor {name!r} holds 2 NaN or infinite value(s)")
+    assert "damaged" in line and not (tmp_path / "x.thin").exists()
+
+
+def test_an_interruption_mentions_the_output_only_where_there_is_one(capsys):
+    def terminated():
+        raise thinc_cli._Terminated(15)
+
+    for writes, said in ((True, "terminated by SIGTERM; nothing was written at the output path"),
+                         (False, "terminated by SIGTERM")):
+        with pytest.raises(thinc_cli.typer.Exit) as info:
+            thinc_cli._guard(terminated, writes=writes)
+        assert info.value.exit_code == 128 + 15
+        assert capsys.readouterr().err.strip() == f"thinc: error: {said}"
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))
