@@ -153,8 +153,9 @@ class ThinModel:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text` (at most MAX_PROMPT_BYTES of UTF-8, checked before tokenizing)."""
         if self.tokenizer is None:
-            raise TokenizerError("this artifact has no tokenizer (its source folder had no tokenizer.json); "
-                                 "pass token ids instead of text")
+            raise TokenizerError("this artifact has no tokenizer (its source folder had no tokenizer.json): "
+                                 "compile it again from a folder with one, or give token ids from Python "
+                                 "(ThinModel.generate) instead of text")
         return self.tokenizer.encode(check_prompt_text(text), add_special_tokens=add_special_tokens)
 
     def generate(self, prompt: str | Sequence[int], *, stats: GenerationStats | None = None,

@@ -327,5 +327,27 @@ def test_an_interruption_mentions_the_output_only_where_there_is_one(capsys):
         assert capsys.readouterr().err.strip() == f"thinc: error: {said}"
 
 
+def test_chat_template_kwargs_cannot_break_the_template_call(artifact):
+    from thin.runtime import load
+    from thin.runtime.serve.errors import ApiError
+    from thin.runtime.serve.protocol import ChatRequest, chat_prompt
+
+    model = load(artifact)
+
+    def prompt(**kwargs):
+        request = ChatRequest(model="tiny", messages=[{"role": "user", "content": "hi"}], **kwargs)
+        return model.tokenizer.decode(chat_prompt(model, request))
+
+    opened = prompt()
+    assert opened.rstrip().endswith("assistant")
+    assert prompt(chat_template_kwargs={"add_generation_prompt": True}) == opened
+    assert not prompt(chat_template_kwargs={"add_generation_prompt": False}).rstrip().endswith("assistant")
+    for kwargs, match in (({"add_generation_prompt": "yes"}, "must be true or false"),
+                          ({"messages": []}, "cannot set 'messages'"), ({"tools": []}, "cannot set 'tools'")):
+        with pytest.raises(ApiError, match=match) as info:
+            prompt(chat_template_kwargs=kwargs)
+        assert info.value.status == 400 and info.value.param == "chat_template_kwargs"
+
+
 if __name__ == "__main__":
     sys.exit(pytest.main([__file__, "-q"]))

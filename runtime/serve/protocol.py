@@ -204,8 +204,18 @@ def chat_prompt(model, request: ChatRequest) -> list[int]:
     if model.chat_template is None:
         raise ApiError(400, "this model has no chat template; use /v1/completions", param="messages")
     messages = [m.as_template_input() for m in request.messages]
+    variables = dict(request.chat_template_kwargs or {})
+    # As vLLM: the extra variables may turn the generation prompt off (to continue the last message).
+    generation_prompt = variables.pop("add_generation_prompt", True)
+    if not isinstance(generation_prompt, bool):
+        raise ApiError(400, "chat_template_kwargs.add_generation_prompt must be true or false",
+                       param="chat_template_kwargs")
+    taken = sorted({"messages", "tools"} & variables.keys())
+    if taken:
+        raise ApiError(400, f"chat_template_kwargs cannot set {taken[0]!r}: it is the request's own field",
+                       param="chat_template_kwargs")
     try:
-        text = model.render_chat(messages, add_generation_prompt=True, **(request.chat_template_kwargs or {}))
+        text = model.render_chat(messages, add_generation_prompt=generation_prompt, **variables)
     except Exception as e:  # noqa: BLE001 -- the template is code; whatever it raises, these messages caused it
         raise ApiError(400, f"the chat template cannot render these messages: {type(e).__name__}: "
                             f"{str(e)[:300]}", param="messages") from None
