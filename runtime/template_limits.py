@@ -81,14 +81,14 @@ class render_budget:
 
 
 def text_size(value) -> int:
-    """An upper bound on len(str(value)), found without building the string."""
+    """An upper bound on len(str(value)), found without building the string. Each container is measured once
+    however often it is held (a list doubled k times into itself is k measurements, not 2^k)."""
+    measured: dict[int, int] = {}  # id -> text size of a container measured already
+    open_: set[int] = set()  # containers being measured: met again, they print as [...]
     visited = 0
 
     def size(v) -> int:
         nonlocal visited
-        visited += 1
-        if visited > _ESTIMATE_NODES:
-            raise TemplateLimitError(f"a value in the chat template holds more than {_ESTIMATE_NODES} items")
         if isinstance(v, str):
             return len(v) + 2
         if v is None or isinstance(v, (bool, float)):
@@ -97,25 +97,42 @@ def text_size(value) -> int:
             return v.bit_length() // 3 + 2
         if isinstance(v, (bytes, bytearray)):
             return 4 * len(v) + 3
+        if not isinstance(v, (Mapping, list, tuple, set, frozenset, jinja2.utils.Namespace)):
+            return 64
+        key = id(v)
+        if key in measured:
+            return measured[key]
+        if key in open_:
+            return 5
+        visited += 1
+        if visited > _ESTIMATE_NODES:
+            raise TemplateLimitError(f"a value in the chat template holds more than {_ESTIMATE_NODES} containers")
+        open_.add(key)
         if isinstance(v, Mapping):
-            return 2 + sum(size(k) + size(x) + 4 for k, x in v.items())
-        if isinstance(v, (list, tuple, set, frozenset)):
-            return 2 + sum(size(x) + 2 for x in v)
-        if isinstance(v, jinja2.utils.Namespace):
-            return 16 + size(v._Namespace__attrs)  # its repr shows its attributes
-        return 64
+            n = 2 + sum(size(k) + size(x) + 4 for k, x in v.items())
+        elif isinstance(v, jinja2.utils.Namespace):
+            n = 16 + size(v._Namespace__attrs)  # its repr shows its attributes
+        else:
+            n = 2 + sum(size(x) + 2 for x in v)
+        open_.discard(key)
+        measured[key] = n
+        return n
 
     return size(value)
 
 
 def check_value(value):
-    """`value` if it is within the size bounds; TemplateLimitError otherwise."""
+    """`value` if it is within the size bounds; TemplateLimitError otherwise. A container's text is bounded too
+    (text_size): one that holds itself many times over ([a, a] doubled k times) would otherwise print, compare
+    or convert to a string of 2^k items."""
     if isinstance(value, (str, bytes, bytearray)) and len(value) > MAX_CHARS:
         raise TemplateLimitError(f"the chat template built a string of {len(value)} characters; the limit is "
                                  f"{MAX_CHARS}")
-    if isinstance(value, (list, tuple, Mapping, set, frozenset)) and len(value) > MAX_ITEMS:
-        raise TemplateLimitError(f"the chat template built a collection of {len(value)} items; the limit is "
-                                 f"{MAX_ITEMS}")
+    if isinstance(value, (list, tuple, Mapping, set, frozenset)):
+        if len(value) > MAX_ITEMS:
+            raise TemplateLimitError(f"the chat template built a collection of {len(value)} items; the limit is "
+                                     f"{MAX_ITEMS}")
+        _expect(text_size(value), "a collection")
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > MAX_INT_BITS:
         raise TemplateLimitError(f"the chat template built an integer of more than {MAX_INT_BITS} bits")
     return value
@@ -127,7 +144,8 @@ def _expect(size: int, what: str) -> None:
 
 
 def _length(value) -> int:
-    return len(value) if isinstance(value, (str, bytes, list, tuple)) else text_size(value)
+    """The characters `value` becomes as text (what join, '~' and padding make of it)."""
+    return len(value) if isinstance(value, (str, bytes)) else text_size(value)
 
 
 def _repeat_size(left, right) -> None:
@@ -245,6 +263,9 @@ class _Bounds(jinja2.ext.Extension):
     def _literal(self, text):
         return text  # printed through finalize, which charges it to the output budget
 
+    def _container(self, value):
+        return check_value(value)  # a list, tuple or dict literal: bounded as it is built
+
     def _concat(self, *parts):
         budget = _budget()
         budget.step()
@@ -256,7 +277,8 @@ class _Bounds(jinja2.ext.Extension):
 
 
 class _Rewrite(NodeTransformer):
-    """Loops iterate through `_iterate`, literal text goes out as a call (so it is charged), `~` is `_concat`."""
+    """Loops iterate through `_iterate`, literal text goes out as a call (so it is charged), `~` is `_concat`, list,
+    tuple and dict literals pass through `_container` (bounded like any value a call returns)."""
 
     def __init__(self, bounds: _Bounds):
         self.bounds = bounds
@@ -278,6 +300,14 @@ class _Rewrite(NodeTransformer):
     def visit_Concat(self, node: nodes.Concat) -> nodes.Call:
         self.generic_visit(node)
         return self._call("_concat", node.nodes, node.lineno)
+
+    def _literal_container(self, node):
+        self.generic_visit(node)
+        if getattr(node, "ctx", "load") != "load":  # a tuple being assigned to: `{% set a, b = ... %}`
+            return node
+        return self._call("_container", [node], node.lineno)
+
+    visit_List = visit_Tuple = visit_Dict = _literal_container
 
 
 def bounded_filter(name: str, f):

@@ -48,6 +48,10 @@ HOSTILE_TEMPLATES = {
     "recursion": "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
     "lipsum": "{{ lipsum(10000000) }}",
     "deep syntax": "{{" + "(" * 50000 + "1" + ")" * 50000 + "}}",
+    # A list that holds itself twice, doubled 40 times: 2^40 items once printed, converted or compared.
+    **{f"self-doubling {way}": "{% set a = [1] %}{% set b = [1] %}" + "{% set a = [a, a] %}{% set b = (b, b) %}" * 40
+       + way for way in ("{{ a|string }}", "{{ a|pprint }}", "{{ a|lower }}", "{{ [a]|join }}", "{{ a ~ '' }}",
+                         "{{ a|replace('1', '2') }}", "{{ a == b|list }}", "{{ {'x': a}|length }}")},
     "python error": "{{ 1 / 0 }}",
     "type error": "{{ 'x' + 1 }}",
 }
