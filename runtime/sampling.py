@@ -108,6 +108,9 @@ class GenerationOptions:
         }
         if config.get("max_new_tokens") is not None:
             values["max_new_tokens"] = _config_value(config, "max_new_tokens", None, int)
+            if values["max_new_tokens"] < 1:  # transformers' GenerationConfig refuses it too
+                raise GenerationOptionError(f"generation_config max_new_tokens must be at least 1, got "
+                                            f"{values['max_new_tokens']}: it is the default length of every reply")
         unknown = set(overrides) - {f.name for f in dataclasses.fields(cls)}
         if unknown:
             raise TypeError(f"unknown generation options: {sorted(unknown)}")

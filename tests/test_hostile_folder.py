@@ -136,6 +136,8 @@ def test_a_fifo_is_refused_without_hanging(folder, tmp_path, name):
     ("generation_config.json", b'{"do_sample": "yes"}', "do_sample"),
     ("generation_config.json", b'{"eos_token_id": [1.5]}', "eos_token_id"),
     ("generation_config.json", b'{"top_p": NaN}', "top_p"),
+    ("generation_config.json", b'{"max_new_tokens": 0}', "max_new_tokens must be at least 1"),
+    ("tokenizer_config.json", b'{"chat_template": [{"name": "default"}]}', "'default' entry has no template"),
 ])
 def test_auxiliary_files_are_parsed_and_checked(folder, name, content, match):
     (folder / name).write_bytes(content)

@@ -37,6 +37,8 @@ def find_chat_template(files: dict[str, bytes]) -> str | None:
             if "default" not in named:
                 raise AuxiliaryFileError(f"{name}: chat_template lists named templates but none is 'default'")
             template = named["default"]
+            if not isinstance(template, str):
+                raise AuxiliaryFileError(f"{name}: chat_template's 'default' entry has no template string")
         if template is not None and not isinstance(template, str):
             raise AuxiliaryFileError(f"{name}: chat_template must be a string or a list of named templates, "
                                      f"got {type(template).__name__}")
