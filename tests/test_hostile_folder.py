@@ -160,6 +160,10 @@ def test_a_tokenizer_with_ids_past_the_vocabulary_is_refused(folder):
     ({"rope_parameters": {"rope_type": ["default"], "rope_theta": 1e4}}, "rope_type"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": math.nan}}, "rope_theta"),
     ({"rms_norm_eps": math.inf}, "rms_norm_eps"),
+    # transformers 5 reads the older rope_scaling alone when both are there (its theta too): a guess either way.
+    ({"rope_scaling": {"rope_type": "linear", "factor": 4.0}}, "differ in factor, rope_theta, rope_type"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}, "rope_scaling": {"type": "default"}},
+     "differ in rope_theta"),
     ({"partial_rotary_factor": 7.0}, "partial_rotary_factor"),
     ({"num_hidden_layers": 300_000_000}, "num_hidden_layers"),
     ({"num_hidden_layers": -1}, "num_hidden_layers"),
@@ -176,6 +180,15 @@ def test_bad_config_values_are_one_line_errors(folder, changes, match):
     config = {k: v for k, v in config.items() if v is not None}
     (folder / "config.json").write_text(json.dumps(config))
     _refused(folder, match=match)
+
+
+def test_rope_scaling_that_repeats_rope_parameters_is_read(folder):
+    config = json.loads((folder / "config.json").read_text())
+    before = load_checkpoint(folder).program.model.layers[0].attention.rope
+    legacy = dict(config["rope_parameters"])
+    legacy["type"] = legacy.pop("rope_type")
+    (folder / "config.json").write_text(json.dumps({**config, "rope_scaling": legacy}))
+    assert load_checkpoint(folder).program.model.layers[0].attention.rope == before
 
 
 @pytest.mark.parametrize("text", ['{"vocab_size": ' + "9" * 5000 + "}", "[" * 100_000 + "]" * 100_000,

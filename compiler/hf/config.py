@@ -149,6 +149,8 @@ class Config:
         """The RoPE parameter dict for all layers, or for `layer_type` when nested (Gemma-3)."""
         key = "rope_parameters" if self.raw.get("rope_parameters") else "rope_scaling"
         params = self.raw.get(key) or {}
+        if key == "rope_parameters":
+            self._check_one_rope(params)
         if not isinstance(params, dict):
             raise CheckpointError(f"config.json: {key} must be an object, got {_show(params)}")
         if layer_type is not None and isinstance(params.get(layer_type), dict):
@@ -161,6 +163,26 @@ class Config:
         if "partial_rotary_factor" in self.raw:
             params.setdefault("partial_rotary_factor", self.raw["partial_rotary_factor"])
         return params
+
+    def _check_one_rope(self, params) -> None:
+        """CheckpointError when the older rope_scaling says something rope_parameters does not: transformers
+        5 then reads rope_scaling alone (its theta included), so a compile from either would be a guess."""
+        legacy = self.raw.get("rope_scaling")
+        if not legacy:
+            return
+        if not isinstance(legacy, dict) or not isinstance(params, dict):
+            raise CheckpointError(f"config.json: rope_scaling must be an object, got {_show(legacy)}")
+        def kind(d):
+            return d.get("rope_type", d.get("type", "default"))
+
+        differ = sorted({str(k) for k, v in legacy.items() if k not in ("type", "rope_type") and params.get(k) != v}
+                        | ({"rope_type"} if kind(legacy) != kind(params) else set())
+                        | ({"rope_theta"} if legacy.get("rope_theta", self.raw.get("rope_theta"))
+                           != params.get("rope_theta", self.raw.get("rope_theta")) else set()))
+        if differ:
+            raise CheckpointError(f"config.json has both rope_parameters and the older rope_scaling, and they "
+                                  f"differ in {', '.join(differ)[:200]}; keep the one the model was trained with "
+                                  "and delete the other")
 
     def rope(self, params: dict) -> RoPE:
         """An IR RoPE from a parameter dict; unknown rope types and keys, and bad values, are errors."""
