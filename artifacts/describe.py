@@ -77,14 +77,18 @@ def certificate_summary(cert: dict | None) -> str:
             "held-out positions")
 
 
-def ffn_level_summary(cert: dict | None, keep: float) -> str:
-    """One line for the elastic FFN level `keep` a runtime runs: its certificate, or why there is none."""
+def ffn_level_summary(cert: dict | None, keep: float, share: float | None = None) -> str:
+    """One line for the elastic FFN level `keep` a runtime runs: its certificate, or why there is none
+    (with `share`, the share of the FFN bytes an uncertified level reads: whole superblocks round it up)."""
     levels = ((cert or {}).get("ffn_levels") or {}).get("levels", [])
     level = next((lv for lv in levels if abs(lv["keep"] - keep) < 5e-4), None)
     if level is None and keep == 1:  # the whole FFN: the model's own certificate measured it
         return certificate_summary(cert)
     if level is None:
-        return f"FFN level {keep:g}: UNCERTIFIED (not a level the compiler measured)"
+        reads = "" if share is None else (
+            "; it reads the whole FFN: the next whole superblock a layer is all of them" if share >= 1 else
+            f"; whole 128-channel superblocks make it read {share:.3g} of the FFN bytes")
+        return f"FFN level {keep:g}: UNCERTIFIED (not a level the compiler measured){reads}"
     m = level["measured"]
     return (f"FFN level {keep:g}: mean KLD {m['mean_kld']:.5f}, top-1 {100 * m['top1_agreement']:.1f}%, cosine "
             f"{m['mean_cosine']:.4f}, {human_size(level['bytes_per_token'])} of weights per token")

@@ -273,7 +273,7 @@ def run(
                            "give --temperature T > 0 to sample", err=True)
         certificate = model.artifact.section("certificate")
         quality = (certificate_summary(certificate) if ffn_keep is None
-                   else ffn_level_summary(certificate, model.ffn_keep))
+                   else ffn_level_summary(certificate, model.ffn_keep, model.ffn_share))
         notes = (f"thin-exec: quality: {quality}",
                  *([f"thin-exec: {model.describe_implementations()}"] if verbose else []))
         if prompt is not None:

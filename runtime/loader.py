@@ -81,18 +81,19 @@ class ThinModel:
         self.last_stats = GenerationStats()
         # The elastic FFN level running (see set_ffn_keep): None is the whole model.
         self.ffn_level = None
-        self.ffn_keep, self.ffn_certified = 1.0, True
+        self.ffn_keep, self.ffn_certified, self.ffn_share = 1.0, True, 1.0
 
     def set_ffn_keep(self, keep: float, *, uncertified: bool = False) -> None:
         """Run the elastic FFN level `keep` (thin-exec --ffn-keep): each FFN reads only the prefix of its
         importance-ordered channels that the level certified (thin.ir.FFNLevel); 1.0 is the whole model.
         A keep the artifact did not certify raises FFNLevelError, unless `uncertified`: then every layer
-        runs the same share of its channels (whole superblocks), without a certificate or correction.
+        runs the same share of its channels (whole superblocks, so `ffn_share`, the share of the FFN bytes it
+        reads, is `keep` rounded up), without a certificate or correction.
         Switching levels copies no weight; a conversation's cached keys and values stay in use. On CUDA
         the kernels read the prefix in place, and the decode engine captures its step once per level
         (a switch back replays the graph captured before)."""
         from thin.ir import FFNLevel
-        from thin.ir.elastic import uniform_channels
+        from thin.ir.elastic import ffn_bytes, uniform_channels
 
         levels = self.ir.ffn_levels
         match = [i for i, level in enumerate(levels) if abs(level.keep - keep) < 5e-4]
@@ -116,6 +117,8 @@ class ThinModel:
             level, certified = FFNLevel(keep, channels, none, none), False
         self.ffn_level, self.ffn_certified = level, certified
         self.ffn_keep = 1.0 if level is None else level.keep
+        # What the level reads: an uncertified keep runs whole superblocks, so its share is rounded up.
+        self.ffn_share = 1.0 if level is None else ffn_bytes(self.ir, level.channels) / ffn_bytes(self.ir)
 
     def describe_implementations(self) -> str:
         """One line: which implementation serves the model's linear weights, per format, here."""

@@ -176,6 +176,9 @@ def test_a_level_runs_the_truncated_corrected_ffn_it_describes(compiled):
         model.set_ffn_keep(0.6)
     model.set_ffn_keep(0.6, uncertified=True)
     assert model.ffn_certified is False and model.ffn_level.channels == (384, 384)
+    assert model.ffn_share == pytest.approx(0.75, abs=0.01)  # 3 of 4 superblocks: 0.6 rounded up, and said so
+    model.set_ffn_keep(0.55, uncertified=True)
+    assert model.ffn_level.channels == (384, 384) and model.ffn_share == pytest.approx(0.75, abs=0.01)
     model.set_ffn_keep(1.0)
     assert torch.equal(model.forward(ids), logits[1.0])
 
@@ -214,9 +217,13 @@ def test_thin_exec_runs_a_certified_level_and_refuses_others(compiled):
     assert "FFN level 0.5: mean KLD" in ok.stderr
     bad = _cli("thin-exec", out, "--raw", "-p", "def f(", "--max-new-tokens", "4", "--ffn-keep", "0.6")
     assert bad.returncode == 1 and "--uncertified" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
-    forced = _cli("thin-exec", out, "--raw", "-p", "def f(", "--max-new-tokens", "4", "--ffn-keep", "0.6",
+    forced = _cli("thin-exec", out, "--raw", "-p", "def f(", "--max-new-tokens", "4", "--ffn-keep", "0.55",
                   "--uncertified")
     assert forced.returncode == 0 and "UNCERTIFIED" in forced.stderr
+    assert "superblocks make it read 0.75 of the FFN bytes" in forced.stderr, forced.stderr
+    whole = _cli("thin-exec", out, "--raw", "-p", "def f(", "--max-new-tokens", "4", "--ffn-keep", "0.95",
+                 "--uncertified")
+    assert whole.returncode == 0 and "it reads the whole FFN" in whole.stderr, whole.stderr
 
 
 @contextlib.contextmanager
