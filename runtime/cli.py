@@ -140,10 +140,19 @@ def _stream(model, prompt_ids: list[int], options: dict, conversation=None) -> t
 def _prompt_ids(model, text: str, raw: bool, history: list[dict] | None = None) -> list[int]:
     # A chat template writes its own bos, so the rendered text is encoded without special tokens
     # (as transformers' apply_chat_template(tokenize=True) does); raw text gets them.
+    from .chat_template import ChatTemplateError
+    from .inputs import check_prompt_text
+
     if raw:
         return model.encode(text, add_special_tokens=True)
+    check_prompt_text(text)  # before the template, so a message about the text points into what the user typed
     messages = (history or []) + [{"role": "user", "content": text}]
-    return model.encode(model.render_chat(messages, add_generation_prompt=True), add_special_tokens=False)
+    try:
+        rendered = model.render_chat(messages, add_generation_prompt=True)
+    except ChatTemplateError as e:  # its own words (raise_exception) or why it failed: say whose they are
+        said = str(e) if str(e).startswith("the chat template") else f"the chat template refused the prompt: {e}"
+        raise _UserError(f"{said} (--raw sends the text without the template)") from None
+    return model.encode(rendered, add_special_tokens=False)
 
 
 def _fit_default(model, options: dict, prompt_tokens: int) -> dict:
@@ -212,7 +221,11 @@ def _chat(model, raw: bool, options: dict, notes: tuple[str, ...] = ()):
             continue
         except _expected_errors() as e:
             # One bad turn (too long, template refusal) should not end the session.
-            typer.echo(_error_line(e), err=True)
+            from .generate import ContextTooLongError
+
+            grown = isinstance(e, ContextTooLongError) and history
+            typer.echo(_error_line(f"{e} (the conversation so far is part of the prompt: /reset clears it)"
+                                   if grown else e), err=True)
             continue
         typer.echo(stats.summary(), err=True)
         if not raw:

@@ -5,6 +5,7 @@ cannot be written, flags that would do nothing, a closed or empty stdin, a bench
 from __future__ import annotations
 
 import errno
+import json
 import os
 import shutil
 import subprocess
@@ -347,6 +348,35 @@ def test_chat_template_kwargs_cannot_break_the_template_call(artifact):
         with pytest.raises(ApiError, match=match) as info:
             prompt(chat_template_kwargs=kwargs)
         assert info.value.status == 400 and info.value.param == "chat_template_kwargs"
+
+
+def test_chat_turns_that_fail_say_what_to_do(source, artifact, tmp_path, monkeypatch, capsys):
+    # A template's own refusal (raise_exception) is named as the template's, with the way around it.
+    folder = tmp_path / "refusing"
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": "{{ raise_exception('nope') }}"}))
+    build(folder, tmp_path / "refusing.thin", CompileConfig())
+    one_error(runner.invoke(exec_cli.app, [str(tmp_path / "refusing.thin"), "-p", "hello"]), "thin-exec: error:",
+              "the chat template refused the prompt: nope (--raw sends the text without the template)")
+    # Bytes that are not UTF-8: the position is in the text given, not in the rendered template.
+    run = subprocess.run([*command("thin-exec"), str(artifact), "-p", b"ab\xff"], capture_output=True, timeout=120)
+    assert run.returncode == 1 and b"character 2 is a lone surrogate" in run.stderr, run.stderr
+    # A conversation that outgrows the context: the history is the prompt's bulk, and /reset is the way out.
+    from thin.runtime import load
+
+    lines = iter([" ".join(["a"] * 100)] * 3)
+
+    def typed(_prompt=""):
+        try:
+            return next(lines)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr("builtins.input", typed)
+    exec_cli._chat(load(artifact), False, {"max_new_tokens": 4})
+    err = capsys.readouterr().err
+    assert "exceeds the model's max_position_embeddings" in err and "/reset clears it" in err, err
 
 
 if __name__ == "__main__":
