@@ -14,8 +14,8 @@ import torch
 
 from .chat_template import ChatTemplate
 from .errors import RunError
-from .generate import ConversationCache, GenerationStats, engine_generate, generate
-from .inputs import check_prompt_text, token_list, token_tensor
+from .generate import ContextTooLongError, ConversationCache, GenerationStats, engine_generate, generate
+from .inputs import InputError, check_prompt_text, token_list, token_tensor
 from .perplexity import PerplexityResult, evaluate_perplexity
 from .sampling import GenerationOptions
 from .tokenizer import Tokenizer, TokenizerError
@@ -95,6 +95,8 @@ class ThinModel:
         from thin.ir import FFNLevel
         from thin.ir.elastic import ffn_bytes, uniform_channels
 
+        if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0 < keep <= 1:
+            raise FFNLevelError(f"an FFN keep fraction is a number in (0, 1], got {keep!r}")
         levels = self.ir.ffn_levels
         match = [i for i, level in enumerate(levels) if abs(level.keep - keep) < 5e-4]
         if not levels and keep != 1.0:
@@ -135,6 +137,10 @@ class ThinModel:
         """float32 logits [T, vocab] for one sequence of ids [T] (no cache); InputError for ids of another
         type, shape or range (floats, batches, ids past the vocabulary)."""
         ids = token_tensor(input_ids, self.ir.vocab_size, "forward").to(self.device)
+        limit = self.ir.max_position_embeddings
+        if limit and len(ids) > limit:  # as generate: positions past the model's are not its output
+            raise ContextTooLongError(f"forward: {len(ids)} tokens exceed the model's max_position_embeddings "
+                                      f"({limit}); score longer text in windows (perplexity does)")
         with torch.no_grad():
             return self.executor.forward(ids)
 
@@ -174,6 +180,9 @@ class ThinModel:
         if stats is None:
             stats = self.last_stats = GenerationStats()
         opts = self.generation_options(**options)
+        if conversation is not None and conversation.executor is not (self.engine or self.executor):
+            raise InputError("this conversation belongs to another model: make one with this model's "
+                             "new_conversation()")
         return self._generate(ids, opts, stats, conversation)
 
     def new_conversation(self, min_tokens: int = 1024) -> ConversationCache:

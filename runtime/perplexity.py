@@ -59,12 +59,17 @@ def iter_logprobs(model, token_ids: Sequence[int] | torch.Tensor, *, context: in
     """
     ids = token_tensor(token_ids, getattr(_ir(model), "vocab_size", None), "perplexity")
     limit = _max_positions(model)
-    context = context or (min(len(ids), limit) if limit else len(ids))
+    for name, value in (("context", context), ("stride", stride)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ValueError(f"{name} must be a whole number of tokens, got {value!r}")
+    if context is None:
+        context = min(len(ids), limit) if limit else len(ids)
     if len(ids) < 2:
         raise ValueError("perplexity needs at least two tokens")
     if context < 2:
         raise ValueError(f"context must be >= 2 tokens to score anything, got {context}")
-    stride = stride or context - 1
+    if stride is None:
+        stride = context - 1
     if not 0 < stride < context:
         raise ValueError(f"stride must be in [1, context - 1 = {context - 1}], got {stride}")
     if limit and context > limit:

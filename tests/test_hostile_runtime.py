@@ -126,6 +126,26 @@ def test_forward_and_generate_refuse_ids_they_cannot_take(model, ids, match):
         model.executor.forward(torch.tensor([0.5]) if match != "vocabulary" else torch.tensor([10**6]))
 
 
+def test_python_api_misuse_is_refused_not_defaulted(artifact, model):
+    from thin.runtime.generate import ContextTooLongError
+    from thin.runtime.loader import FFNLevelError
+
+    ids = list(range(1, 40))
+    for options, match in (({"context": 0}, "context must be >= 2"), ({"stride": 0}, "stride must be in"),
+                           ({"context": 8.5}, "whole number"), ({"stride": True}, "whole number")):
+        with pytest.raises(ValueError, match=match):
+            model.perplexity(ids, **options)
+    for keep in ("0.5", "1", None, 0, 1.5, float("nan")):
+        with pytest.raises(FFNLevelError, match=r"a number in \(0, 1\]"):
+            model.set_ffn_keep(keep)
+    with pytest.raises(InputError, match="belongs to another model"):
+        model.generate([1, 2], max_new_tokens=1, conversation=load(artifact).new_conversation())
+    limit = model.ir.max_position_embeddings
+    with pytest.raises(ContextTooLongError, match="in windows"):
+        model.forward([1] * (limit + 1))
+    assert model.forward([1] * limit).shape[0] == limit
+
+
 def test_prompt_text_is_bounded_before_tokenizing(model):
     with pytest.raises(InputError, match=str(MAX_PROMPT_BYTES)):
         model.encode("é" * (MAX_PROMPT_BYTES // 2 + 1))
