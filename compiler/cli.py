@@ -261,15 +261,15 @@ def inspect(
     precision_map: str | None = typer.Option(None, "--precision-map", metavar="FILE", help=_MAP_HELP),
 ):
     """Describe an artifact: sections and sizes, tensors by format, key, provenance, certificate, memory ledger."""
-    from thin.artifacts import describe, open_artifact, render_description
+    from thin.artifacts import describe, missing_artifact, open_artifact, render_description
     from thin.ir import format_ir
 
     from .build import check_output
     from .precision_map import write_precision_map
 
     def run():
-        if not file.is_file():
-            raise OSError(f"no such artifact: {file}" if not file.exists() else f"{file} is not a file")
+        if missing_artifact(file):
+            raise OSError(missing_artifact(file))
         if precision_map is not None:
             # The same refusals as -o: never the artifact itself, a device, a folder or a missing folder.
             check_output(precision_map, [file])  # raises on "map.svg/"; a Path from here on
@@ -295,8 +295,10 @@ def inspect(
 @app.command()
 def verify(file: Path = typer.Argument(..., metavar="FILE.thin", help="A .thin file.")):
     """Check the header and every tensor checksum; exit 0 when intact, 1 naming the bad tensors."""
-    from thin.artifacts import verify_file
+    from thin.artifacts import missing_artifact, verify_file
 
+    if missing_artifact(file):
+        _fail(missing_artifact(file))
     bad = _guard(lambda: verify_file(file))
     if bad:
         _fail(f"{file}: {len(bad)} tensor(s) fail their checksum: {', '.join(bad[:10])}; "
@@ -354,10 +356,22 @@ def key(
 
 
 def _budget_list(values: str | None, parse, flag: str) -> list:
+    """The budgets of a comma-separated --vram or --bpw; OSError (one line) for an entry that does not parse, an
+    empty one ("4," is a typo, not one budget) or one given twice (it would be planned twice)."""
+    if not values:
+        return []
+    entries = [v.strip() for v in values.split(",")]
     try:
-        return [parse(v.strip()) for v in values.split(",") if v.strip()] if values else []
+        if "" in entries:
+            raise ValueError
+        budgets = [parse(v) for v in entries]
     except ValueError:
-        raise OSError(f"{flag} takes a comma-separated list such as 3.6,5; got {values!r}") from None
+        example = "4G,6G" if flag == "--vram" else "3.6,5"
+        raise OSError(f"{flag} takes a comma-separated list such as {example}; got {values!r}") from None
+    twice = next((v for i, v in enumerate(budgets) if v in budgets[:i]), None)
+    if twice is not None:
+        raise OSError(f"{flag} lists {twice} twice; give each budget once")
+    return budgets
 
 
 @app.command()

@@ -204,6 +204,12 @@ def test_numbers_past_what_the_header_stores_and_lists_that_do_not_parse(source,
         one_error(runner.invoke(thinc_cli.app, ["key", str(source), *args]), "thinc: error:", match)
     one_error(runner.invoke(thinc_cli.app, ["plan", str(source), "--bpw", "2.5,4x"]), "thinc: error:",
               "--bpw takes a comma-separated list")
+    for args, match in ((["--bpw", "4,"], "--bpw takes a comma-separated list such as 3.6,5"),
+                        (["--vram", "1G,,2G"], "--vram takes a comma-separated list such as 4G,6G"),
+                        (["--bpw", "4,4.0"], "--bpw lists 4.0 twice"), (["--vram", "1G,1G"], "--vram lists 1G twice")):
+        result = runner.invoke(thinc_cli.app, ["plan", str(source), *args])
+        one_error(result, "thinc: error:", match)
+        assert "calibrate" not in result.output
     # Budgets that check_budget refuses are refused before calibration runs the model.
     result = runner.invoke(thinc_cli.app, ["plan", str(source), "--vram", "1K,2K", "--device", "cpu"])
     one_error(result, "thinc: error:", "no budget can be met")
@@ -377,6 +383,22 @@ def test_chat_turns_that_fail_say_what_to_do(source, artifact, tmp_path, monkeyp
     exec_cli._chat(load(artifact), False, {"max_new_tokens": 4})
     err = capsys.readouterr().err
     assert "exceeds the model's max_position_embeddings" in err and "/reset clears it" in err, err
+
+
+def test_an_artifact_path_that_leads_nowhere_gets_one_message_everywhere(tmp_path):
+    from thin.runtime.serve.cli import app as serve_app
+
+    (tmp_path / "loop1").symlink_to(tmp_path / "loop2")
+    (tmp_path / "loop2").symlink_to(tmp_path / "loop1")
+    (tmp_path / "folder.thin").mkdir()
+    cases = ((tmp_path / "loop1", "is a symbolic link that leads to no file (broken, or a loop)"),
+             (tmp_path / "gone.thin", "no such artifact"), (tmp_path / "folder.thin", "is not a file"))
+    for path, match in cases:
+        for app, args, prefix in ((thinc_cli.app, ["inspect", str(path)], "thinc: error:"),
+                                  (thinc_cli.app, ["verify", str(path)], "thinc: error:"),
+                                  (exec_cli.app, [str(path), "-p", "x"], "thin-exec: error:"),
+                                  (serve_app, [str(path)], "thin-exec serve: error:")):
+            one_error(runner.invoke(app, args), prefix, match)
 
 
 if __name__ == "__main__":

@@ -151,8 +151,14 @@ def parse_json(raw: bytes) -> Any:
     def refuse_constant(name: str):
         raise ValueError(f"{name} is not JSON")
 
+    def integer(text: str) -> int:
+        if len(text.lstrip("-")) > 40:  # no field takes more; Python's own refusal names an interpreter setting
+            raise ValueError(f"an integer of {len(text)} digits is out of range")
+        return int(text)
+
     try:
-        value = json.loads(raw.decode("utf-8"), parse_float=finite, parse_constant=refuse_constant)
+        value = json.loads(raw.decode("utf-8"), parse_float=finite, parse_int=integer,
+                           parse_constant=refuse_constant)
         # Lone surrogates ("\ud800") parse but are not text: nothing downstream could encode them.
         json.dumps(value, ensure_ascii=False).encode("utf-8")
     except (ValueError, RecursionError, UnicodeError) as e:
