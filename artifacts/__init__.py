@@ -26,7 +26,7 @@ from .errors import (
     UnsupportedVersionError,
 )
 from .key import compute_key, default_hash_cache, hash_files
-from .reader import Artifact, open_artifact, verify_file
+from .reader import Artifact, missing_artifact, open_artifact, verify_file
 from .spec import FORMAT_VERSION, MAGIC, SECTION_NAMES
 from .validate import TensorEntry
 from .writer import ArtifactWriter, create_temp_beside, replace_with_bytes
@@ -58,6 +58,7 @@ __all__ = [
     "certificate_summary",
     "compute_key",
     "default_hash_cache",
+    "missing_artifact",
     "describe",
     "ffn_level_summary",
     "human_size",

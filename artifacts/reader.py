@@ -142,6 +142,19 @@ def _with_path(error: ArtifactError, path: Path) -> ArtifactError:
     return type(error)(message if message.startswith(str(path)) else f"{path}: {message}")
 
 
+def missing_artifact(path: str | os.PathLike) -> str | None:
+    """Why `path` cannot be an artifact before it is opened, in one line (None when it is a file): no such file, a
+    symbolic link that leads nowhere (broken, or a loop) or something that is not a file."""
+    path = Path(path)
+    if path.is_file():
+        return None
+    if not os.path.lexists(path):
+        return f"no such artifact: {path}"
+    if not path.exists():
+        return f"{path} is a symbolic link that leads to no file (broken, or a loop)"
+    return f"{path} is not a file; give the .thin file that `thinc compile` wrote"
+
+
 def open_artifact(path: str | os.PathLike, *, writable: bool = True) -> Artifact:
     """Validate and map a .thin file; raises an ArtifactError subclass on any structural problem.
 

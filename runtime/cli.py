@@ -99,10 +99,10 @@ def _ffn_keep(text: str | None) -> float | None:
 
 
 def _check_file(model_path: Path) -> None:
-    if not model_path.exists():
-        raise _UserError(f"no such file: {model_path}")
-    if not model_path.is_file():
-        raise _UserError(f"not a file: {model_path}")
+    from thin.artifacts import missing_artifact
+
+    if missing_artifact(model_path):
+        raise _UserError(missing_artifact(model_path))
 
 
 def _terminal_text(piece: str) -> str:

@@ -381,7 +381,7 @@ def test_serve_command_binds_loopback_unless_told_and_warns_without_a_key(artifa
     result = runner.invoke(app, [str(artifact), "--host", "0.0.0.0", "--port", "0", "--api-key", "k"])
     assert "warning" not in result.stderr
     result = runner.invoke(app, [str(artifact.parent / "missing.thin")])
-    assert result.exit_code == 1 and "no such file" in result.stderr
+    assert result.exit_code == 1 and "no such artifact" in result.stderr
     # A port taken, an address that is not there, an empty id: one line before the model loads, exit 1.
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

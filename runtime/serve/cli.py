@@ -59,13 +59,13 @@ def serve(
               "(or pip install -e '.[serve]' in a checkout)")
     from jinja2 import TemplateError
 
-    from thin.artifacts import ArtifactError
+    from thin.artifacts import ArtifactError, missing_artifact
     from thin.ir import ThinError
     from thin.runtime import DeviceUnavailableError, load
     from thin.runtime.cli import report_progress
 
-    if not model_path.is_file():
-        _fail(f"no such file: {model_path}")
+    if missing_artifact(model_path):
+        _fail(missing_artifact(model_path))
     if name is not None and not name.strip():
         _fail("--name is empty: give the model id clients send, or leave it out for the file name")
     if api_key is not None and not api_key.strip():
