@@ -46,13 +46,14 @@ class CompileCache:
 
     def fetch(self, key: str, output: Path) -> str | None:
         """Copy the entry for `key` to `output` once verified. None on a hit; otherwise why it missed
-        ("absent", or what was wrong with the entry, which is then removed)."""
+        ("absent", or what was wrong with the entry, which is then removed). An OSError that is not the
+        entry's fault (writing `output`: a full disk, a quota) propagates and leaves the entry in place."""
         entry = self.entry(key)
         if not os.path.lexists(entry):
             return "absent"
         try:
             self._copy_verified(entry, key, output)
-        except (ArtifactError, OSError) as e:
+        except ArtifactError as e:
             try:
                 entry.unlink()
             except OSError:
@@ -84,7 +85,11 @@ class CompileCache:
     def _check_copy(self, copy: str, entry: Path, key: str, before: os.stat_result) -> None:
         """Raise unless `copy` (of `entry`, taken while it had stat `before`) is a sound artifact for `key`."""
         ident = _identity(before)
-        if _identity(os.stat(entry, follow_symlinks=False)) != ident:
+        try:
+            now = _identity(os.stat(entry, follow_symlinks=False))
+        except OSError:  # removed or replaced meanwhile (another compile): a miss, not a failure
+            now = None
+        if now != ident:
             raise BadCacheEntryError(f"cache entry {entry} changed while it was copied")
         try:
             art = open_artifact(copy, writable=False)

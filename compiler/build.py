@@ -105,7 +105,8 @@ def build(model_dir, output, config: CompileConfig, *, cache_dir=None, dump_ir=N
     key = input_key(source.inputs, source.identities, config, calibration, heldout)
     clock.lap("hash inputs")
     cache = CompileCache(cache_dir) if cache_dir is not None else None
-    missed = cache.fetch(key, output) if cache is not None else "absent"
+    with _writing(output):
+        missed = cache.fetch(key, output) if cache is not None else "absent"
     if missed is None:
         progress("cache hit", 0, 0)
         clock.lap("cache")

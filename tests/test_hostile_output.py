@@ -147,6 +147,23 @@ def test_a_damaged_cache_entry_is_replaced_not_served(folder, tmp_path):
     assert (tmp_path / "b.thin").read_bytes() == (tmp_path / "a.thin").read_bytes()
 
 
+def test_a_full_disk_on_a_cache_hit_keeps_the_entry_and_names_the_output(folder, tmp_path, monkeypatch):
+    import errno
+
+    import thin.artifacts.cache as cache
+
+    first = _compile(folder, tmp_path, "a.thin")
+    entry = tmp_path / "cache" / f"{first.key}.thin"
+
+    def full(source_fd, destination, check=None):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(cache, "copy_atomically", full)
+    with pytest.raises(OutputPathError, match="writing .*b.thin failed: No space left on device"):
+        _compile(folder, tmp_path, "b.thin")  # one error, not "cache entry replaced" and a recompile
+    assert verify_file(entry) == [] and not (tmp_path / "b.thin").exists()
+
+
 @pytest.mark.parametrize("damage", ["swapped", "truncated", "garbage", "fifo", "symlink", "directory"])
 def test_a_bad_cache_entry_of_any_kind_is_rebuilt(folder, tmp_path, damage):
     first = _compile(folder, tmp_path, "a.thin")
