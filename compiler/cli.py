@@ -268,8 +268,8 @@ def inspect(
     from .precision_map import write_precision_map
 
     def run():
-        if missing_artifact(file):
-            raise OSError(missing_artifact(file))
+        if why := missing_artifact(file):
+            raise OSError(why)
         if precision_map is not None:
             # The same refusals as -o: never the artifact itself, a device, a folder or a missing folder.
             check_output(precision_map, [file])  # raises on "map.svg/"; a Path from here on
@@ -297,8 +297,8 @@ def verify(file: Path = typer.Argument(..., metavar="FILE.thin", help="A .thin f
     """Check the header and every tensor checksum; exit 0 when intact, 1 naming the bad tensors."""
     from thin.artifacts import missing_artifact, verify_file
 
-    if missing_artifact(file):
-        _fail(missing_artifact(file))
+    if why := missing_artifact(file):
+        _fail(why)
     bad = _guard(lambda: verify_file(file))
     if bad:
         _fail(f"{file}: {len(bad)} tensor(s) fail their checksum: {', '.join(bad[:10])}; "

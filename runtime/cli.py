@@ -101,8 +101,8 @@ def _ffn_keep(text: str | None) -> float | None:
 def _check_file(model_path: Path) -> None:
     from thin.artifacts import missing_artifact
 
-    if missing_artifact(model_path):
-        raise _UserError(missing_artifact(model_path))
+    if why := missing_artifact(model_path):
+        raise _UserError(why)
 
 
 def _terminal_text(piece: str) -> str:

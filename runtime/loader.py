@@ -81,7 +81,7 @@ class ThinModel:
         self.last_stats = GenerationStats()
         # The elastic FFN level running (see set_ffn_keep): None is the whole model.
         self.ffn_level = None
-        self.ffn_keep, self.ffn_certified, self.ffn_share = 1.0, True, 1.0
+        self.ffn_keep, self.ffn_certified = 1.0, True
 
     def set_ffn_keep(self, keep: float, *, uncertified: bool = False) -> None:
         """Run the elastic FFN level `keep` (thin-exec --ffn-keep): each FFN reads only the prefix of its
@@ -93,7 +93,7 @@ class ThinModel:
         the kernels read the prefix in place, and the decode engine captures its step once per level
         (a switch back replays the graph captured before)."""
         from thin.ir import FFNLevel
-        from thin.ir.elastic import ffn_bytes, uniform_channels
+        from thin.ir.elastic import uniform_channels
 
         if isinstance(keep, bool) or not isinstance(keep, (int, float)) or not 0 < keep <= 1:
             raise FFNLevelError(f"an FFN keep fraction is a number in (0, 1], got {keep!r}")
@@ -119,8 +119,15 @@ class ThinModel:
             level, certified = FFNLevel(keep, channels, none, none), False
         self.ffn_level, self.ffn_certified = level, certified
         self.ffn_keep = 1.0 if level is None else level.keep
-        # What the level reads: an uncertified keep runs whole superblocks, so its share is rounded up.
-        self.ffn_share = 1.0 if level is None else ffn_bytes(self.ir, level.channels) / ffn_bytes(self.ir)
+
+    @property
+    def ffn_share(self) -> float:
+        """The share of the FFN weight bytes the running level reads: an uncertified keep runs whole
+        superblocks, so this is its keep rounded up."""
+        from thin.ir.elastic import ffn_bytes
+
+        level = self.ffn_level
+        return 1.0 if level is None else ffn_bytes(self.ir, level.channels) / ffn_bytes(self.ir)
 
     def describe_implementations(self) -> str:
         """One line: which implementation serves the model's linear weights, per format, here."""

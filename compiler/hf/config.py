@@ -149,10 +149,10 @@ class Config:
         """The RoPE parameter dict for all layers, or for `layer_type` when nested (Gemma-3)."""
         key = "rope_parameters" if self.raw.get("rope_parameters") else "rope_scaling"
         params = self.raw.get(key) or {}
-        if key == "rope_parameters":
-            self._check_one_rope(params)
         if not isinstance(params, dict):
             raise CheckpointError(f"config.json: {key} must be an object, got {_show(params)}")
+        if key == "rope_parameters":
+            self._check_one_rope(params)
         if layer_type is not None and isinstance(params.get(layer_type), dict):
             params = params[layer_type]
         elif any(isinstance(v, dict) for v in params.values()):
@@ -170,8 +170,9 @@ class Config:
         legacy = self.raw.get("rope_scaling")
         if not legacy:
             return
-        if not isinstance(legacy, dict) or not isinstance(params, dict):
+        if not isinstance(legacy, dict):
             raise CheckpointError(f"config.json: rope_scaling must be an object, got {_show(legacy)}")
+
         def kind(d):
             return d.get("rope_type", d.get("type", "default"))
 

@@ -64,8 +64,8 @@ def serve(
     from thin.runtime import DeviceUnavailableError, load
     from thin.runtime.cli import report_progress
 
-    if missing_artifact(model_path):
-        _fail(missing_artifact(model_path))
+    if why := missing_artifact(model_path):
+        _fail(why)
     if name is not None and not name.strip():
         _fail("--name is empty: give the model id clients send, or leave it out for the file name")
     if api_key is not None and not api_key.strip():
